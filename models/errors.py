@@ -1,0 +1,13 @@
+"""Errors a user can cause. The CLI and UI print their message as one line, without a traceback."""
+
+
+class QwenImageError(Exception):
+    """Base class for problems with the user's input, checkpoint or environment."""
+
+
+class InputError(QwenImageError, ValueError):
+    """A generation argument is invalid (empty prompt, bad size, bad step count...)."""
+
+
+class CheckpointError(QwenImageError):
+    """A checkpoint directory is missing, incomplete, or fails validation."""

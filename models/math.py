@@ -1,0 +1,90 @@
+"""Plain functions of the Qwen-Image transformer: timestep embedding, RoPE tables, attention.
+
+Each mirrors diffusers' arithmetic exactly (same ops, same dtypes), which the oracle tests check.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ROPE_THETA = 10000
+ROPE_TABLE_LENGTH = 4096
+
+
+def timestep_embedding(timesteps: torch.Tensor, channels: int = 256, scale: float = 1000.0) -> torch.Tensor:
+    """Sinusoidal embedding, cos first (flip_sin_to_cos, shift 0), in fp32."""
+    half = channels // 2
+    exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=timesteps.device)
+    freqs = torch.exp(exponent / half)
+    args = scale * (timesteps[:, None].float() * freqs[None, :])
+    emb = torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+    return torch.cat([emb[:, half:], emb[:, :half]], dim=-1)
+
+
+def _rope_axis(index: torch.Tensor, dim: int) -> torch.Tensor:
+    """complex64 [len(index), dim/2] rotations for one RoPE axis."""
+    inv = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+    angles = torch.outer(index, inv)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def rope_tables(axes_dims: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positive and mirrored negative position tables, complex64 [4096, head_dim/2]."""
+    pos = torch.arange(ROPE_TABLE_LENGTH)
+    neg = torch.arange(ROPE_TABLE_LENGTH).flip(0) * -1 - 1
+    return (
+        torch.cat([_rope_axis(pos, d) for d in axes_dims], dim=1),
+        torch.cat([_rope_axis(neg, d) for d in axes_dims], dim=1),
+    )
+
+
+def rope_frequencies(
+    tables: tuple[torch.Tensor, torch.Tensor],
+    axes_dims: tuple[int, int, int],
+    grid: tuple[int, int, int],
+    text_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image, text) complex rotations for an F x H x W latent grid with centered image positions."""
+    frames, height, width = grid
+    splits = [d // 2 for d in axes_dims]
+    pos = tables[0].split(splits, dim=1)
+    neg = tables[1].split(splits, dim=1)
+    f = pos[0][:frames].view(frames, 1, 1, -1).expand(frames, height, width, -1)
+    h = torch.cat([neg[1][-(height - height // 2) :], pos[1][: height // 2]], dim=0)
+    h = h.view(1, height, 1, -1).expand(frames, height, width, -1)
+    w = torch.cat([neg[2][-(width - width // 2) :], pos[2][: width // 2]], dim=0)
+    w = w.view(1, 1, width, -1).expand(frames, height, width, -1)
+    image = torch.cat([f, h, w], dim=-1).reshape(frames * height * width, -1)
+    start = max(height // 2, width // 2)
+    return image.contiguous(), tables[0][start : start + text_len]
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x [B, S, H, D] by complex freqs [S, D/2]."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
+def joint_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """SDPA over [B, S, H, D] inputs; key_mask [B, S] bool hides padded keys."""
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    return out.permute(0, 2, 1, 3)
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2*W/2, C*4), channel index c*4 + dy*2 + dx."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """(B, H/2*W/2, C*4) -> (B, C, 1, H, W) for latent height/width H, W."""
+    b, _, channels = tokens.shape
+    x = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, 1, height, width)

@@ -1,0 +1,284 @@
+"""Qwen-Image MMDiT: the whole model in one file, with diffusers' parameter names (DESIGN §1).
+
+Norm, modulate and gated-residual steps go through `kernels.seam`; the producer modules
+(`NormModulate`, `ResidualNormModulate`) are where `post_load_weights` plugs in fused FP8 paths,
+so the block forward below stays free of special cases.
+"""
+
+import torch
+from torch import nn
+
+from kernels.seam import Numerics, norm_modulate, residual_add
+from models.config import QwenImageConfig
+from models.math import apply_rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
+
+EPS = 1e-6
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with weight, rounding as diffusers' `RMSNorm`."""
+
+    def __init__(self, dim: int, eps: float = EPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+class NormModulate(nn.Module):
+    """Producer 1: `modulate(LN(x), shift, scale)` feeding Q/K/V (or a final projection)."""
+
+    def __init__(self, eps: float = EPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.numerics = Numerics.REFERENCE
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return norm_modulate(x, shift, scale, self.eps, self.numerics)
+
+
+class ResidualNormModulate(nn.Module):
+    """Producer 2: `r = residual + gate * x; y = modulate(LN(r))`; returns `(r, y)`."""
+
+    def __init__(self, eps: float = EPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.numerics = Numerics.REFERENCE
+
+    def forward(
+        self, residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r = residual_add(residual, gate, x, self.numerics)
+        return r, norm_modulate(r, shift, scale, self.eps, self.numerics)
+
+
+class GatedResidual(nn.Module):
+    """`residual + gate * x` after the MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numerics = Numerics.REFERENCE
+
+    def forward(self, residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return residual_add(residual, gate, x, self.numerics)
+
+
+class GeluProjection(nn.Module):
+    """`net.0`: Linear then GELU(tanh)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """MLP with diffusers' names: `net.0.proj` (D -> 4D), GELU(tanh), `net.2` (4D -> D)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GeluProjection(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class JointAttention(nn.Module):
+    """Joint text+image attention: per-stream QKV, per-head RMSNorm on q/k, RoPE, order [text, image]."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inner = heads * head_dim
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.to_add_out = nn.Linear(inner, dim)
+
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        txt_mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = (-1, self.head_dim)
+        img_q = self.norm_q(self.to_q(img).unflatten(-1, heads))
+        img_k = self.norm_k(self.to_k(img).unflatten(-1, heads))
+        img_v = self.to_v(img).unflatten(-1, heads)
+        txt_q = self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads))
+        txt_k = self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads))
+        txt_v = self.add_v_proj(txt).unflatten(-1, heads)
+
+        img_freqs, txt_freqs = rope
+        query = torch.cat([apply_rope(txt_q, txt_freqs), apply_rope(img_q, img_freqs)], dim=1)
+        key = torch.cat([apply_rope(txt_k, txt_freqs), apply_rope(img_k, img_freqs)], dim=1)
+        value = torch.cat([txt_v, img_v], dim=1)
+
+        key_mask = None
+        if txt_mask is not None:
+            img_mask = torch.ones(img_v.shape[:2], dtype=torch.bool, device=img_v.device)
+            key_mask = torch.cat([txt_mask, img_mask], dim=1)
+        out = joint_attention(query, key, value, key_mask).flatten(2, 3).to(query.dtype)
+
+        seq_txt = txt_v.shape[1]
+        img_out = self.to_out[0](out[:, seq_txt:, :].contiguous())
+        txt_out = self.to_add_out(out[:, :seq_txt, :].contiguous())
+        return img_out, txt_out
+
+
+class QwenImageTransformerBlock(nn.Module):
+    """Dual-stream MMDiT block (DESIGN §1 block forward)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_norm1, self.txt_norm1 = NormModulate(), NormModulate()
+        self.attn = JointAttention(dim, heads, head_dim)
+        self.img_norm2, self.txt_norm2 = ResidualNormModulate(), ResidualNormModulate()
+        self.img_mlp, self.txt_mlp = FeedForward(dim), FeedForward(dim)
+        self.img_residual, self.txt_residual = GatedResidual(), GatedResidual()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        temb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+        txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+        img_shift1, img_scale1, img_gate1 = img_mod1.chunk(3, dim=-1)
+        img_shift2, img_scale2, img_gate2 = img_mod2.chunk(3, dim=-1)
+        txt_shift1, txt_scale1, txt_gate1 = txt_mod1.chunk(3, dim=-1)
+        txt_shift2, txt_scale2, txt_gate2 = txt_mod2.chunk(3, dim=-1)
+
+        img_in = self.img_norm1(hidden_states, img_shift1, img_scale1)
+        txt_in = self.txt_norm1(encoder_hidden_states, txt_shift1, txt_scale1)
+        img_attn, txt_attn = self.attn(img_in, txt_in, encoder_hidden_states_mask, rope)
+
+        hidden_states, img_mlp_in = self.img_norm2(hidden_states, img_gate1, img_attn, img_shift2, img_scale2)
+        hidden_states = self.img_residual(hidden_states, img_gate2, self.img_mlp(img_mlp_in))
+
+        encoder_hidden_states, txt_mlp_in = self.txt_norm2(
+            encoder_hidden_states, txt_gate1, txt_attn, txt_shift2, txt_scale2
+        )
+        encoder_hidden_states = self.txt_residual(encoder_hidden_states, txt_gate2, self.txt_mlp(txt_mlp_in))
+        return encoder_hidden_states, hidden_states
+
+    def post_load_weights(self) -> None:
+        """Called once after the weights are loaded: configures producer paths (FP8 fusion gate)."""
+
+
+class TimestepEmbedder(nn.Module):
+    """`time_text_embed.timestep_embedder`: linear_1 -> SiLU -> linear_2."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(256, dim)
+        self.act = nn.SiLU()
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class TimeTextEmbed(nn.Module):
+    """Sigma -> conditioning vector `temb` [B, D]."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder(dim)
+
+    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.timestep_embedder(timestep_embedding(timestep).to(dtype))
+
+
+class OutputNorm(nn.Module):
+    """`norm_out`: LN then `x*(1+scale)+shift`, the 2D-wide projection split scale first."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = NormModulate()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(self.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        return self.norm(x, shift, scale)
+
+
+class QwenImageTransformer(nn.Module):
+    """The Qwen-Image DiT; `forward` matches diffusers' `QwenImageTransformer2DModel.forward`."""
+
+    def __init__(self, config: QwenImageConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.inner_dim
+        self.time_text_embed = TimeTextEmbed(dim)
+        self.txt_norm = RMSNorm(config.joint_attention_dim)
+        self.img_in = nn.Linear(config.in_channels, dim)
+        self.txt_in = nn.Linear(config.joint_attention_dim, dim)
+        self.transformer_blocks = nn.ModuleList(
+            QwenImageTransformerBlock(dim, config.num_attention_heads, config.attention_head_dim)
+            for _ in range(config.num_layers)
+        )
+        self.norm_out = OutputNorm(dim)
+        self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
+        self._rope_tables = rope_tables(config.axes_dims_rope)
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def numerics(self) -> Numerics:
+        return self.norm_out.norm.numerics
+
+    def set_numerics(self, numerics: Numerics | str) -> None:
+        """Select reference (diffusers op for op) or contract (DESIGN §4) arithmetic for every producer."""
+        numerics = Numerics(numerics)
+        for module in self.modules():
+            if isinstance(module, (NormModulate, ResidualNormModulate, GatedResidual)):
+                module.numerics = numerics
+
+    def post_load_weights(self) -> None:
+        """Run every block's hook once, after the weights are in place."""
+        for block in self.transformer_blocks:
+            block.post_load_weights()
+
+    def rope(self, grid: tuple[int, int, int], text_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Cached (image, text) RoPE rotations on `device`."""
+        key = (grid, text_len, device)
+        if key not in self._rope_cache:
+            tables = tuple(t.to(device) for t in self._rope_tables)
+            self._rope_cache[key] = rope_frequencies(tables, self.config.axes_dims_rope, grid, text_len)
+        return self._rope_cache[key]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        grid: tuple[int, int, int],
+    ) -> torch.Tensor:
+        """Velocity for packed latents [B, F*H*W, 64] at sigma `timestep` [B] (already divided by 1000)."""
+        hidden_states = self.img_in(hidden_states)
+        timestep = timestep.to(hidden_states.dtype)
+        encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))
+        mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
+        temb = self.time_text_embed(timestep, hidden_states.dtype)
+        rope = self.rope(grid, encoder_hidden_states.shape[1], hidden_states.device)
+        for block in self.transformer_blocks:
+            encoder_hidden_states, hidden_states = block(hidden_states, encoder_hidden_states, mask, temb, rope)
+        return self.proj_out(self.norm_out(hidden_states, temb))
