@@ -1,13 +1,21 @@
-"""LayerNorm + AdaLN modulate producers (and the gated residual before them): torch twins of DESIGN §4.
+"""LayerNorm + AdaLN modulate producers (and the gated residual before them): torch twins and Triton.
 
-Every function follows the rounding contract: fp32 math, one bf16 rounding per written tensor, no FMA
-contraction (each torch op rounds on its own), IEEE sqrt and division. `shift`, `scale` and `gate` are
-per sample, shaped [B, D]; activations are [B, L, D].
+Every function follows the rounding contract of DESIGN §4: fp32 math, one bf16 rounding per written
+tensor, no FMA contraction (each torch op rounds on its own; Triton launches with fp fusion off), IEEE
+sqrt and division. `shift`, `scale` and `gate` are per sample, shaped [B, D] (rows may be strided, e.g.
+chunks of the modulation output); activations are [B, L, D].
+
+Each Triton producer is ONE compiled binary whose outputs are picked by runtime int flags (never
+specialized), so the unfused path (write y, then quantize it) and the fused one (write q) run the very
+same LN reduction and agree bit for bit. Unused outputs get a dummy pointer of the same dtype.
 """
 
 import torch
 
-from kernels.quant import static_quant_fp8_torch
+from kernels._triton_common import NO_FMA, dummy, inverse_scale_ok, jit, launchable, tl, triton
+from kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
+
+MAX_WIDTH = 16384
 
 
 def layer_norm_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,3 +71,183 @@ def gated_residual_layer_norm_modulate_torch(
     r = gated_residual_torch(residual, gate, x)
     y, q = layer_norm_modulate_torch(r, shift, scale, eps, inv_scale, write_y)
     return r, y, q
+
+
+@jit()
+def _layer_norm_modulate_row(
+    v, mask, cols, width, eps, shift_ptr, scale_ptr, y_ptr, q_ptr, inv_ptr, write_y, write_q
+):
+    """LN + modulate of one fp32 row `v` (zero past `width`); stores y and/or q. Pointers at the row."""
+    width_f = width.to(tl.float32)
+    mean = tl.math.div_rn(tl.sum(v, axis=0), width_f)
+    centered = tl.where(mask, v - mean, 0.0)
+    var = tl.math.div_rn(tl.sum(centered * centered, axis=0), width_f)
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
+    normed = (centered * rstd).to(tl.bfloat16)
+    shift = tl.load(shift_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (normed.to(tl.float32) * (1.0 + scale) + shift).to(tl.bfloat16)
+    if write_y != 0:
+        tl.store(y_ptr + cols, y, mask=mask)
+    if write_q != 0:
+        tl.store(q_ptr + cols, quant_fp8(y, inv_ptr), mask=mask)
+
+
+@jit(do_not_specialize=["write_y", "write_q"])
+def _layer_norm_modulate_kernel(
+    x_ptr, shift_ptr, scale_ptr, y_ptr, q_ptr, inv_ptr,
+    seq_len, width, shift_stride, scale_stride, eps, write_y, write_q,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    sample = row // seq_len
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    v = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    _layer_norm_modulate_row(
+        v, mask, cols, width, eps, shift_ptr + sample * shift_stride, scale_ptr + sample * scale_stride,
+        y_ptr + row * width, q_ptr + row * width, inv_ptr, write_y, write_q,
+    )  # fmt: skip
+
+
+@jit(do_not_specialize=["write_y", "write_q"])
+def _gated_residual_layer_norm_modulate_kernel(
+    res_ptr, gate_ptr, x_ptr, shift_ptr, scale_ptr, r_ptr, y_ptr, q_ptr, inv_ptr,
+    seq_len, width, gate_stride, shift_stride, scale_stride, eps, write_y, write_q,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    sample = row // seq_len
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    offs = row * width + cols
+    res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + sample * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = (res + gate * x).to(tl.bfloat16)
+    tl.store(r_ptr + offs, r, mask=mask)
+    if (write_y | write_q) != 0:
+        _layer_norm_modulate_row(
+            r.to(tl.float32), mask, cols, width, eps, shift_ptr + sample * shift_stride,
+            scale_ptr + sample * scale_stride, y_ptr + row * width, q_ptr + row * width, inv_ptr,
+            write_y, write_q,
+        )  # fmt: skip
+
+
+def _row_launch(x: torch.Tensor) -> tuple[tuple[int], dict]:
+    """Grid (one program per row) and options: BLOCK = next power of two >= D, no FMA."""
+    block = triton.next_power_of_2(x.shape[-1])
+    return (x.shape[0] * x.shape[1],), {"BLOCK": block, "num_warps": max(4, min(16, block // 512)), **NO_FMA}
+
+
+def _producer_ok(kernel, acts: list[torch.Tensor], mods: list[torch.Tensor], inv_scale) -> bool:
+    """Guard: bf16 contiguous [B, L, D] activations, bf16 [B, D] rows with unit column stride, D % 16 == 0."""
+    x = acts[0]
+    if not launchable(kernel, *acts, *mods) or x.dim() != 3 or x.numel() == 0:
+        return False
+    batch, _, width = x.shape
+    if width % 16 or width > MAX_WIDTH:
+        return False
+    if any(a.dtype != torch.bfloat16 or a.shape != x.shape or not a.is_contiguous() for a in acts):
+        return False
+    if any(m.dtype != torch.bfloat16 or m.shape != (batch, width) or m.stride(1) != 1 for m in mods):
+        return False
+    return inv_scale is None or inverse_scale_ok(inv_scale, x.device)
+
+
+def _outputs(x: torch.Tensor, inv_scale, write_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y, q and the inverse scale to pass: real tensors where written, same-dtype dummies elsewhere."""
+    device = x.device
+    y = torch.empty_like(x) if write_y else dummy(device, torch.bfloat16)
+    if inv_scale is None:
+        return y, dummy(device, FP8_DTYPE), dummy(device, torch.float32)
+    return y, torch.empty_like(x, dtype=FP8_DTYPE), inv_scale
+
+
+def layer_norm_modulate_triton(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """Triton twin of `layer_norm_modulate_torch` (same returns); None when the guard rejects the input."""
+    if not _producer_ok(_layer_norm_modulate_kernel, [x], [shift, scale], inv_scale):
+        return None
+    write_q = inv_scale is not None
+    if not (write_y or write_q):
+        return None, None
+    y, q, inv = _outputs(x, inv_scale, write_y)
+    grid, options = _row_launch(x)
+    _layer_norm_modulate_kernel[grid](
+        x, shift, scale, y, q, inv, x.shape[1], x.shape[2], shift.stride(0), scale.stride(0), eps,
+        int(write_y), int(write_q), **options,
+    )  # fmt: skip
+    return (y if write_y else None), (q if write_q else None)
+
+
+def gated_residual_layer_norm_modulate_triton(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """Triton twin of `gated_residual_layer_norm_modulate_torch` (same returns); None when rejected."""
+    kernel = _gated_residual_layer_norm_modulate_kernel
+    if not _producer_ok(kernel, [residual, x], [gate, shift, scale], inv_scale):
+        return None
+    write_q = inv_scale is not None
+    r = torch.empty_like(residual)
+    y, q, inv = _outputs(residual, inv_scale, write_y)
+    grid, options = _row_launch(residual)
+    kernel[grid](
+        residual, gate, x, shift, scale, r, y, q, inv, residual.shape[1], residual.shape[2],
+        gate.stride(0), shift.stride(0), scale.stride(0), eps, int(write_y), int(write_q), **options,
+    )  # fmt: skip
+    return r, (y if write_y else None), (q if write_q else None)
+
+
+def gated_residual_triton(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """Triton twin of `gated_residual_torch`: the producer-2 binary with y and q off (no LN is run)."""
+    out = gated_residual_layer_norm_modulate_triton(residual, gate, x, gate, gate, 0.0, write_y=False)
+    return None if out is None else out[0]
+
+
+def layer_norm_modulate(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Producer 1 through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
+    out = layer_norm_modulate_triton(x, shift, scale, eps, inv_scale, write_y) if x.is_cuda else None
+    return layer_norm_modulate_torch(x, shift, scale, eps, inv_scale, write_y) if out is None else out
+
+
+def gated_residual_layer_norm_modulate(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Producer 2 through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
+    args = (residual, gate, x, shift, scale, eps, inv_scale, write_y)
+    out = gated_residual_layer_norm_modulate_triton(*args) if residual.is_cuda else None
+    return gated_residual_layer_norm_modulate_torch(*args) if out is None else out
+
+
+def gated_residual(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`r = residual + gate * x` through Triton on CUDA when the guard accepts, else the torch twin."""
+    r = gated_residual_triton(residual, gate, x) if residual.is_cuda else None
+    return gated_residual_torch(residual, gate, x) if r is None else r

@@ -1,13 +1,18 @@
-"""Static per-tensor FP8 (E4M3) quantizer: torch twin of DESIGN §4.
+"""Static per-tensor FP8 (E4M3) quantizer: torch twin and Triton kernel of DESIGN §4.
 
 `q = e4m3fn(clamp(fp32(y) * inv_s, -448, 448))` with `inv_s = fp32(1 / input_scale)` computed once,
-with IEEE division, when the scales are loaded. Nothing divides by the scale per call.
+with IEEE division, when the scales are loaded. Nothing divides by the scale per call. The Triton
+kernel loads `inv_s` through a pointer (no host sync), clamps with NaN propagation and converts with
+round-to-nearest-even (`cvt.rn.satfinite` on sm_89+).
 """
 
 import torch
 
+from kernels._triton_common import NO_FMA, inverse_scale_ok, jit, launchable, tl, triton
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+_QUANT_BLOCK = 4096
 
 
 def inverse_scale(input_scale: torch.Tensor) -> torch.Tensor:
@@ -19,3 +24,45 @@ def inverse_scale(input_scale: torch.Tensor) -> torch.Tensor:
 def static_quant_fp8_torch(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     """Quantize `y` to E4M3 with a precomputed inverse scale (round to nearest even, NaN kept)."""
     return (y.float() * inv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+@jit()
+def quant_fp8(y, inv_scale_ptr):
+    """Device helper shared by every FP8 writer: E4M3 of the bf16 block `y` (the contract above)."""
+    v = y.to(tl.float32) * tl.load(inv_scale_ptr)
+    v = tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return v.to(tl.float8e4nv)
+
+
+@jit()
+def _static_quant_fp8_kernel(y_ptr, q_ptr, inv_scale_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    tl.store(q_ptr + offs, quant_fp8(y, inv_scale_ptr), mask=mask)
+
+
+def _launch_static_quant(y: torch.Tensor, q: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    grid = (triton.cdiv(y.numel(), _QUANT_BLOCK),)
+    _static_quant_fp8_kernel[grid](y, q, inv_scale, y.numel(), BLOCK=_QUANT_BLOCK, num_warps=8, **NO_FMA)
+
+
+def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor | None:
+    """Triton twin of `static_quant_fp8_torch` for contiguous bf16 `y`; None when it does not apply."""
+    if not (
+        launchable(_static_quant_fp8_kernel, y)
+        and y.dtype == torch.bfloat16
+        and y.is_contiguous()
+        and y.numel() > 0
+        and inverse_scale_ok(inv_scale, y.device)
+    ):
+        return None
+    q = torch.empty_like(y, dtype=FP8_DTYPE)
+    _launch_static_quant(y, q, inv_scale)
+    return q
+
+
+def static_quant_fp8(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """Triton on CUDA when the input fits, else the torch twin (always on CPU)."""
+    q = static_quant_fp8_triton(y, inv_scale) if y.is_cuda else None
+    return static_quant_fp8_torch(y, inv_scale) if q is None else q

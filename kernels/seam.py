@@ -1,15 +1,18 @@
-"""The narrow seam between the transformer blocks and the norm/modulate/residual backends.
+"""The narrow seam between the transformer blocks and the norm/modulate/residual/GELU backends.
 
-Blocks call only these functions; the numerics mode picks diffusers' op-for-op arithmetic
-(`reference`) or the DESIGN §4 rounding contract (`contract`, Triton on CUDA, torch twin elsewhere).
+Blocks call only these functions. The numerics mode picks diffusers' op-for-op arithmetic
+(`reference`) or the DESIGN §4 rounding contract (`contract`: Triton on CUDA, torch twin elsewhere);
+the `*_quant` functions are the contract producers that also write static FP8 for their consumers.
+The contract is defined for BF16 activations; other dtypes run the reference arithmetic.
 """
 
 from enum import StrEnum
 
 import torch
+import torch.nn.functional as F
 
-from kernels.norm_modulate import gated_residual_torch as gated_residual
-from kernels.norm_modulate import layer_norm_modulate_torch as layer_norm_modulate
+from kernels.gelu_quant import gelu_tanh, gelu_tanh_quant
+from kernels.norm_modulate import gated_residual, gated_residual_layer_norm_modulate, layer_norm_modulate
 from kernels.reference import gated_residual_reference, layer_norm_modulate_reference
 
 
@@ -18,18 +21,71 @@ class Numerics(StrEnum):
     CONTRACT = "contract"
 
 
+def _contract(numerics: Numerics, x: torch.Tensor) -> bool:
+    return numerics is Numerics.CONTRACT and x.dtype == torch.bfloat16
+
+
 def norm_modulate(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, numerics: Numerics
 ) -> torch.Tensor:
-    """`modulate(LN(x), shift, scale)` in BF16 (or the model dtype)."""
-    if numerics is Numerics.REFERENCE or x.dtype != torch.bfloat16:
+    """`modulate(LN(x), shift, scale)`."""
+    if not _contract(numerics, x):
         return layer_norm_modulate_reference(x, shift, scale, eps)
-    y, _ = layer_norm_modulate(x, shift, scale, eps)
-    return y
+    return layer_norm_modulate(x, shift, scale, eps)[0]
+
+
+def residual_norm_modulate(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    numerics: Numerics,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`r = residual + gate * x; y = modulate(LN(r))`; returns `(r, y)`."""
+    if not _contract(numerics, x):
+        r = gated_residual_reference(residual, gate, x)
+        return r, layer_norm_modulate_reference(r, shift, scale, eps)
+    r, y, _ = gated_residual_layer_norm_modulate(residual, gate, x, shift, scale, eps)
+    return r, y
 
 
 def residual_add(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, numerics: Numerics) -> torch.Tensor:
     """`residual + gate * x`."""
-    if numerics is Numerics.REFERENCE or x.dtype != torch.bfloat16:
+    if not _contract(numerics, x):
         return gated_residual_reference(residual, gate, x)
     return gated_residual(residual, gate, x)
+
+
+def gelu(x: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+    """GELU with the tanh approximation."""
+    if not _contract(numerics, x):
+        return F.gelu(x, approximate="tanh")
+    return gelu_tanh(x)
+
+
+def norm_modulate_quant(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_scale: torch.Tensor, write_y: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Fused producer 1: `(y or None, q)`."""
+    return layer_norm_modulate(x, shift, scale, eps, inv_scale, write_y)
+
+
+def residual_norm_modulate_quant(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor,
+    write_y: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Fused producer 2: `(r, y or None, q)`."""
+    return gated_residual_layer_norm_modulate(residual, gate, x, shift, scale, eps, inv_scale, write_y)
+
+
+def gelu_quant(x: torch.Tensor, inv_scale: torch.Tensor, write_g: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Fused GELU(tanh) + static FP8 quant for the MLP down-projection: `(g or None, q)`."""
+    return gelu_tanh_quant(x, inv_scale, write_g)

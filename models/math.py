@@ -24,15 +24,15 @@ def timestep_embedding(timesteps: torch.Tensor, channels: int = 256, scale: floa
 
 def _rope_axis(index: torch.Tensor, dim: int) -> torch.Tensor:
     """complex64 [len(index), dim/2] rotations for one RoPE axis."""
-    inv = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+    inv = 1.0 / torch.pow(ROPE_THETA, torch.arange(0, dim, 2, device="cpu").to(torch.float32).div(dim))
     angles = torch.outer(index, inv)
     return torch.polar(torch.ones_like(angles), angles)
 
 
 def rope_tables(axes_dims: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positive and mirrored negative position tables, complex64 [4096, head_dim/2]."""
-    pos = torch.arange(ROPE_TABLE_LENGTH)
-    neg = torch.arange(ROPE_TABLE_LENGTH).flip(0) * -1 - 1
+    """Positive and mirrored negative position tables, complex64 [4096, head_dim/2], on the CPU."""
+    pos = torch.arange(ROPE_TABLE_LENGTH, device="cpu")
+    neg = torch.arange(ROPE_TABLE_LENGTH, device="cpu").flip(0) * -1 - 1
     return (
         torch.cat([_rope_axis(pos, d) for d in axes_dims], dim=1),
         torch.cat([_rope_axis(neg, d) for d in axes_dims], dim=1),

@@ -8,8 +8,19 @@ so the block forward below stays free of special cases.
 import torch
 from torch import nn
 
-from kernels.seam import Numerics, norm_modulate, residual_add
+from kernels.seam import (
+    Numerics,
+    gelu,
+    gelu_quant,
+    norm_modulate,
+    norm_modulate_quant,
+    residual_add,
+    residual_norm_modulate,
+    residual_norm_modulate_quant,
+)
 from models.config import QwenImageConfig
+from models.fp8 import Fp8Linear, QuantizedActivation
+from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, fusion_enabled_by_env
 from models.math import apply_rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
 
 EPS = 1e-6
@@ -31,31 +42,45 @@ class RMSNorm(nn.Module):
         return x * self.weight
 
 
-class NormModulate(nn.Module):
-    """Producer 1: `modulate(LN(x), shift, scale)` feeding Q/K/V (or a final projection)."""
+class Producer(nn.Module):
+    """Base of the modules whose output feeds linears: set by `post_load_weights` to write FP8 or not."""
+
+    writes_y = True
 
     def __init__(self, eps: float = EPS) -> None:
         super().__init__()
         self.eps = eps
         self.numerics = Numerics.REFERENCE
+        self.quant = None
 
-    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return norm_modulate(x, shift, scale, self.eps, self.numerics)
+    def quantized(self, y: torch.Tensor | None, q: torch.Tensor, dtype: torch.dtype) -> QuantizedActivation:
+        return QuantizedActivation(q, self.quant.input_scale, dtype, self.quant.quant_key, y)
 
 
-class ResidualNormModulate(nn.Module):
+class NormModulate(Producer):
+    """Producer 1: `modulate(LN(x), shift, scale)` feeding Q/K/V (or the output projection)."""
+
+    def forward(
+        self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor | QuantizedActivation:
+        if self.quant is None:
+            return norm_modulate(x, shift, scale, self.eps, self.numerics)
+        y, q = norm_modulate_quant(x, shift, scale, self.eps, self.quant.inv_scale, self.quant.write_y)
+        return self.quantized(y, q, x.dtype)
+
+
+class ResidualNormModulate(Producer):
     """Producer 2: `r = residual + gate * x; y = modulate(LN(r))`; returns `(r, y)`."""
-
-    def __init__(self, eps: float = EPS) -> None:
-        super().__init__()
-        self.eps = eps
-        self.numerics = Numerics.REFERENCE
 
     def forward(
         self, residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        r = residual_add(residual, gate, x, self.numerics)
-        return r, norm_modulate(r, shift, scale, self.eps, self.numerics)
+    ) -> tuple[torch.Tensor, torch.Tensor | QuantizedActivation]:
+        if self.quant is None:
+            return residual_norm_modulate(residual, gate, x, shift, scale, self.eps, self.numerics)
+        r, y, q = residual_norm_modulate_quant(
+            residual, gate, x, shift, scale, self.eps, self.quant.inv_scale, self.quant.write_y
+        )
+        return r, self.quantized(y, q, r.dtype)
 
 
 class GatedResidual(nn.Module):
@@ -69,15 +94,19 @@ class GatedResidual(nn.Module):
         return residual_add(residual, gate, x, self.numerics)
 
 
-class GeluProjection(nn.Module):
-    """`net.0`: Linear then GELU(tanh)."""
+class GeluProjection(Producer):
+    """`net.0`: Linear then GELU(tanh); a producer for an FP8 `net.2`."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.proj = nn.Linear(dim, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.gelu(self.proj(x), approximate="tanh")
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor | QuantizedActivation:
+        h = self.proj(x)
+        if self.quant is None:
+            return gelu(h, self.numerics)
+        g, q = gelu_quant(h, self.quant.inv_scale, self.quant.write_y)
+        return self.quantized(g, q, h.dtype)
 
 
 class FeedForward(nn.Module):
@@ -87,7 +116,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = nn.ModuleList([GeluProjection(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.net[2](self.net[0](x))
 
 
@@ -178,8 +207,28 @@ class QwenImageTransformerBlock(nn.Module):
         encoder_hidden_states = self.txt_residual(encoder_hidden_states, txt_gate2, self.txt_mlp(txt_mlp_in))
         return encoder_hidden_states, hidden_states
 
-    def post_load_weights(self) -> None:
-        """Called once after the weights are loaded: configures producer paths (FP8 fusion gate)."""
+    def producer_paths(self) -> dict[str, tuple[Producer, list[tuple[str, nn.Module]]]]:
+        """Each producer and the linears that consume its output, by path name."""
+        a = self.attn
+        return {
+            "img_attn_input": (self.img_norm1, [("to_q", a.to_q), ("to_k", a.to_k), ("to_v", a.to_v)]),
+            "txt_attn_input": (
+                self.txt_norm1,
+                [("add_q_proj", a.add_q_proj), ("add_k_proj", a.add_k_proj), ("add_v_proj", a.add_v_proj)],
+            ),
+            "img_mlp_input": (self.img_norm2, [("img_mlp.net.0.proj", self.img_mlp.net[0].proj)]),
+            "txt_mlp_input": (self.txt_norm2, [("txt_mlp.net.0.proj", self.txt_mlp.net[0].proj)]),
+            "img_mlp_hidden": (self.img_mlp.net[0], [("img_mlp.net.2", self.img_mlp.net[2])]),
+            "txt_mlp_hidden": (self.txt_mlp.net[0], [("txt_mlp.net.2", self.txt_mlp.net[2])]),
+        }
+
+    def post_load_weights(self, fuse: bool = True, prefix: str = "") -> list[PathDecision]:
+        """Decide once, after loading, which producer paths write FP8 directly (the DESIGN §4 gate)."""
+        device = self.img_mod[1].weight.device
+        return [
+            configure_fp8_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
+            for name, (producer, consumers) in self.producer_paths().items()
+        ]
 
 
 class TimestepEmbedder(nn.Module):
@@ -244,17 +293,38 @@ class QwenImageTransformer(nn.Module):
     def numerics(self) -> Numerics:
         return self.norm_out.norm.numerics
 
+    @property
+    def is_fp8(self) -> bool:
+        return any(isinstance(m, Fp8Linear) for m in self.modules())
+
     def set_numerics(self, numerics: Numerics | str) -> None:
         """Select reference (diffusers op for op) or contract (DESIGN §4) arithmetic for every producer."""
         numerics = Numerics(numerics)
         for module in self.modules():
-            if isinstance(module, (NormModulate, ResidualNormModulate, GatedResidual)):
+            if isinstance(module, (Producer, GatedResidual)):
                 module.numerics = numerics
 
-    def post_load_weights(self) -> None:
-        """Run every block's hook once, after the weights are in place."""
-        for block in self.transformer_blocks:
-            block.post_load_weights()
+    def post_load_weights(self, fuse: bool | None = None) -> FusionReport:
+        """Run once after the weights are in place: FP8 inverse scales, then every block's fusion gate.
+
+        `fuse=False` (or QWEN_IMAGE_FP8_FUSION=0) forces the unfused path; FP8 models use contract numerics.
+        """
+        fuse = fusion_enabled_by_env() if fuse is None else fuse and fusion_enabled_by_env()
+        for module in self.modules():
+            if isinstance(module, Fp8Linear):
+                module.post_load_weights()
+        if self.is_fp8:
+            self.set_numerics(Numerics.CONTRACT)
+        decisions = [
+            d
+            for i, block in enumerate(self.transformer_blocks)
+            for d in block.post_load_weights(fuse, prefix=f"transformer_blocks.{i}.")
+        ]
+        self.fusion_report = FusionReport(
+            block=tuple(d for d in decisions if not d.name.endswith("_hidden")),
+            mlp=tuple(d for d in decisions if d.name.endswith("_hidden")),
+        )
+        return self.fusion_report
 
     def rope(self, grid: tuple[int, int, int], text_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Cached (image, text) RoPE rotations on `device`."""

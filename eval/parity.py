@@ -1,0 +1,321 @@
+"""Pixel-parity harness: generate every prompt x seed with two pipeline variants and compare the images.
+
+    python -m eval.parity --a contract --b reference --prompts smoke --size 64x64 --steps 2
+    torchrun --nproc_per_node 8 -m eval.parity --model DIR --a fp8-unfused --b fp8-fused --prompts diverse
+
+Each variant runs in its own worker process (eval.worker); pairs alternate ABBA. Under torchrun
+the pairs are sharded round-robin over the ranks (gloo on CPU; nccl on GPUs, where each rank's
+workers use GPU LOCAL_RANK); each rank writes shard-RANK.json and its images, rank 0 merges them into
+report.json and report.html. Exit status: 0 pass (or no --expect), 1 --expect failed, 2 usage or
+input error, 3 a worker crashed.
+"""
+
+import argparse
+import datetime
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eval.expect import Term, judge, parse_expect
+from eval.metrics import Lpips, load_lpips
+from eval.prompts import load_prompts
+from eval.report import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    decode_pair,
+    read_json,
+    summarize,
+    summary_lines,
+    write_json,
+    write_report,
+)
+from eval.runner import (
+    Settings,
+    WorkerCrash,
+    close_workers,
+    make_jobs,
+    run_pairs,
+    shard,
+    start_workers,
+    worker_env,
+)
+from eval.variants import VariantSpec, parse_variant
+from models.errors import InputError, QwenImageError
+
+VARIANT_HELP = """variants: NAME[:DEVICE[:INDEX]][:DTYPE]
+  NAME    reference | contract | fp8-unfused | fp8-fused | auto   (see docs/API.md)
+  DEVICE  cpu | cuda (cuda:INDEX picks a GPU; not allowed under torchrun on GPUs, where each rank
+          uses GPU LOCAL_RANK); default: CUDA when available
+  DTYPE   bf16 | fp32; default bf16
+  e.g. contract, fp8-fused:cuda, reference:cpu:fp32, contract:cuda:1:bf16
+expect: 'identical' or comma-separated METRIC OP NUMBER terms that every pair must meet
+  METRIC  psnr (dB) | ssim | lpips | max_abs | mean_abs;  OP  >= > <= < ==
+  e.g. --expect identical, --expect "psnr>=35,ssim>=0.98"
+exit status: 0 pass (or no --expect), 1 expectation failed, 2 usage/input error, 3 worker crashed
+report.json schema: eval/README.md"""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated command line."""
+
+    model: str | None
+    prompts: list[str]
+    prompt_source: str
+    seeds: list[int]
+    specs: dict[str, VariantSpec]
+    settings: Settings
+    out_dir: Path
+    expect_text: str | None
+    expect: list[Term] | None
+    lpips_weights: str | None
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Where this process sits in a torchrun group (rank 0 of 1 when run directly)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    cuda_device: str | None = None  # the GPU (CUDA_VISIBLE_DEVICES entry) this rank's workers use
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.parity",
+        description="Compare two pipeline variants image by image over a prompt set.",
+        epilog=VARIANT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", help="diffusers-layout checkpoint directory (default: the embedded default)"
+    )
+    parser.add_argument("--prompts", default="smoke", help="prompt file, or a built-in set: smoke, diverse")
+    parser.add_argument("--a", required=True, help="variant of side a (grammar below)")
+    parser.add_argument("--b", required=True, help="variant of side b (grammar below)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
+    parser.add_argument("--size", help="WxH, multiples of 16 (default: the pipeline's)")
+    parser.add_argument("--negative-prompt", help="enables true CFG when --cfg-scale > 1")
+    parser.add_argument("--cfg-scale", type=float, default=4.0, help="true CFG scale (default 4.0)")
+    parser.add_argument("--out", default="out/parity", help="output directory (default out/parity)")
+    parser.add_argument("--expect", help="verdict to reach: identical, or e.g. 'psnr>=35,ssim>=0.98'")
+    parser.add_argument(
+        "--lpips-weights", help="torchvision AlexNet checkpoint (default: the torch hub cache)"
+    )
+    return parser
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise InputError(f"bad --seeds {text!r}: use comma-separated integers, e.g. 0,1,2") from None
+    if any(seed < 0 for seed in seeds) or len(set(seeds)) != len(seeds):
+        raise InputError(f"bad --seeds {text!r}: seeds must be distinct and non-negative")
+    return seeds
+
+
+def parse_size(text: str | None) -> tuple[int | None, int | None]:
+    if text is None:
+        return None, None
+    width, sep, height = text.lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit()):
+        raise InputError(f"bad --size {text!r}: use WIDTHxHEIGHT, e.g. 64x64")
+    return int(width), int(height)
+
+
+def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
+    """Validate everything that can be checked before any worker starts. Raises InputError."""
+    from pipelines import VARIANTS
+
+    known = (*VARIANTS, "auto")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise InputError(f"model directory not found: {args.model}")
+    if args.steps is not None and args.steps < 1:
+        raise InputError(f"bad --steps {args.steps}: must be at least 1")
+    width, height = parse_size(args.size)
+    return Config(
+        model=args.model,
+        prompts=load_prompts(args.prompts),
+        prompt_source=args.prompts,
+        seeds=parse_seeds(args.seeds),
+        specs={"a": parse_variant(args.a, known), "b": parse_variant(args.b, known)},
+        settings=Settings(width, height, args.steps, args.negative_prompt, args.cfg_scale),
+        out_dir=Path(args.out),
+        expect_text=args.expect,
+        expect=parse_expect(args.expect) if args.expect is not None else None,
+        lpips_weights=args.lpips_weights,
+        argv=argv,
+    )
+
+
+def join_torchrun(config: Config) -> Rank:
+    """Join the torchrun group when WORLD_SIZE > 1 (gloo on CPU, nccl with GPUs)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Rank()
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    cuda_device = None
+    if torch.cuda.is_available():
+        if any(spec.device and spec.device.startswith("cuda:") for spec in config.specs.values()):
+            raise InputError("under torchrun each rank uses GPU LOCAL_RANK: write 'cuda', not 'cuda:INDEX'")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        cuda_device = gpus[local_rank]
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+    return Rank(dist.get_rank(), world, local_rank, cuda_device)
+
+
+def barrier(rank: Rank) -> None:
+    if rank.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def leave_torchrun(rank: Rank) -> None:
+    if rank.world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def require_lpips(config: Config, lpips: Lpips) -> None:
+    if config.expect and any(term.metric == "lpips" for term in config.expect) and not lpips.available:
+        raise InputError(f"--expect uses lpips but LPIPS is unavailable: {lpips.reason}")
+
+
+def lpips_status(lpips: Lpips) -> dict:
+    return {"available": lpips.available, "reason": lpips.reason, "net": "alex", "weights": lpips.weights}
+
+
+def run_rank(config: Config, rank: Rank) -> dict:
+    """This rank's share of the pairs: start both workers, generate, measure; returns the shard."""
+    jobs = make_jobs(config.prompts, config.seeds)
+    prefix = f"[rank {rank.rank}] " if rank.world > 1 else ""
+
+    def log(line: str) -> None:
+        print(prefix + line, file=sys.stderr, flush=True)
+
+    lpips = load_lpips(config.lpips_weights)
+    require_lpips(config, lpips)
+    workers = start_workers(config.specs, config.model, worker_env(rank.cuda_device))
+    try:
+        ready = {slot: worker.receive() for slot, worker in workers.items()}
+        for slot, info in ready.items():
+            log(
+                f"{slot}={config.specs[slot].text}: {info['device']} {info['dtype']}, loaded in "
+                f"{info['load_seconds']:.1f} s; {info['fusion_summary']}"
+            )
+        s = config.settings
+        settings = Settings(
+            s.width or ready["a"]["width"],
+            s.height or ready["a"]["height"],
+            s.steps or ready["a"]["steps"],
+            s.negative_prompt,
+            s.true_cfg_scale,
+        )
+        lpips = lpips.unavailable_for_size(settings.width, settings.height)
+        require_lpips(config, lpips)
+        pairs = run_pairs(
+            shard(jobs, rank.rank, rank.world),
+            len(jobs),
+            workers,
+            settings,
+            config.out_dir,
+            lpips,
+            rank.rank,
+            log,
+        )
+    finally:
+        close_workers(workers)
+    for info in ready.values():
+        info.pop("event")
+        info.update(rank=rank.rank, cuda_visible_devices=rank.cuda_device)
+    return {
+        "rank": rank.rank,
+        "world_size": rank.world,
+        "settings": asdict(settings),
+        "workers": ready,
+        "lpips": lpips_status(lpips),
+        "pairs": pairs,
+    }
+
+
+def merge(config: Config, world: int) -> dict:
+    """Rank 0: the report from every rank's shard file."""
+    shards = [read_json(config.out_dir / f"shard-{r}.json") for r in range(world)]
+    pairs = sorted((decode_pair(p) for s in shards for p in s["pairs"]), key=lambda p: p["index"])
+    lpips = next((s["lpips"] for s in shards if not s["lpips"]["available"]), shards[0]["lpips"])
+    report = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": ["python", "-m", "eval.parity", *config.argv],
+        "model": shards[0]["workers"]["a"]["model_name"],
+        "prompts": {"source": config.prompt_source, "count": len(config.prompts)},
+        "settings": {**shards[0]["settings"], "seeds": config.seeds},
+        "world_size": world,
+        "variants": {
+            slot: {"spec": config.specs[slot].text, "workers": [s["workers"][slot] for s in shards]}
+            for slot in "ab"
+        },
+        "lpips": lpips,
+        "pairs": pairs,
+        "summary": summarize(pairs),
+        "expect": {"spec": config.expect_text, "passed": None, "line": None, "failures": []},
+    }
+    if config.expect is not None:
+        verdict = judge(config.expect, pairs)
+        report["expect"].update(passed=verdict.passed, line=verdict.line, failures=verdict.failures)
+    return report
+
+
+def run(config: Config, rank: Rank) -> int:
+    shard_path = config.out_dir / f"shard-{rank.rank}.json"
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    shard_path.unlink(missing_ok=True)
+    write_json(run_rank(config, rank), shard_path)
+    barrier(rank)
+    if rank.rank != 0:
+        return 0
+    report = merge(config, rank.world)
+    write_report(report, config.out_dir)
+    print(f"report: {config.out_dir / 'report.html'} (data: {config.out_dir / 'report.json'})")
+    for line in summary_lines(report):
+        print(line)
+    if config.expect is None:
+        return 0
+    print(report["expect"]["line"])
+    return 0 if report["expect"]["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    rank = Rank()
+    try:
+        config = make_config(args, argv)
+        rank = join_torchrun(config)
+        return run(config, rank)
+    except QwenImageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerCrash as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        leave_torchrun(rank)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Variant specs: which pipeline configuration a side of the comparison runs.
+
+Grammar: `NAME[:DEVICE[:INDEX]][:DTYPE]`
+  NAME    a variant from `pipelines.VARIANTS` (reference, contract, fp8-unfused, fp8-fused) or auto
+  DEVICE  cpu or cuda, optionally with a GPU index (cuda:1); default: the pipeline's (CUDA when available)
+  DTYPE   bf16 or fp32; default: the pipeline's (bf16)
+Examples: `contract`, `fp8-fused:cuda`, `reference:cpu:fp32`, `contract:cuda:1:bf16`, `auto:bf16`.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from models.errors import InputError
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    text: str
+    name: str
+    device: str | None = None
+    dtype: str | None = None
+
+
+def parse_variant(text: str, known: Sequence[str]) -> VariantSpec:
+    """Parse one variant spec; `known` lists the accepted names. Raises InputError."""
+    name, *rest = text.strip().split(":")
+    if name not in known:
+        raise InputError(f"unknown variant {name!r} in {text!r}; choose one of {', '.join(known)}")
+    device = dtype = None
+    for token in rest:
+        if token in DTYPES and dtype is None:
+            dtype = token
+        elif token in DEVICES and device is None and dtype is None:
+            device = token
+        elif token.isdigit() and device == "cuda" and dtype is None:
+            device = f"cuda:{token}"
+        else:
+            raise InputError(
+                f"bad variant {text!r}: unexpected {token!r}; "
+                "expected NAME[:DEVICE[:INDEX]][:DTYPE] with DEVICE cpu|cuda and DTYPE bf16|fp32"
+            )
+    return VariantSpec(text=text, name=name, device=device, dtype=dtype)

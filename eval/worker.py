@@ -1,0 +1,123 @@
+"""One pipeline in its own process, driven over JSON lines: `python -m eval.worker --variant NAME ...`.
+
+Protocol (UTF-8, one JSON object per line; stdout carries only these replies, everything else the
+pipeline prints goes to stderr):
+  first reply   {"event": "ready", "variant", "device", "dtype", "model_name", "fusion_summary",
+                 "load_seconds", "width", "height", "steps"}    (width/height/steps: pipe.defaults)
+  request       {"id", "prompt", "seed", "width", "height", "steps", "negative_prompt",
+                 "true_cfg_scale", "png"}                       (null width/height/steps: defaults)
+  reply         {"event": "done", "id", "seconds", "seed", "width", "height", "steps", "timings"}
+  on error      {"event": "error", "id" (absent at load), "error": one line, "user_error": bool}
+The worker exits when stdin closes, or after a load error.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import TextIO
+
+from models.errors import QwenImageError
+
+
+def open_protocol_channel() -> TextIO:
+    """Keep the real stdout for replies and point fd 1 (and sys.stdout) at stderr."""
+    channel = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def send(channel: TextIO, message: dict) -> None:
+    channel.write(json.dumps(message, ensure_ascii=False) + "\n")
+    channel.flush()
+
+
+def send_error(channel: TextIO, exc: BaseException, **extra: object) -> None:
+    """One-line error reply; an internal error also leaves its traceback on stderr."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    user_error = isinstance(exc, QwenImageError)
+    if not user_error:
+        traceback.print_exc()
+        text = f"{type(exc).__name__}: {text}"
+    send(channel, {"event": "error", **extra, "error": text, "user_error": user_error})
+
+
+def dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load(args: argparse.Namespace) -> tuple[object, dict]:
+    from pipelines import load_pipeline
+
+    start = time.perf_counter()
+    pipe = load_pipeline(model=args.model, variant=args.variant, device=args.device, dtype=args.dtype)
+    info = {
+        "event": "ready",
+        "variant": pipe.variant,
+        "device": str(pipe.device),
+        "dtype": dtype_name(pipe.dtype),
+        "model_name": pipe.model_name,
+        "fusion_summary": pipe.fusion_summary(),
+        "load_seconds": time.perf_counter() - start,
+        "width": pipe.defaults.width,
+        "height": pipe.defaults.height,
+        "steps": pipe.defaults.num_inference_steps,
+    }
+    return pipe, info
+
+
+def generate(pipe: object, request: dict) -> dict:
+    start = time.perf_counter()
+    images = pipe.generate(
+        request["prompt"],
+        negative_prompt=request.get("negative_prompt"),
+        width=request.get("width"),
+        height=request.get("height"),
+        num_inference_steps=request.get("steps"),
+        true_cfg_scale=request.get("true_cfg_scale", 4.0),
+        seed=request["seed"],
+    )
+    images[0].save(request["png"], format="PNG")
+    run = pipe.last_run
+    return {
+        "event": "done",
+        "id": request["id"],
+        "seconds": time.perf_counter() - start,
+        "seed": run.seed,
+        "width": run.width,
+        "height": run.height,
+        "steps": run.num_inference_steps,
+        "timings": dict(run.timings),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--variant", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args(argv)
+    channel = open_protocol_channel()
+    try:
+        pipe, info = load(args)
+    except Exception as exc:
+        send_error(channel, exc)
+        return 2 if isinstance(exc, QwenImageError) else 1
+    send(channel, info)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        try:
+            send(channel, generate(pipe, request))
+        except Exception as exc:
+            send_error(channel, exc, id=request.get("id"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""GELU(tanh) of the MLP hidden state and its static FP8 quantization: torch twin and Triton.
+
+Contract (the input of `mlp.net.2`), per element of the bf16 input `h`:
+  x = fp32(h); inner = sqrt(2/pi) * (x + 0.044715 * ((x * x) * x)), each fp32 op rounded on its own
+  (no FMA; the constants are the fp32 roundings of sqrt(2/pi) and 0.044715);
+  t = tanh(inner): torch.tanh in the twin, libdevice `tanhf` (non-FTZ) in the compiled kernel, an
+  exp-based formula under the CPU interpreter, which cannot call libdevice;
+  g = bf16((0.5 * x) * (1 + t)), rounded once; q = the static quantizer of DESIGN §4 applied to bf16 g.
+The twin and the kernel may differ where the two tanh implementations differ in the last bits; the
+kernel's fused (write q) and unfused (write g, then quantize) paths are one binary and agree exactly.
+"""
+
+import torch
+
+from kernels._triton_common import (
+    NO_FMA,
+    dummy,
+    interpreted,
+    inverse_scale_ok,
+    jit,
+    launchable,
+    libdevice,
+    tl,
+    triton,
+)
+from kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
+
+SQRT_2_OVER_PI = 0.7978845608028654
+GELU_CUBIC = 0.044715
+_GELU_BLOCK = 4096
+
+
+def gelu_tanh_torch(h: torch.Tensor) -> torch.Tensor:
+    """bf16 GELU(tanh) of `h` following the contract above."""
+    x = h.float()
+    inner = SQRT_2_OVER_PI * (x + GELU_CUBIC * (x * x * x))
+    return (0.5 * x * (1.0 + torch.tanh(inner))).to(torch.bfloat16)
+
+
+def gelu_tanh_quant_torch(h: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 quantization of `gelu_tanh_torch(h)` with the precomputed inverse scale."""
+    return static_quant_fp8_torch(gelu_tanh_torch(h), inv_scale)
+
+
+@jit()
+def _tanh_via_exp(v):
+    """tanh for the CPU interpreter (tests only), which cannot call libdevice; no overflow, NaN kept."""
+    e = tl.exp(-2.0 * tl.abs(v))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(v < 0, -t, t)
+
+
+@jit()
+def _tanh(v, INTERPRET: tl.constexpr):
+    return _tanh_via_exp(v) if INTERPRET else libdevice.tanh(v)
+
+
+@jit(do_not_specialize=["write_g", "write_q"])
+def _gelu_tanh_quant_kernel(
+    h_ptr, g_ptr, q_ptr, inv_ptr, numel, write_g, write_q, BLOCK: tl.constexpr, INTERPRET: tl.constexpr
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))  # SQRT_2_OVER_PI, GELU_CUBIC
+    g = (0.5 * x * (1.0 + _tanh(inner, INTERPRET))).to(tl.bfloat16)
+    if write_g != 0:
+        tl.store(g_ptr + offs, g, mask=mask)
+    if write_q != 0:
+        tl.store(q_ptr + offs, quant_fp8(g, inv_ptr), mask=mask)
+
+
+def _launch_gelu(
+    h: torch.Tensor, g: torch.Tensor, q: torch.Tensor, inv: torch.Tensor, write_g: bool, write_q: bool
+) -> None:
+    kernel = _gelu_tanh_quant_kernel
+    grid = (triton.cdiv(h.numel(), _GELU_BLOCK),)
+    kernel[grid](
+        h, g, q, inv, h.numel(), int(write_g), int(write_q), BLOCK=_GELU_BLOCK,
+        INTERPRET=interpreted(kernel), num_warps=8, enable_reflect_ftz=False, **NO_FMA,
+    )  # fmt: skip
+
+
+def _gelu_ok(h: torch.Tensor) -> bool:
+    return (
+        launchable(_gelu_tanh_quant_kernel, h)
+        and h.dtype == torch.bfloat16
+        and h.is_contiguous()
+        and h.numel() > 0
+    )
+
+
+def gelu_tanh_triton(h: torch.Tensor) -> torch.Tensor | None:
+    """Triton twin of `gelu_tanh_torch` (the kernel with only g written); None when rejected."""
+    if not _gelu_ok(h):
+        return None
+    g = torch.empty_like(h)
+    _launch_gelu(h, g, dummy(h.device, FP8_DTYPE), dummy(h.device, torch.float32), True, False)
+    return g
+
+
+def gelu_tanh_quant_triton(
+    h: torch.Tensor, inv_scale: torch.Tensor, write_g: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """Fused GELU + FP8 quantization: `(g if write_g else None, q)`; None when rejected."""
+    if not (_gelu_ok(h) and inverse_scale_ok(inv_scale, h.device)):
+        return None
+    g = torch.empty_like(h) if write_g else dummy(h.device, torch.bfloat16)
+    q = torch.empty_like(h, dtype=FP8_DTYPE)
+    _launch_gelu(h, g, q, inv_scale, write_g, True)
+    return (g if write_g else None), q
+
+
+def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    """GELU(tanh) through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
+    g = gelu_tanh_triton(h) if h.is_cuda else None
+    return gelu_tanh_torch(h) if g is None else g
+
+
+def gelu_tanh_quant(
+    h: torch.Tensor, inv_scale: torch.Tensor, write_g: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Fused GELU + quantization on CUDA when the guard accepts, else the torch twins (always on CPU)."""
+    out = gelu_tanh_quant_triton(h, inv_scale, write_g) if h.is_cuda else None
+    if out is not None:
+        return out
+    g = gelu_tanh_torch(h)
+    return (g if write_g else None), static_quant_fp8_torch(g, inv_scale)

@@ -1,0 +1,158 @@
+"""The FP8 norm+quant fusion gate (DESIGN §4), decided once per producer path after loading.
+
+A producer path is fused only when the device is a validated FP8 target, every consumer accepts the
+static FP8 activation with one shared, valid scale, modulation is per sample, and any consumer that
+needs the unquantized input can get it. Every refusal is recorded with its reason.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.quant import inverse_scale
+from models.fp8 import QuantSpec, quant_consumer_spec
+
+FUSION_ENV = "QWEN_IMAGE_FP8_FUSION"
+BLOCK_PATHS = 4
+
+
+@dataclass(frozen=True)
+class ProducerQuant:
+    """How a fused producer quantizes: the consumers' scale, its inverse, and whether it also writes `y`."""
+
+    quant_key: str
+    input_scale: torch.Tensor
+    inv_scale: torch.Tensor
+    write_y: bool
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    """The gate's verdict for one producer path."""
+
+    name: str
+    fused: bool
+    reason: str = ""
+
+
+def fusion_enabled_by_env() -> bool:
+    """`QWEN_IMAGE_FP8_FUSION=0` forces the unfused path (for parity runs)."""
+    return os.environ.get(FUSION_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def fp8_target_refusal(device: torch.device) -> str:
+    """Empty when `device` is a validated FP8 target, else why not.
+
+    CUDA capability 9.0 (Hopper) and 10.x / 12.x (Blackwell) run the Triton kernels; the CPU runs
+    the torch twins, which implement the same contract and make fused vs unfused testable anywhere.
+    """
+    if device.type == "cpu":
+        return ""
+    if device.type != "cuda":
+        return f"device {device.type} is not a validated FP8 target"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) == (9, 0) or major in (10, 12):
+        return ""
+    return f"CUDA capability {major}.{minor} is not a validated FP8 target (9.0, 10.x, 12.x)"
+
+
+def _scale_refusal(name: str, scale: torch.Tensor, device: torch.device) -> str:
+    if scale.dtype != torch.float32:
+        return f"input_scale of {name} is {str(scale.dtype).removeprefix('torch.')}, not float32"
+    if scale.numel() != 1:
+        return f"input_scale of {name} has {scale.numel()} elements, not 1"
+    if scale.device != device:
+        return f"input_scale of {name} is on {scale.device}, not {device}"
+    value = float(scale.item())
+    if not math.isfinite(value) or value <= 0:
+        return f"input_scale of {name} is {value}, not finite and > 0"
+    return ""
+
+
+def gate_path(
+    device: torch.device,
+    consumers: list[tuple[str, nn.Module]],
+    per_token_modulation: bool = False,
+    producer_writes_y: bool = True,
+) -> tuple[str, QuantSpec | None, bool]:
+    """(refusal reason or "", the shared spec, whether `y` must be written) for one producer path."""
+    reason = fp8_target_refusal(device)
+    if reason:
+        return reason, None, False
+    if per_token_modulation:
+        return "per-token modulation index (zero_cond_t)", None, False
+    specs = []
+    for name, module in consumers:
+        spec = quant_consumer_spec(module)
+        if spec is None:
+            return f"consumer {name} is not a ModelOpt FP8 linear", None, False
+        reason = _scale_refusal(name, spec.input_scale, device)
+        if reason:
+            return reason, None, False
+        specs.append((name, spec))
+    first_name, first = specs[0]
+    for name, spec in specs[1:]:
+        if spec.quant_key != first.quant_key or not torch.equal(spec.input_scale, first.input_scale):
+            return (
+                f"input scales of {first_name} and {name} differ "
+                f"({first.input_scale.item():.6g} vs {spec.input_scale.item():.6g})",
+                None,
+                False,
+            )
+    needs_y = [name for name, spec in specs if spec.needs_unquantized_input]
+    if needs_y and not producer_writes_y:
+        return f"consumer {needs_y[0]} needs the unquantized input, which this producer cannot write", None, False
+    return "", first, bool(needs_y)
+
+
+def configure_fp8_norm_quant(
+    producer: nn.Module,
+    path_name: str,
+    consumers: list[tuple[str, nn.Module]],
+    device: torch.device,
+    enabled: bool,
+    per_token_modulation: bool = False,
+) -> PathDecision:
+    """Gate one producer path and set (or clear) `producer.quant` accordingly."""
+    producer.quant = None
+    if not any(quant_consumer_spec(module) for _, module in consumers):
+        return PathDecision(path_name, False, "BF16 consumers (layer not quantized)")
+    if not enabled:
+        return PathDecision(path_name, False, "fusion switched off (unfused path forced)")
+    reason, spec, write_y = gate_path(device, consumers, per_token_modulation, producer.writes_y)
+    if reason:
+        return PathDecision(path_name, False, reason)
+    producer.quant = ProducerQuant(spec.quant_key, spec.input_scale, inverse_scale(spec.input_scale), write_y)
+    return PathDecision(path_name, True)
+
+
+@dataclass(frozen=True)
+class FusionReport:
+    """All path decisions of a model: `block` paths (norm producers) and `mlp` paths (GELU producers)."""
+
+    block: tuple[PathDecision, ...]
+    mlp: tuple[PathDecision, ...]
+
+    @property
+    def fused(self) -> int:
+        return sum(d.fused for d in self.block)
+
+    def summary(self) -> str:
+        """'FP8 norm+quant fusion: N/240 block paths' plus the reasons for the rest."""
+        lines = [f"FP8 norm+quant fusion: {self.fused}/{len(self.block)} block paths"]
+        lines += _reasons(self.block)
+        if self.mlp:
+            lines.append(f"FP8 GELU+quant fusion: {sum(d.fused for d in self.mlp)}/{len(self.mlp)} MLP paths")
+            lines += _reasons(self.mlp)
+        return "\n".join(lines)
+
+
+def _reasons(decisions: tuple[PathDecision, ...]) -> list[str]:
+    grouped: dict[str, list[str]] = {}
+    for d in decisions:
+        if not d.fused:
+            grouped.setdefault(d.reason, []).append(d.name)
+    return [f"  unfused ({len(names)}): {reason}; e.g. {names[0]}" for reason, names in grouped.items()]

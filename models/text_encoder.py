@@ -1,0 +1,161 @@
+"""Qwen2.5-VL text encoder: prompt embeddings exactly as diffusers' QwenImagePipeline computes them.
+
+Also the tiny, seeded Qwen2.5-VL the project embeds as its default model, and a checkpoint loader
+that turns every loading problem into one CheckpointError.
+"""
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from models.errors import CheckpointError, InputError
+
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+DROP_TOKENS = 34  # the system part and "<|im_start|>user\n"
+MAX_SEQUENCE_LENGTH = 1024
+DEFAULT_SEQUENCE_LENGTH = 512
+VOCAB_SIZE = 152064  # Qwen2.5-VL-7B (the 3B model has 151936)
+INIT_STD = 0.02
+
+
+@torch.no_grad()
+def encode_prompts(
+    text_encoder: Qwen2_5_VLForConditionalGeneration,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt embeddings [B, L, hidden] and their long mask [B, L] (None when every token is valid).
+
+    Same ops as diffusers' `QwenImagePipeline.encode_prompt(prompts, device, 1, max_sequence_length=...)`,
+    so the result is bit-identical; only the unused logits are skipped (`logits_to_keep=1`).
+    """
+    if not prompts:
+        raise InputError("at least one prompt is needed")
+    if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
+        raise InputError(f"max_sequence_length must be 1..{MAX_SEQUENCE_LENGTH}, got {max_sequence_length}")
+    tokens = tokenizer(
+        [PROMPT_TEMPLATE.format(prompt) for prompt in prompts],
+        max_length=MAX_SEQUENCE_LENGTH + DROP_TOKENS,
+        padding=True,
+        truncation=True,
+        return_tensors="pt",
+    ).to(device)
+    output = text_encoder(
+        input_ids=tokens.input_ids,
+        attention_mask=tokens.attention_mask,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    valid = tokens.attention_mask.bool()
+    rows = torch.split(output.hidden_states[-1][valid], valid.sum(dim=1).tolist(), dim=0)
+    rows = [row[DROP_TOKENS:] for row in rows]
+    lengths = torch.tensor([row.size(0) for row in rows], device=rows[0].device)
+    longest = int(lengths.max())
+    embeds = torch.stack(
+        [torch.cat([row, row.new_zeros(longest - row.size(0), row.size(1))]) for row in rows]
+    )
+    mask = (torch.arange(longest, device=lengths.device) < lengths[:, None]).long()
+    embeds = embeds.to(dtype=dtype, device=device)[:, :max_sequence_length].contiguous()
+    mask = mask[:, :max_sequence_length].contiguous()
+    return embeds, None if mask.all() else mask
+
+
+def tiny_text_encoder_config(hidden_size: int = 64, num_layers: int = 2) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL-7B's architecture at toy sizes: 4 heads, 2 KV heads, real vocab, 1-block vision tower."""
+    if hidden_size % 32:
+        raise ValueError(f"hidden_size must be a multiple of 32, got {hidden_size}")
+    rotary_pairs = hidden_size // 8  # head_dim / 2 with 4 heads
+    temporal = rotary_pairs // 4  # Qwen2.5-VL-7B splits its 64 pairs 16/24/24 (t/h/w)
+    height = (rotary_pairs - temporal) // 2
+    text_config = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128000,
+        "max_window_layers": num_layers,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [temporal, height, rotary_pairs - temporal - height],
+        },
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": hidden_size,
+        "fullatt_block_indexes": [0],
+        "tokens_per_second": 2,
+    }
+    return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
+
+
+def build_tiny_text_encoder(seed: int, hidden_size: int = 64) -> Qwen2_5_VLForConditionalGeneration:
+    """The tiny encoder with weights that depend only on (seed, parameter name): same on every machine.
+
+    Norm weights are ones; every other tensor is uniform with std 0.02, drawn in float64 from a generator
+    seeded per parameter (integer RNG and exact scaling, so no platform-specific math is involved).
+    """
+    model = Qwen2_5_VLForConditionalGeneration(tiny_text_encoder_config(hidden_size))
+    bound = INIT_STD * math.sqrt(3.0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                param.fill_(1.0)
+                continue
+            digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            values = torch.rand(param.shape, generator=generator, dtype=torch.float64)
+            param.copy_(values.mul_(2.0).sub_(1.0).mul_(bound))
+    return model.eval()
+
+
+def load_text_encoder(
+    directory: Path, dtype: torch.dtype, device: torch.device | str
+) -> Qwen2_5_VLForConditionalGeneration:
+    """A Qwen2.5-VL text encoder from a local folder (config.json + safetensors), every weight required."""
+    if not directory.is_dir():
+        raise CheckpointError(f"text encoder folder not found: {directory}")
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"text encoder folder has no config.json: {directory}")
+    try:
+        model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            directory,
+            local_files_only=True,
+            dtype=dtype,
+            ignore_mismatched_sizes=True,  # reported below as one message instead of a log table
+            output_loading_info=True,
+        )
+    except Exception as exc:  # transformers raises OSError, ValueError, RuntimeError... for a bad folder
+        raise CheckpointError(f"text encoder in {directory} cannot be loaded: {exc}") from exc
+    mismatched = sorted(
+        f"{key} {tuple(saved)} vs {tuple(wanted)}" for key, saved, wanted in info["mismatched_keys"]
+    )
+    if mismatched:
+        raise CheckpointError(
+            f"text encoder in {directory} does not match its config.json ({len(mismatched)} tensors, "
+            f"e.g. {mismatched[0]})"
+        )
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise CheckpointError(
+            f"text encoder in {directory} lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}"
+        )
+    return model.to(device).eval()

@@ -1,0 +1,35 @@
+"""A human-readable description of a loaded pipeline for `qwen-image info`."""
+
+from collections import Counter
+
+import torch
+
+from pipelines.qwen_image import QwenImagePipeline
+
+
+def _params(module: torch.nn.Module) -> str:
+    by_dtype: Counter[str] = Counter()
+    for p in module.parameters():
+        by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel()
+    dtypes = ", ".join(f"{name} {n / 1e6:.2f}M" for name, n in by_dtype.most_common())
+    return f"{sum(by_dtype.values()) / 1e6:,.2f}M parameters ({dtypes})"
+
+
+def describe(pipe: QwenImagePipeline) -> str:
+    """Components, parameter counts by dtype, transformer config, variants and FP8 fusion state."""
+    c = pipe.components
+    cfg = pipe.transformer.config
+    lines = [
+        f"model: {pipe.model_name}",
+        f"device: {pipe.device}, dtype: {str(pipe.dtype).removeprefix('torch.')}, variant: {pipe.variant}",
+        f"variants available: {', '.join(pipe.available_variants())}",
+        f"transformer: {_params(c.transformer)}; {cfg.num_layers} layers, width {cfg.inner_dim}, "
+        f"{cfg.num_attention_heads} heads x {cfg.attention_head_dim}, text dim {cfg.joint_attention_dim}",
+        f"text encoder: {type(c.text_encoder).__name__}, {_params(c.text_encoder)}",
+        f"vae: {type(c.vae).__name__}, {_params(c.vae)}",
+        f"tokenizer: {type(c.tokenizer).__name__}, vocabulary {len(c.tokenizer)}",
+        f"scheduler: {type(c.scheduler).__name__}",
+        f"defaults: {pipe.defaults.width}x{pipe.defaults.height}, {pipe.defaults.num_inference_steps} steps",
+        pipe.fusion_summary(),
+    ]
+    return "\n".join(lines)

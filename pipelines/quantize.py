@@ -1,0 +1,171 @@
+"""`qwen-image quantize`: static per-tensor FP8 calibration through the denoise loop, ModelOpt export.
+
+Input amax is recorded on every linear to be quantized while real prompts are denoised (with true
+CFG, so both branches are seen); weights get per-tensor amax scales; the Q/K/V (and add_q/k/v) of a
+stream share one input scale. The result is a diffusers-layout checkpoint whose `transformer/` is a
+ModelOpt FP8 export (DESIGN §3) that this project and other ModelOpt consumers load.
+"""
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from kernels.quant import FP8_DTYPE, FP8_MAX
+from models.components import save_components
+from models.errors import InputError
+from models.loading import save_tensors
+from models.modelopt import QuantConfig
+from models.transformer import QwenImageTransformer
+from pipelines.qwen_image import QwenImagePipeline, load_pipeline
+
+DEFAULT_BF16_FALLBACK = (
+    "img_in",
+    "txt_in",
+    "time_text_embed.*",
+    "norm_out.linear",
+    "proj_out",
+    "*.img_mod.1",
+    "*.txt_mod.1",
+    "*.img_mlp.net.2",
+)
+DEFAULT_CALIBRATION_PROMPTS = (
+    "a red fox in fresh snow at sunrise, detailed fur",
+    "a neon-lit street in Tokyo at night in the rain, reflections on the asphalt",
+    "portrait of an elderly fisherman, weathered face, dramatic side light",
+    "a bowl of ramen on a wooden table, steam, shallow depth of field",
+    'a poster with the words "Qwen Image" in bold letters above a mountain landscape',
+    "一只熊猫坐在竹林里吃竹子，水墨画风格",
+    "isometric illustration of a tiny island with a lighthouse, pastel colors",
+    "macro photograph of a dew drop on a green leaf",
+)
+SHARED_INPUT_GROUPS = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj"))
+PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
+MIN_AMAX = 1e-8
+
+
+def quantizable_linears(model: QwenImageTransformer, ignore: Sequence[str]) -> dict[str, nn.Linear]:
+    """The Linears that become FP8: every one not matched by an ignore glob."""
+    config = QuantConfig("FP8", tuple(ignore))
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not config.ignores(n)}
+
+
+def calibrate(
+    pipe: QwenImagePipeline,
+    linears: dict[str, nn.Linear],
+    prompts: Sequence[str],
+    steps: int,
+    size: int,
+    seed: int,
+) -> dict[str, torch.Tensor]:
+    """Max |input| seen by each linear over all prompts and denoising steps (device tensors, no syncs)."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def record(name: str):
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            current = args[0].detach().abs().amax().float()
+            amax[name] = current if name not in amax else torch.maximum(amax[name], current)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in linears.items()]
+    try:
+        for i, prompt in enumerate(tqdm(prompts, desc="calibrating", unit="prompt")):
+            pipe.generate(
+                prompt, negative_prompt=" ", width=size, height=size, num_inference_steps=steps, seed=seed + i
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = sorted(set(linears) - set(amax))
+    if missing:
+        raise RuntimeError(f"calibration never reached {missing[:3]}")
+    return amax
+
+
+def share_group_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One input amax for the linears that read the same activation (Q/K/V of each stream)."""
+    shared = dict(amax)
+    for name in amax:
+        prefix, _, leaf = name.rpartition(".")
+        for group in SHARED_INPUT_GROUPS:
+            members = [f"{prefix}.{m}" for m in group]
+            if leaf in group and all(m in amax for m in members):
+                shared[name] = torch.stack([amax[m] for m in members]).max()
+    return shared
+
+
+def fp8_state_dict(
+    model: QwenImageTransformer, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The ModelOpt FP8 state dict: e4m3 weights, fp32 scalar scales, BF16 biases; the rest unchanged."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    for name, linear in linears.items():
+        weight = linear.weight.detach().float()
+        weight_scale = weight.abs().amax().clamp_min(MIN_AMAX) / FP8_MAX
+        state[f"{name}.weight"] = (weight / weight_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        state[f"{name}.weight_scale"] = weight_scale.reshape(()).cpu()
+        state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(()).cpu()
+    return {k: v.cpu() for k, v in state.items()}
+
+
+def write_fp8_transformer(
+    model: QwenImageTransformer, state: dict[str, torch.Tensor], ignore: Sequence[str], directory: Path
+) -> None:
+    """config.json with a flat ModelOpt `quantization_config`, hf_quant_config.json, safetensors."""
+    directory.mkdir(parents=True, exist_ok=True)
+    quantization = {
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "ignore": list(ignore),
+        "producer": PRODUCER,
+        "config_groups": {
+            "group_0": {
+                "input_activations": {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor"},
+                "weights": {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor"},
+                "targets": ["Linear"],
+            }
+        },
+    }
+    config = model.config.to_dict() | {"quantization_config": quantization}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    hf_quant = {"producer": PRODUCER, "quantization": {"quant_algo": "FP8", "exclude_modules": list(ignore)}}
+    (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
+    save_tensors(state, directory)
+
+
+def quantize_checkpoint(
+    model: str | Path | None,
+    out: Path,
+    prompts: Sequence[str] = DEFAULT_CALIBRATION_PROMPTS,
+    ignore: Sequence[str] = DEFAULT_BF16_FALLBACK,
+    steps: int | None = None,
+    size: int | None = None,
+    device: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`."""
+    if not prompts:
+        raise InputError("no calibration prompts")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"output directory {out} exists and is not empty")
+    pipe = load_pipeline(model, variant="contract", device=device)
+    if pipe.transformer.is_fp8:
+        raise InputError(f"{model} is already an FP8 checkpoint")
+    steps = steps or min(pipe.defaults.num_inference_steps, 20)
+    size = size or min(pipe.defaults.width, pipe.defaults.height)
+    linears = quantizable_linears(pipe.transformer, ignore)
+    amax = share_group_amax(calibrate(pipe, linears, prompts, steps, size, seed))
+    state = fp8_state_dict(pipe.transformer, linears, amax)
+    if model is None:
+        save_components(pipe.components, out)
+        shutil.rmtree(out / "transformer")
+    else:
+        shutil.copytree(Path(model), out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
+    write_fp8_transformer(pipe.transformer, state, ignore, out / "transformer")
+    return out

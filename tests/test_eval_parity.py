@@ -1,0 +1,157 @@
+"""End to end: `python -m eval.parity` on the real embedded default model (tiny sizes, 2 steps)."""
+
+import json
+import math
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--size", "64x64", "--steps", "2"]
+
+pytestmark = pytest.mark.slow
+
+
+def parity(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", *launcher, "eval.parity", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "two.txt"
+    path.write_text("# two prompts\nA red apple on a table\n一只猫坐在窗台上\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def identical_run(
+    prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("identical")
+    result = parity("--prompts", str(prompts), "--a", "contract", "--b", "contract:cpu", *FAST,
+                    "--out", str(out), "--expect", "identical")  # fmt: skip
+    return result, out
+
+
+@pytest.fixture(scope="module")
+def differing_run(
+    prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("differing")
+    result = parity("--prompts", str(prompts), "--a", "reference", "--b", "contract", "--seeds", "0,1", *FAST,
+                    "--out", str(out), "--expect", "identical")  # fmt: skip
+    return result, out
+
+
+def load(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text(encoding="utf-8"))
+
+
+def test_contract_vs_contract_is_identical(identical_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    result, out = identical_run
+    assert result.returncode == 0, result.stderr
+    assert "verdict: PASS (identical on all 2 pairs)" in result.stdout
+    report = load(out)
+    assert report["schema_version"] == 1 and report["model"] == "embedded-default"
+    assert report["summary"]["identical"] == 2 and report["expect"]["passed"] is True
+    for pair in report["pairs"]:
+        assert (
+            pair["identical"]
+            and pair["psnr_db"] == "inf"
+            and pair["ssim"] == 1.0
+            and pair["max_abs_diff"] == 0
+        )
+        assert pair["a"]["pixel_sha256"] == pair["b"]["pixel_sha256"]
+        assert pair["a"]["png_sha256"] == pair["b"]["png_sha256"]
+        assert (pair["width"], pair["height"], pair["steps"]) == (64, 64, 2)
+    assert [p["order"] for p in report["pairs"]] == ["ab", "ba"]
+    assert "pair 2/2 p001-s0 b=contract:cpu" in result.stderr
+
+
+def test_reference_vs_contract_differs(differing_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    result, out = differing_run
+    assert result.returncode == 1, result.stderr
+    assert "verdict: FAIL (identical failed on" in result.stdout
+    report = load(out)
+    assert report["summary"]["pairs"] == 4 and report["summary"]["identical"] < 4
+    differing = [p for p in report["pairs"] if not p["identical"]]
+    for pair in differing:
+        assert isinstance(pair["psnr_db"], float) and math.isfinite(pair["psnr_db"])
+        assert pair["ssim"] < 1.0 and pair["max_abs_diff"] > 0
+        assert pair["a"]["pixel_sha256"] != pair["b"]["pixel_sha256"]
+    assert report["variants"]["a"]["workers"][0]["variant"] == "reference"
+    assert report["variants"]["b"]["workers"][0]["variant"] == "contract"
+    assert report["summary"]["time"]["a"]["total_s"] > 0
+
+
+class ImageSources(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "img":
+            self.sources.append(dict(attrs)["src"])
+
+
+def test_html_references_every_image(differing_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    _, out = differing_run
+    report = load(out)
+    parser = ImageSources()
+    parser.feed((out / "report.html").read_text(encoding="utf-8"))
+    parser.close()
+    expected = {p[side]["image"] for p in report["pairs"] for side in "ab"}
+    expected |= {p["diff_image"] for p in report["pairs"] if p["diff_image"]}
+    assert set(parser.sources) == expected and len(parser.sources) == len(expected)
+    assert all((out / source).is_file() for source in parser.sources)
+    assert sorted(path.name for path in (out / "images").iterdir()) == sorted(Path(s).name for s in expected)
+
+
+def test_lpips_unavailable_reason_is_printed(differing_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    result, out = differing_run
+    lpips = load(out)["lpips"]
+    if lpips["available"]:
+        pytest.skip("LPIPS weights and torchvision are present here")
+    assert lpips["reason"] and f"LPIPS: unavailable ({lpips['reason']})" in result.stdout
+    assert all(p["lpips"] is None for p in load(out)["pairs"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--prompts", "no/such/file.txt", "--a", "contract", "--b", "contract"],
+            "error: prompt file not found",
+        ),
+        (["--a", "contract", "--b", "fp9"], "error: unknown variant 'fp9'"),
+        (["--a", "contract", "--b", "contract", "--expect", "psnr=>35"], "error: bad --expect term"),
+        (["--a", "contract", "--b", "contract", "--size", "65x64", "--steps", "1"], "error: variant"),
+    ],
+)
+def test_user_errors_print_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    result = parity(*args, "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(message)
+
+
+def test_torchrun_two_gloo_ranks_merge_all_pairs(prompts: Path, tmp_path: Path) -> None:
+    launcher = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m")
+    result = parity("--prompts", str(prompts), "--a", "contract", "--b", "contract", "--seeds", "0,1", *FAST,
+                    "--out", str(tmp_path), "--expect", "identical", launcher=launcher)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verdict: PASS (identical on all 4 pairs)" in result.stdout
+    report = load(tmp_path)
+    assert report["world_size"] == 2
+    assert [p["index"] for p in report["pairs"]] == [0, 1, 2, 3]
+    assert [p["rank"] for p in report["pairs"]] == [0, 1, 0, 1]
+    assert len(report["variants"]["a"]["workers"]) == 2
+    for rank in (0, 1):
+        shard = json.loads((tmp_path / f"shard-{rank}.json").read_text(encoding="utf-8"))
+        assert [p["index"] for p in shard["pairs"]] == [rank, rank + 2]
+    assert all((tmp_path / p[side]["image"]).is_file() for p in report["pairs"] for side in "ab")

@@ -1,0 +1,141 @@
+"""The real app (embedded default model) served on 127.0.0.1: ui/README.md's gradio_client call, and
+Debian chromium driving the page through Playwright (generate, errors, Stop, screenshots).
+"""
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from PIL import Image
+
+from pipelines import load_pipeline
+from ui.app import build_app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+SIZE = 64  # tiny sizes and few steps keep the whole file well under a minute on 2 CPU cores
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, list[int]]]:
+    """URL of the served app, and the step counts of the generations that ran to the end."""
+    pipe = load_pipeline()
+    completed: list[int] = []
+    generate = pipe.generate
+
+    def recording_generate(*args: Any, **kwargs: Any) -> list[Image.Image]:
+        images = generate(*args, **kwargs)
+        completed.append(pipe.last_run.num_inference_steps)
+        return images
+
+    pipe.generate = recording_generate  # type: ignore[method-assign]
+    demo = build_app(pipe)
+    _, url, _ = demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    try:
+        yield url, completed
+    finally:
+        demo.close()
+
+
+def test_readme_client_call(server: tuple[str, list[int]]) -> None:
+    client = Client(server[0], verbose=False, analytics_enabled=False)
+    images, seed, details = client.predict(
+        prompt="A red apple on a wooden table, soft window light",
+        negative_prompt="blurry",
+        aspect="custom",
+        width=SIZE,
+        height=SIZE // 2,
+        num_inference_steps=2,
+        true_cfg_scale=4.0,
+        seed=42,
+        randomize_seed=False,
+        num_images=2,
+        variant="reference",
+        api_name="/generate",
+    )
+    assert [Image.open(i["image"]).size for i in images] == [(SIZE, SIZE // 2)] * 2
+    assert seed == 42
+    assert all(part in details for part in ("`42`", "2 steps", "`reference`", "decoding"))
+    with pytest.raises(AppError, match="must be a multiple of 16"):
+        client.predict("x", aspect="custom", width=SIZE + 1, height=SIZE, api_name="/generate")
+
+
+@pytest.mark.browser
+def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int]], tmp_path: Path) -> None:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    url, completed = server
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        outside: list[str] = []
+        page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
+        page.goto(url)
+        expect = sync_api.expect
+
+        # A generation: the image appears and the details show the seed that was used.
+        _fill(page, prompt="A red apple on a wooden table", width=SIZE, height=SIZE, steps=4)
+        page.locator("#generate").click()
+        expect(page.locator("#details")).to_contain_text("4 steps", timeout=60_000)
+        image = page.locator("#gallery img").first
+        expect(image).to_be_visible()
+        assert image.evaluate("img => [img.naturalWidth, img.naturalHeight]") == [SIZE, SIZE]
+        seed = page.locator("#seed input").input_value()
+        expect(page.locator("#details")).to_contain_text(f"Seed: {seed}")
+        _screenshot(page, tmp_path / "ui_generated.png")
+
+        # Bad input shows the pipeline's message, and the page keeps working.
+        _fill(page, prompt="")
+        page.locator("#generate").click()
+        expect(page.get_by_text("prompt is empty")).to_be_visible(timeout=30_000)
+        _fill(page, prompt="A foggy lake", width=SIZE + 2)
+        page.locator("#generate").click()
+        expect(page.get_by_text(f"width {SIZE + 2} must be a multiple of 16")).to_be_visible(timeout=30_000)
+        _screenshot(page, tmp_path / "ui_error.png")
+
+        # Stop aborts a long run; the next request then completes.
+        _fill(page, width=SIZE, steps=200)
+        page.locator("#generate").click()
+        expect(page.get_by_text("Denoising")).to_be_visible(timeout=30_000)
+        page.locator("#stop").click()
+        _fill(page, steps=3)
+        page.locator("#generate").click()
+        expect(page.locator("#details")).to_contain_text("3 steps", timeout=60_000)
+        assert 200 not in completed
+        browser.close()
+    assert outside == []  # the page loads nothing from outside 127.0.0.1
+
+
+def _fill(page: Any, **fields: str | int) -> None:
+    """Type into the page's fields (prompt, width, height, steps) by their element ids."""
+    selectors = {
+        "prompt": "#prompt textarea",
+        "width": "#width input",
+        "height": "#height input",
+        "steps": "#steps input[type=number]",
+    }
+    for name, value in fields.items():
+        box = page.locator(selectors[name])
+        box.fill(str(value))
+        box.blur()
+
+
+def _screenshot(page: Any, path: Path) -> None:
+    """Full-page PNG under pytest's tmp dir, copied to $QWEN_IMAGE_ARTIFACTS when set."""
+    page.screenshot(path=str(path), full_page=True)
+    if artifacts := os.environ.get("QWEN_IMAGE_ARTIFACTS"):
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, artifacts)

@@ -1,0 +1,168 @@
+"""`qwen-image`: generate images, inspect a model, run the web demo.
+
+User errors (bad arguments, bad checkpoints) print one line `error: ...` and exit 2, no traceback.
+"""
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from models.errors import InputError, QwenImageError
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local diffusers-layout checkpoint dir (default: the embedded model)")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
+    parser.add_argument(
+        "--variant", default="auto", help="reference, contract, fp8-unfused, fp8-fused or auto"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen-image", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate images from a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("-o", "--out", default="out.png", help="output PNG (index appended for several images)")
+    gen.add_argument("--negative-prompt", help="enables true CFG when --true-cfg-scale > 1")
+    gen.add_argument("--width", type=int)
+    gen.add_argument("--height", type=int)
+    gen.add_argument("--steps", type=int, dest="num_inference_steps")
+    gen.add_argument("--true-cfg-scale", type=float, default=4.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--num-images", type=int, default=1, dest="num_images_per_prompt")
+    gen.add_argument("--max-sequence-length", type=int, default=512)
+    _add_model_args(gen)
+
+    info = sub.add_parser("info", help="components, dtypes, parameter counts, quantization and fusion")
+    _add_model_args(info)
+
+    quant = sub.add_parser("quantize", help="calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
+    quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
+    quant.add_argument("--out", required=True, help="new checkpoint directory")
+    quant.add_argument("--calib-prompts", help="text file, one prompt per line (default: a built-in set)")
+    quant.add_argument("--steps", type=int, help="denoising steps per calibration prompt")
+    quant.add_argument("--size", type=int, help="calibration image side in pixels")
+    quant.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    quant.add_argument(
+        "--keep-bf16",
+        help="comma-separated module globs kept in BF16 (default: the DESIGN §3 fallback list)",
+    )
+
+    ui = sub.add_parser("ui", help="the Gradio web demo")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=7860)
+    _add_model_args(ui)
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from pipelines import load_pipeline
+
+    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+    return load_pipeline(args.model, variant=args.variant, device=args.device, dtype=args.dtype)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    pipe = _load(args)
+    options = {
+        k: getattr(args, k)
+        for k in (
+            "width",
+            "height",
+            "num_inference_steps",
+            "seed",
+            "num_images_per_prompt",
+            "max_sequence_length",
+        )
+    }
+    images = pipe.generate(
+        args.prompt,
+        negative_prompt=args.negative_prompt,
+        true_cfg_scale=args.true_cfg_scale,
+        progress=True,
+        **options,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out] if len(images) == 1 else [out.with_stem(f"{out.stem}-{i}") for i in range(len(images))]
+    for image, path in zip(images, paths, strict=True):
+        image.save(path)
+    run = pipe.last_run
+    t = run.timings
+    print(
+        f"wrote {', '.join(map(str, paths))} ({run.width}x{run.height}, seed {run.seed}, variant {run.variant})"
+    )
+    print(
+        f"text encoding {t['text_encoding']:.2f} s | denoising {t['denoising']:.2f} s "
+        f"({run.ms_per_step:.0f} ms/step x {run.num_inference_steps}) | decoding {t['decoding']:.2f} s "
+        f"| total {t['total']:.2f} s"
+    )
+    print(run.fused_paths)
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    from pipelines.info import describe
+
+    print(describe(_load(args)))
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from pipelines.quantize import DEFAULT_BF16_FALLBACK, DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
+
+    prompts = DEFAULT_CALIBRATION_PROMPTS
+    if args.calib_prompts:
+        prompts = read_prompt_file(Path(args.calib_prompts))
+    ignore = DEFAULT_BF16_FALLBACK if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
+    out = quantize_checkpoint(
+        args.model, Path(args.out), prompts, ignore, steps=args.steps, size=args.size, device=args.device
+    )
+    from pipelines import load_pipeline
+
+    print(f"wrote {out}")
+    print(load_pipeline(out, device=args.device).fusion_summary())
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """Prompts of a text file, one per line; blank lines and '#' comments skipped."""
+    if not path.is_file():
+        raise InputError(f"prompt file {path} does not exist")
+    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+    prompts = [line for line in lines if line and not line.startswith("#")]
+    if not prompts:
+        raise InputError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def cmd_ui(args: argparse.Namespace) -> None:
+    from ui.app import launch
+
+    launch(args.model, host=args.host, port=args.port, variant=args.variant)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "generate": cmd_generate,
+    "info": cmd_info,
+    "quantize": cmd_quantize,
+    "ui": cmd_ui,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except QwenImageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
