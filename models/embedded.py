@@ -59,12 +59,21 @@ def build_embedded_vae(dtype: torch.dtype, device: torch.device) -> AutoencoderK
     return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Move to `device` and cast parameters only: fp32 buffers (RoPE inverse frequencies) stay fp32,
+    exactly as transformers' `from_pretrained(dtype=...)` leaves them."""
+    module = module.to(device)
+    for param in module.parameters():
+        param.data = param.data.to(dtype)
+    return module.eval().requires_grad_(False)
+
+
 def build_embedded_components(dtype: torch.dtype, device: torch.device) -> Components:
     """All five components of the embedded default model."""
     text_encoder = build_tiny_text_encoder(seed=EMBEDDED_SEED + 2, hidden_size=TEXT_HIDDEN)
     return Components(
         tokenizer=build_qwen2_tokenizer(),
-        text_encoder=text_encoder.to(device=device, dtype=dtype).eval().requires_grad_(False),
+        text_encoder=cast_parameters(text_encoder, dtype, device),
         transformer=build_embedded_transformer(dtype, device),
         vae=build_embedded_vae(dtype, device),
         scheduler=default_scheduler(),

@@ -144,9 +144,10 @@ def load_text_encoder(
             output_loading_info=True,
         )
     except Exception as exc:  # transformers raises OSError, ValueError, RuntimeError... for a bad folder
-        raise CheckpointError(f"text encoder in {directory} cannot be loaded: {exc}") from exc
+        raise CheckpointError(f"text encoder in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
     mismatched = sorted(
-        f"{key} {tuple(saved)} vs {tuple(wanted)}" for key, saved, wanted in info["mismatched_keys"]
+        f"{key} is {tuple(saved)}, config wants {tuple(wanted)}"
+        for key, saved, wanted in info["mismatched_keys"]
     )
     if mismatched:
         raise CheckpointError(

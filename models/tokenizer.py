@@ -90,7 +90,7 @@ def load_tokenizer(directory: Path | None) -> Qwen2Tokenizer:
     try:
         tokenizer = Qwen2Tokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # transformers and tokenizers raise many types for a bad folder
-        raise CheckpointError(f"tokenizer in {directory} cannot be loaded: {exc}") from exc
+        raise CheckpointError(f"tokenizer in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
     _check_tokenizer(tokenizer, directory)
     return tokenizer
 

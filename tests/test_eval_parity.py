@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from eval.parity import main
+
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--size", "64x64", "--steps", "2"]
-
-pytestmark = pytest.mark.slow
 
 
 def parity(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -25,16 +25,6 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("prompts") / "two.txt"
     path.write_text("# two prompts\nA red apple on a table\n一只猫坐在窗台上\n", encoding="utf-8")
     return path
-
-
-@pytest.fixture(scope="module")
-def identical_run(
-    prompts: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("identical")
-    result = parity("--prompts", str(prompts), "--a", "contract", "--b", "contract:cpu", *FAST,
-                    "--out", str(out), "--expect", "identical")  # fmt: skip
-    return result, out
 
 
 @pytest.fixture(scope="module")
@@ -51,27 +41,7 @@ def load(out: Path) -> dict:
     return json.loads((out / "report.json").read_text(encoding="utf-8"))
 
 
-def test_contract_vs_contract_is_identical(identical_run: tuple[subprocess.CompletedProcess, Path]) -> None:
-    result, out = identical_run
-    assert result.returncode == 0, result.stderr
-    assert "verdict: PASS (identical on all 2 pairs)" in result.stdout
-    report = load(out)
-    assert report["schema_version"] == 1 and report["model"] == "embedded-default"
-    assert report["summary"]["identical"] == 2 and report["expect"]["passed"] is True
-    for pair in report["pairs"]:
-        assert (
-            pair["identical"]
-            and pair["psnr_db"] == "inf"
-            and pair["ssim"] == 1.0
-            and pair["max_abs_diff"] == 0
-        )
-        assert pair["a"]["pixel_sha256"] == pair["b"]["pixel_sha256"]
-        assert pair["a"]["png_sha256"] == pair["b"]["png_sha256"]
-        assert (pair["width"], pair["height"], pair["steps"]) == (64, 64, 2)
-    assert [p["order"] for p in report["pairs"]] == ["ab", "ba"]
-    assert "pair 2/2 p001-s0 b=contract:cpu" in result.stderr
-
-
+@pytest.mark.slow
 def test_reference_vs_contract_differs(differing_run: tuple[subprocess.CompletedProcess, Path]) -> None:
     result, out = differing_run
     assert result.returncode == 1, result.stderr
@@ -86,6 +56,7 @@ def test_reference_vs_contract_differs(differing_run: tuple[subprocess.Completed
     assert report["variants"]["a"]["workers"][0]["variant"] == "reference"
     assert report["variants"]["b"]["workers"][0]["variant"] == "contract"
     assert report["summary"]["time"]["a"]["total_s"] > 0
+    assert [p["order"] for p in report["pairs"]] == ["ab", "ba", "ab", "ba"]
 
 
 class ImageSources(HTMLParser):
@@ -98,6 +69,7 @@ class ImageSources(HTMLParser):
             self.sources.append(dict(attrs)["src"])
 
 
+@pytest.mark.slow
 def test_html_references_every_image(differing_run: tuple[subprocess.CompletedProcess, Path]) -> None:
     _, out = differing_run
     report = load(out)
@@ -111,6 +83,7 @@ def test_html_references_every_image(differing_run: tuple[subprocess.CompletedPr
     assert sorted(path.name for path in (out / "images").iterdir()) == sorted(Path(s).name for s in expected)
 
 
+@pytest.mark.slow
 def test_lpips_unavailable_reason_is_printed(differing_run: tuple[subprocess.CompletedProcess, Path]) -> None:
     result, out = differing_run
     lpips = load(out)["lpips"]
@@ -128,30 +101,60 @@ def test_lpips_unavailable_reason_is_printed(differing_run: tuple[subprocess.Com
             "error: prompt file not found",
         ),
         (["--a", "contract", "--b", "fp9"], "error: unknown variant 'fp9'"),
+        (["--a", "contract:cuda:bf16:2", "--b", "contract"], "error: bad variant"),
         (["--a", "contract", "--b", "contract", "--expect", "psnr=>35"], "error: bad --expect term"),
-        (["--a", "contract", "--b", "contract", "--size", "65x64", "--steps", "1"], "error: variant"),
+        (
+            ["--a", "contract", "--b", "contract", "--expect", "lpips<0.1", "--lpips-weights", "/no/such"],
+            "error: --expect uses lpips",
+        ),
+        (["--a", "contract", "--b", "contract", "--size", "64"], "error: bad --size"),
     ],
 )
-def test_user_errors_print_one_line(args: list[str], message: str, tmp_path: Path) -> None:
-    result = parity(*args, "--out", str(tmp_path))
+def test_usage_errors_print_one_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.slow
+def test_worker_errors_print_one_line(tmp_path: Path) -> None:
+    """A checkpoint error raised inside a worker reaches the user as one line, exit status 2."""
+    empty_model = tmp_path / "not-a-checkpoint"
+    empty_model.mkdir()
+    result = parity(
+        "--model", str(empty_model), "--a", "contract", "--b", "reference", "--out", str(tmp_path)
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(message)
+    assert len(errors) == 1 and errors[0].startswith("error: variant a (contract): "), result.stderr
 
 
-def test_torchrun_two_gloo_ranks_merge_all_pairs(prompts: Path, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_torchrun_two_gloo_ranks_contract_vs_contract_is_identical(prompts: Path, tmp_path: Path) -> None:
+    """Two gloo ranks share 4 pairs; rank 0 merges them; contract vs contract is bit-identical."""
     launcher = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m")
-    result = parity("--prompts", str(prompts), "--a", "contract", "--b", "contract", "--seeds", "0,1", *FAST,
-                    "--out", str(tmp_path), "--expect", "identical", launcher=launcher)  # fmt: skip
+    result = parity("--prompts", str(prompts), "--a", "contract", "--b", "contract:cpu", "--seeds", "0,1",
+                    *FAST, "--out", str(tmp_path), "--expect", "identical", launcher=launcher)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "verdict: PASS (identical on all 4 pairs)" in result.stdout
+    assert "[rank 1] pair 4/4 p001-s1 b=contract:cpu" in result.stderr
     report = load(tmp_path)
-    assert report["world_size"] == 2
+    assert report["world_size"] == 2 and report["model"] == "embedded-default"
     assert [p["index"] for p in report["pairs"]] == [0, 1, 2, 3]
     assert [p["rank"] for p in report["pairs"]] == [0, 1, 0, 1]
-    assert len(report["variants"]["a"]["workers"]) == 2
+    assert [w["rank"] for w in report["variants"]["b"]["workers"]] == [0, 1]
     for rank in (0, 1):
         shard = json.loads((tmp_path / f"shard-{rank}.json").read_text(encoding="utf-8"))
         assert [p["index"] for p in shard["pairs"]] == [rank, rank + 2]
-    assert all((tmp_path / p[side]["image"]).is_file() for p in report["pairs"] for side in "ab")
+    assert report["summary"]["identical"] == 4 and report["expect"]["passed"] is True
+    for pair in report["pairs"]:
+        assert pair["identical"] and pair["psnr_db"] == "inf" and pair["ssim"] == 1.0
+        assert pair["max_abs_diff"] == 0 and pair["diff_image"] is None
+        assert pair["a"]["pixel_sha256"] == pair["b"]["pixel_sha256"]
+        assert pair["a"]["png_sha256"] == pair["b"]["png_sha256"]
+        assert (pair["width"], pair["height"], pair["steps"]) == (64, 64, 2)
+        assert all((tmp_path / pair[side]["image"]).is_file() for side in "ab")

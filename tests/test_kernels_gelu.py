@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_kernels_quant import all_bf16, interpreter_exact_range
+from test_kernels_quant import all_bf16, interpreter_exact_range, needs_interpreter
 
 import kernels.gelu_quant as gelu_quant
 from kernels.gelu_quant import (
@@ -17,7 +17,8 @@ from kernels.gelu_quant import (
 from kernels.quant import FP8_DTYPE, inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
 from kernels.steps import ordered_codes, step_distance, subnormal
 
-TANH_SLACK = 2.0**-22  # absolute: 4 ulp of values near 1, covers torch, libdevice and the interpreter's tanh
+# absolute slack on t: 8 ulp of values near 1, above the tanh error (<= 2 ulp) plus the fp32 error of `inner`
+TANH_SLACK = 2.0**-21
 
 
 def within_tanh_slack(g: torch.Tensor, h: torch.Tensor, tol: int) -> torch.Tensor:
@@ -53,6 +54,7 @@ def test_twin_is_the_contract_gelu():
     assert int(step_distance(gelu_tanh_torch(h), ref)[moderate].max()) <= 1
 
 
+@needs_interpreter
 def test_fused_equals_unfused_and_twin():
     h = gelu_inputs()
     inv = inverse_scale(torch.tensor(0.03125))
@@ -71,6 +73,7 @@ def test_fused_equals_unfused_and_twin():
     assert int(step_distance(q_fused, q_ref)[interpreter_exact_range(g_fused, inv, q_ref)].max()) <= 1
 
 
+@needs_interpreter
 @pytest.mark.parametrize(
     "h, inv",
     [

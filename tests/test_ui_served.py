@@ -109,7 +109,7 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int]], tm
         # Stop aborts a long run; the next request then completes.
         _fill(page, width=SIZE, steps=200)
         page.locator("#generate").click()
-        expect(page.get_by_text("Denoising")).to_be_visible(timeout=30_000)
+        expect(page.get_by_role("progressbar", name="Denoising")).to_be_visible(timeout=30_000)
         page.locator("#stop").click()
         _fill(page, steps=3)
         page.locator("#generate").click()

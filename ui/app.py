@@ -109,7 +109,9 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                     width = gr.Number(defaults.width, label="Width", precision=0, elem_id="width")
                     height = gr.Number(defaults.height, label="Height", precision=0, elem_id="height")
                 with gr.Row():
-                    steps = gr.Slider(1, 200, defaults.num_inference_steps, step=1, label="Steps")
+                    steps = gr.Slider(
+                        1, 200, defaults.num_inference_steps, step=1, label="Steps", elem_id="steps"
+                    )
                     cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
                 with gr.Row():
                     seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="seed")
@@ -133,9 +135,10 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                 details = gr.Markdown("Run details appear here.", label="Details", elem_id="details")
         gr.Examples([[p] for p in EXAMPLES], inputs=[prompt], label="Example prompts")
 
-        aspect.input(_fill_size, [aspect, width, height], [width, height], api_visibility="private")
+        private = {"queue": False, "api_visibility": "private"}
+        aspect.input(_fill_size, [aspect, width, height], [width, height], **private)
         for field in (width, height):
-            field.input(lambda: CUSTOM, None, aspect, api_visibility="private")
+            field.input(lambda: CUSTOM, None, aspect, **private)
         inputs = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
         run = gr.on(
             [generate_btn.click, prompt.submit],

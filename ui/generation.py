@@ -69,43 +69,44 @@ class Runner:
     """Runs one generation at a time (one GPU) on the process's single pipeline.
 
     Gradio's cancel only abandons the request; the worker thread keeps going. So Stop also sets a
-    flag for the session whose job is running, and the step callback raises `Cancelled` on it. The
-    lock keeps a cancelled-but-still-running job from overlapping the next one.
+    flag for the session's job (running, or waiting for the GPU), and the step callback raises
+    `Cancelled` on it. The lock keeps a cancelled-but-still-running job from overlapping the next one.
     """
 
     def __init__(self, pipe: Pipeline) -> None:
         self._pipe = pipe
         self._lock = threading.Lock()
-        self._active: tuple[str, threading.Event] | None = None
+        self._stops: dict[str, threading.Event] = {}  # session -> its latest job's stop flag
 
     def stop(self, session: str) -> bool:
-        """Ask the running job of `session` to stop at its next step; False when it has none."""
-        active = self._active
-        if active is None or active[0] != session:
-            return False
-        active[1].set()
-        return True
+        """Ask the job of `session` to stop at its next step; False when it has none."""
+        stopped = self._stops.get(session)
+        if stopped is not None:
+            stopped.set()
+        return stopped is not None
 
     def run(
         self, session: str, variant: str, on_step: Callable[[int, int], None], **kwargs: Any
     ) -> tuple[list[Image.Image], Any]:
         """Generate with `variant` (switched in place on the same weights); returns (images, RunInfo)."""
-        stopped = threading.Event()
+        stopped = self._stops[session] = threading.Event()
 
         def step(i: int, total: int) -> None:
             if stopped.is_set():
                 raise Cancelled("stopped by the user")
             on_step(i, total)
 
-        with self._lock:
-            self._active = (session, stopped)
-            try:
+        try:
+            with self._lock:
+                if stopped.is_set():
+                    raise Cancelled("stopped by the user")
                 if variant != self._pipe.variant:
                     self._pipe.set_variant(variant)
                 images = self._pipe.generate(on_step=step, **kwargs)
                 return images, self._pipe.last_run
-            finally:
-                self._active = None
+        finally:
+            if self._stops.get(session) is stopped:
+                del self._stops[session]
 
 
 def format_details(run: Any) -> str:

@@ -1,0 +1,195 @@
+"""Compiled Triton kernels on CUDA against the torch twins and against themselves (DESIGN §4).
+
+- quantizer: byte-exact vs the twin (CUDA and CPU) on all 65536 bf16 encodings x 8 scales;
+- both producers and GELU, at rows {1, 127, 1024, 4096} x hidden {3072, 1536, 5120}, inputs holding every
+  bf16 encoding plus normal data: fused == unfused byte for byte and from the same compiled binary;
+  r byte-exact vs the twin; y differs from the twin only through the LN sum order (n moved one bf16 step
+  at most), g only through tanh's last bits; q == the quantizer of the kernel's own y / g, byte-exact.
+Mismatch counts vs the twins are printed (run with -s).
+"""
+
+import pytest
+import torch
+from test_kernels_gelu import within_tanh_slack
+from test_kernels_norm_modulate import EPS, explained_by_ln_statistics
+from test_kernels_quant import INPUT_SCALES, all_bf16
+
+import kernels.norm_modulate as norm_modulate
+from kernels.gelu_quant import (
+    _gelu_tanh_quant_kernel,
+    gelu_tanh_quant_triton,
+    gelu_tanh_torch,
+    gelu_tanh_triton,
+)
+from kernels.norm_modulate import (
+    _gated_residual_layer_norm_modulate_kernel,
+    _layer_norm_modulate_kernel,
+    gated_residual_layer_norm_modulate_torch,
+    gated_residual_layer_norm_modulate_triton,
+    layer_norm_modulate,
+    layer_norm_modulate_torch,
+    layer_norm_modulate_triton,
+)
+from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
+from kernels.steps import step_distance
+
+pytestmark = pytest.mark.gpu
+ROWS = [1, 127, 1024, 4096]
+WIDTHS = [3072, 1536, 5120]
+CASES = [(rows, width) for rows in ROWS for width in WIDTHS]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def binaries(kernel) -> int:
+    """Compiled variants of `kernel` on the current device (Triton's per-device kernel cache)."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+def activations(rows: int, width: int, seed: int) -> torch.Tensor:
+    """[B, L, D] bf16 rows of varied mean and spread; with room, the first 65536 values are every encoding."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch = 2 if rows % 2 == 0 else 1
+    shape = (batch, rows // batch, width)
+    spread = torch.exp(torch.randn(*shape[:2], 1, device="cuda", generator=g))
+    offset = 4 * torch.randn(*shape[:2], 1, device="cuda", generator=g)
+    x = (torch.randn(shape, device="cuda", generator=g) * spread + offset).bfloat16()
+    if x.numel() >= 2 * (1 << 16):
+        x.view(-1)[: 1 << 16] = all_bf16().cuda()
+    return x
+
+
+def modulation(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, shift, scale as strided chunks of one [B, 6D] tensor, like the model's modulation output."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mod = (0.5 * torch.randn(batch, 6 * width, device="cuda", generator=g)).bfloat16()
+    return mod[:, :width], mod[:, 3 * width : 4 * width], mod[:, 4 * width : 5 * width]
+
+
+def safe_rows(t: torch.Tensor) -> torch.Tensor:
+    """[B, L, 1] mask of rows whose LN sums cannot overflow fp32 in any order (finite, moderate)."""
+    t64 = t.double()
+    return (t64.abs().sum(-1, keepdim=True) < 1e37) & ((t64 * t64).sum(-1, keepdim=True) < 1e37)
+
+
+def report(tag: str, got: torch.Tensor, want: torch.Tensor, rows_ok: torch.Tensor) -> int:
+    """Print and return how many values of `got` differ from `want` (NaN == NaN) in the rows_ok rows."""
+    dist = step_distance(got, want)
+    ok = rows_ok.expand_as(dist)
+    bad = int((dist[ok] > 0).sum())
+    worst = int(dist[ok].max()) if bad else 0
+    print(
+        f"{tag}: {bad} of {int(ok.sum())} differ (max {worst} steps); "
+        f"{int((dist[~ok] > 0).sum())} in {int((~rows_ok).sum())} overflow-prone rows"
+    )
+    return bad
+
+
+def test_quantizer_byte_exact_on_all_bf16():
+    y = all_bf16()
+    nan = y.isnan()
+    for s in INPUT_SCALES:
+        inv = inverse_scale(torch.tensor(s))
+        got = static_quant_fp8_triton(y.cuda(), inv.cuda())
+        assert got is not None
+        assert same_bytes(got, static_quant_fp8_torch(y.cuda(), inv.cuda())), s
+        # vs the CPU twin (checked against the bit-level encoder): the same bytes except that a GPU
+        # multiply returns the canonical (positive) NaN where the CPU keeps the sign of a negative NaN
+        got, cpu = got.cpu().view(torch.uint8), static_quant_fp8_torch(y, inv).view(torch.uint8)
+        differ = (got != cpu).nonzero().flatten()
+        assert torch.equal(got[~nan], cpu[~nan]), (
+            f"scale {s}: {y[differ[:4]]} -> {got[differ[:4]]} vs {cpu[differ[:4]]}"
+        )
+        assert bool(((got[nan] & 0x7F) == 0x7F).all()), s
+
+
+@pytest.mark.parametrize("rows, width", CASES)
+def test_producer1(rows, width):
+    x = activations(rows, width, seed=rows + width)
+    _, shift, scale = modulation(x.shape[0], width, seed=rows)
+    inv = inverse_scale(torch.tensor(0.02, device="cuda"))
+    args = (x, shift, scale, EPS)
+    y_unfused, _ = layer_norm_modulate_triton(*args)
+    q_unfused = static_quant_fp8_triton(y_unfused, inv)
+    compiled = binaries(_layer_norm_modulate_kernel)
+    y_fused, q_fused = layer_norm_modulate_triton(*args, inv)
+    _, q_only = layer_norm_modulate_triton(*args, inv, write_y=False)
+    assert binaries(_layer_norm_modulate_kernel) == compiled  # the fused launches reused the binary
+    assert same_bytes(y_fused, y_unfused)
+    assert same_bytes(q_fused, q_unfused) and same_bytes(q_only, q_unfused)
+
+    y_ref, q_ref = layer_norm_modulate_torch(*args, inv)
+    ok = safe_rows(x)
+    tag = f"p1 rows={rows} D={width}"
+    bad_y = report(f"{tag} y", y_fused, y_ref, ok)
+    report(f"{tag} q", q_fused, q_ref, ok)
+    assert bad_y <= max(8, y_ref.numel() // 10_000)
+    assert bool(
+        explained_by_ln_statistics(y_fused, x, shift, scale, interpreter=False)[ok.expand_as(x)].all()
+    )
+    assert same_bytes(q_fused, static_quant_fp8_torch(y_fused, inv))
+
+
+@pytest.mark.parametrize("rows, width", CASES)
+def test_producer2(rows, width):
+    residual = activations(rows, width, seed=rows + width)
+    x = (3 * torch.randn_like(residual, dtype=torch.float32)).bfloat16()
+    gate, shift, scale = modulation(x.shape[0], width, seed=rows + 1)
+    inv = inverse_scale(torch.tensor(0.05, device="cuda"))
+    args = (residual, gate, x, shift, scale, EPS)
+    kernel = _gated_residual_layer_norm_modulate_kernel
+    r_unfused, y_unfused, _ = gated_residual_layer_norm_modulate_triton(*args)
+    q_unfused = static_quant_fp8_triton(y_unfused, inv)
+    compiled = binaries(kernel)
+    r_fused, y_fused, q_fused = gated_residual_layer_norm_modulate_triton(*args, inv)
+    r_only, _, q_only = gated_residual_layer_norm_modulate_triton(*args, inv, write_y=False)
+    assert binaries(kernel) == compiled
+    assert same_bytes(r_fused, r_unfused) and same_bytes(r_only, r_unfused)
+    assert same_bytes(y_fused, y_unfused)
+    assert same_bytes(q_fused, q_unfused) and same_bytes(q_only, q_unfused)
+
+    r_ref, y_ref, q_ref = gated_residual_layer_norm_modulate_torch(*args, inv)
+    assert int(step_distance(r_fused, r_ref).max()) == 0  # no reduction: equal values, NaN where NaN
+    ok = safe_rows(r_fused)
+    tag = f"p2 rows={rows} D={width}"
+    bad_y = report(f"{tag} y", y_fused, y_ref, ok)
+    report(f"{tag} q", q_fused, q_ref, ok)
+    assert bad_y <= max(8, y_ref.numel() // 10_000)
+    assert bool(
+        explained_by_ln_statistics(y_fused, r_fused, shift, scale, interpreter=False)[ok.expand_as(x)].all()
+    )
+    assert same_bytes(q_fused, static_quant_fp8_torch(y_fused, inv))
+
+
+@pytest.mark.parametrize("rows, width", CASES)
+def test_gelu(rows, width):
+    h = activations(rows, width, seed=rows * width)
+    inv = inverse_scale(torch.tensor(0.03125, device="cuda"))
+    g_unfused = gelu_tanh_triton(h)
+    q_unfused = static_quant_fp8_triton(g_unfused, inv)
+    compiled = binaries(_gelu_tanh_quant_kernel)
+    g_fused, q_fused = gelu_tanh_quant_triton(h, inv, write_g=True)
+    _, q_only = gelu_tanh_quant_triton(h, inv)
+    assert binaries(_gelu_tanh_quant_kernel) == compiled
+    assert same_bytes(g_fused, g_unfused)
+    assert same_bytes(q_fused, q_unfused) and same_bytes(q_only, q_unfused)
+
+    everywhere = torch.ones(*h.shape[:2], 1, dtype=torch.bool, device="cuda")
+    report(f"gelu rows={rows} D={width} g", g_fused, gelu_tanh_torch(h), everywhere)
+    assert bool(within_tanh_slack(g_fused, h, tol=0).all())
+    assert same_bytes(q_fused, static_quant_fp8_torch(g_fused, inv))
+
+
+def test_dispatch_on_cuda_uses_triton(monkeypatch):
+    def no_twin(*_):
+        raise AssertionError("CUDA input the guard accepts must not fall back to the torch twin")
+
+    monkeypatch.setattr(norm_modulate, "layer_norm_modulate_torch", no_twin)
+    x = activations(8, 3072, seed=1)
+    _, shift, scale = modulation(x.shape[0], 3072, seed=2)
+    inv = inverse_scale(torch.tensor(0.02, device="cuda"))
+    y, q = layer_norm_modulate(x, shift, scale, EPS, inv)
+    y_triton, q_triton = layer_norm_modulate_triton(x, shift, scale, EPS, inv)
+    assert same_bytes(y, y_triton) and same_bytes(q, q_triton)

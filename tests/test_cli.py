@@ -1,0 +1,87 @@
+"""The `qwen-image` command as a user runs it: images written, info printed, one-line errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from models.components import save_components
+from pipelines import load_pipeline
+from ui.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ui.cli", *args], capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def test_generate_writes_a_png_with_no_model_given(tmp_path):
+    out = tmp_path / "fox.png"
+    result = run_cli("generate", "a red fox", "-o", str(out), "--width", "64", "--height", "48", "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    image = PIL.Image.open(out)
+    assert image.size == (64, 48) and image.format == "PNG"
+    assert np.asarray(image).std() > 0
+    assert "seed" in result.stdout and "ms/step" in result.stdout
+    assert "denoising" in result.stderr  # progress bar over steps
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "   "], "prompt is empty"),
+        (["generate", "fox", "--width", "100"], "width 100 must be a multiple of 16"),
+        (["generate", "fox", "--height", "4096"], "height 4096 must be a multiple of 16 between 16 and 2048"),
+        (["generate", "fox", "--steps", "0"], "num_inference_steps 0 must be between 1 and 200"),
+        (["generate", "fox", "--model", "/nonexistent/qwen"], "model directory /nonexistent/qwen does not exist"),
+        (["info", "--variant", "fp8-fused"], "variant 'fp8-fused' is not available"),
+    ],
+)
+def test_bad_input_gives_one_line_error(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt") / "qwen"
+    save_components(load_pipeline(device="cpu").components, directory)
+    return directory
+
+
+def test_saved_checkpoint_round_trips_and_info_describes_it(saved_model, tmp_path, capsys):
+    embedded = load_pipeline(device="cpu")
+    loaded = load_pipeline(saved_model, device="cpu")
+    args = dict(width=32, height=32, num_inference_steps=2, seed=5)
+    a, b = embedded.generate("a boat", **args)[0], loaded.generate("a boat", **args)[0]
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert main(["info", "--model", str(saved_model)]) == 0
+    out = capsys.readouterr().out
+    assert "transformer:" in out and "2 layers" in out and "FP8 norm+quant fusion: off" in out
+
+
+def test_partial_and_mismatched_checkpoints_are_refused(saved_model, tmp_path, capsys):
+    partial = tmp_path / "partial"
+    shutil.copytree(saved_model, partial)
+    shutil.rmtree(partial / "vae")
+    assert main(["info", "--model", str(partial)]) == 2
+    assert "incomplete: missing vae/" in capsys.readouterr().err
+
+    wrong = tmp_path / "wrong"
+    shutil.copytree(saved_model, wrong)
+    config_path = wrong / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_attention_heads"] = 4
+    config["attention_head_dim"] = 16
+    config["axes_dims_rope"] = [4, 6, 6]
+    config_path.write_text(json.dumps(config))
+    assert main(["info", "--model", str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert "has shape" in err and "expected" in err

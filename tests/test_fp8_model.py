@@ -1,0 +1,183 @@
+"""FP8 transformer end to end on CPU: quantize the embedded model, load it, fused == unfused, no host syncs,
+and refusal of broken ModelOpt checkpoints."""
+
+import hashlib
+import io
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.errors import CheckpointError
+from models.loading import load_transformer
+from pipelines import load_pipeline
+from pipelines.quantize import DEFAULT_BF16_FALLBACK, quantize_checkpoint
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "model"
+    return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
+
+
+def _png_sha(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def test_quantized_checkpoint_layout_and_scales(fp8_dir):
+    config = json.loads((fp8_dir / "transformer" / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["quant_method"] == "modelopt" and quant["quant_algo"] == "FP8"
+    assert quant["ignore"] == list(DEFAULT_BF16_FALLBACK)
+    state = load_file(fp8_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    block = "transformer_blocks.0."
+    assert state[block + "attn.to_q.weight"].dtype == torch.float8_e4m3fn
+    assert state[block + "img_mlp.net.2.weight"].dtype == torch.bfloat16  # fallback list keeps it BF16
+    assert state[block + "txt_mlp.net.2.weight"].dtype == torch.float8_e4m3fn
+    for stream in (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")):
+        scales = [state[f"{block}attn.{n}.input_scale"] for n in stream]
+        assert all(torch.equal(scales[0], s) for s in scales), "Q/K/V of a stream must share one input scale"
+    weight_scale = state[block + "attn.to_q.weight_scale"]
+    assert weight_scale.dtype == torch.float32 and weight_scale.numel() == 1 and weight_scale.item() > 0
+    # The FP8 weight reaches the top of the E4M3 range: weight_scale is amax/448.
+    assert state[block + "attn.to_q.weight"].float().abs().max().item() == 448.0
+
+
+def test_loads_with_every_path_fused_and_reports_it(fp8_dir):
+    pipe = load_pipeline(fp8_dir, device="cpu")
+    assert pipe.variant == "fp8-fused"
+    layers = pipe.transformer.config.num_layers
+    assert pipe.fusion_summary().splitlines()[0] == f"FP8 norm+quant fusion: {4 * layers}/{4 * layers} block paths"
+
+
+def test_fused_and_unfused_pngs_are_byte_identical(fp8_dir):
+    pipe = load_pipeline(fp8_dir, device="cpu")
+    args = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=3, seed=11)
+    fused = [_png_sha(im) for im in pipe.generate(["a red fox", "a blue bird"], **args)]
+    pipe.set_variant("fp8-unfused")
+    assert "0/" in pipe.fusion_summary().splitlines()[0]
+    unfused = [_png_sha(im) for im in pipe.generate(["a red fox", "a blue bird"], **args)]
+    assert fused == unfused
+    assert fused[0] != fused[1]
+
+
+def test_environment_switch_forces_the_unfused_path(fp8_dir, monkeypatch):
+    monkeypatch.setenv("QWEN_IMAGE_FP8_FUSION", "0")
+    pipe = load_pipeline(fp8_dir, device="cpu")
+    assert "fusion switched off" in pipe.fusion_summary()
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on device-to-host scalar reads (`.item()`, `bool(t)`), on tensors made from host data
+    (`torch.tensor(...)`), and on scalar tensors created on the host for a model on another device."""
+
+    def __init__(self, device: torch.device = CPU) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        host_scalar = name == "aten::scalar_tensor" and torch.device(kwargs.get("device", "cpu")) != self.device
+        if name in ("aten::_local_scalar_dense", "aten::lift_fresh") or host_scalar:
+            raise AssertionError(f"host synchronisation in the denoise step: {name}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("variant", ["fp8-fused", "fp8-unfused"])
+def test_transformer_step_has_no_host_sync(fp8_dir, variant):
+    pipe = load_pipeline(fp8_dir, variant=variant, device="cpu")
+    model = pipe.transformer
+    latents = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    prompt = torch.randn(2, 5, model.config.joint_attention_dim, dtype=torch.bfloat16)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    sigma = torch.full((2,), 0.5)
+    with torch.no_grad():
+        model(latents, prompt, mask, sigma, (1, 4, 4))  # warm the RoPE cache, as the first step does
+        with NoHostSync():
+            model(latents, prompt, mask, sigma, (1, 4, 4))
+
+
+def test_guard_catches_a_sync():
+    with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
+        torch.ones(3).sum().item()
+
+
+def _broken_copy(fp8_dir, tmp_path, edit) -> torch.device:
+    target = tmp_path / "broken"
+    shutil.copytree(fp8_dir / "transformer", target)
+    path = target / "diffusion_pytorch_model.safetensors"
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+    return target
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.pop("transformer_blocks.0.attn.to_k.input_scale"), "to_k.input_scale is missing"),
+        (lambda s: s.pop("transformer_blocks.1.attn.to_v.weight_scale"), "to_v.weight_scale is missing"),
+        (
+            lambda s: s.update({"transformer_blocks.0.attn.to_q.input_scale": torch.tensor(0.0)}),
+            "to_q.input_scale is 0.0",
+        ),
+        (
+            lambda s: s.update({"transformer_blocks.0.attn.to_q.input_scale": torch.tensor(float("nan"))}),
+            "to_q.input_scale is nan",
+        ),
+        (
+            lambda s: s.update({"transformer_blocks.0.attn.to_q.weight_scale": torch.tensor(-1.0)}),
+            "to_q.weight_scale is -1.0",
+        ),
+        (
+            lambda s: s.update({"transformer_blocks.0.attn.to_q.input_scale": torch.tensor([1.0, 2.0])}),
+            "to_q.input_scale has shape [2]",
+        ),
+        (
+            lambda s: s.update({"transformer_blocks.0.attn.to_q.input_scale": torch.tensor(1, dtype=torch.int32)}),
+            "to_q.input_scale has dtype torch.int32",
+        ),
+        (
+            lambda s: s.update(
+                {"transformer_blocks.0.attn.to_q.weight": s["transformer_blocks.0.attn.to_q.weight"].bfloat16()}
+            ),
+            "to_q.weight is torch.bfloat16, expected float8_e4m3fn",
+        ),
+        (
+            lambda s: s.update(
+                {"transformer_blocks.0.attn.to_q.weight": s["transformer_blocks.0.attn.to_q.weight"][:, :16].contiguous()}
+            ),
+            "to_q.weight has shape",
+        ),
+        (
+            lambda s: s.update({"proj_out.weight": s["proj_out.weight"].to(torch.float8_e4m3fn)}),
+            "proj_out matches an ignore pattern but is stored as FP8",
+        ),
+    ],
+)
+def test_broken_checkpoints_are_refused(fp8_dir, tmp_path, edit, message):
+    directory = _broken_copy(fp8_dir, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_transformer(directory, torch.bfloat16, CPU)
+
+
+def test_nested_hf_quant_config_is_understood(fp8_dir, tmp_path):
+    target = tmp_path / "nested"
+    shutil.copytree(fp8_dir / "transformer", target)
+    config = json.loads((target / "config.json").read_text())
+    config.pop("quantization_config")
+    (target / "config.json").write_text(json.dumps(config))
+    model = load_transformer(target, torch.bfloat16, CPU)
+    assert model.is_fp8 and model.fusion_report.fused == 4 * model.config.num_layers
+    (target / "hf_quant_config.json").unlink()
+    with pytest.raises(CheckpointError, match="no ModelOpt quantization_config"):
+        load_transformer(target, torch.bfloat16, CPU)

@@ -1,0 +1,188 @@
+"""Every Triton entry point launches; the sm_90 binaries obey DESIGN §4 (compiled here, no GPU needed).
+
+`compile_report` runs in a subprocess without the interpreter: it records the launches the public
+functions make, keys them with Triton's own specializer, compiles them for sm_90 and counts the PTX
+instructions the contract forbids or requires.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_kernels_quant import needs_interpreter
+
+from kernels import (
+    gated_residual_layer_norm_modulate_triton,
+    gated_residual_triton,
+    gelu_tanh_quant_triton,
+    gelu_tanh_triton,
+    inverse_scale,
+    layer_norm_modulate_triton,
+    static_quant_fp8_triton,
+)
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+B, L = 2, 3
+PTX_PATTERNS = {
+    "fma": r"\bfma\.rn\.f32",
+    "div_rn": r"\bdiv\.rn\.f32",
+    "div_inexact": r"\bdiv\.(full|approx)",
+    "sqrt_rn": r"\bsqrt\.rn\.f32",
+    "inexact_sqrt_or_rcp": r"\b(rsqrt|sqrt\.approx|rcp\.approx)",
+    "ftz": r"\.ftz\b",
+    "min_max_nan": r"\b(min|max)\.NaN",
+    "min_max_plain": r"\b(min|max)\.(xorsign\.abs\.)?f32",
+    "cvt_e4m3": r"\bcvt\.rn\.satfinite\.e4m3x2\.f32",
+    "cvt_bf16": r"\bcvt\.rn\.bf16(x2)?\.f32",
+}
+
+
+def _tensors(width: int):
+    g = torch.Generator().manual_seed(0)
+    act = [torch.randn(B, L, width, generator=g).to(BF16) for _ in range(2)]
+    mods = [torch.randn(B, width, generator=g).to(BF16) for _ in range(3)]
+    return act, mods, inverse_scale(torch.tensor(0.01))
+
+
+def _variants(width: int = 48):
+    """(name, call, expected dtype per returned slot, None where absent) for every entry point and mode."""
+    (res, x), (gate, shift, scale), inv = _tensors(width)
+    p2 = (res, gate, x, shift, scale, 1e-6)
+    return [
+        ("quant", lambda: static_quant_fp8_triton(x, inv), FP8),
+        ("p1 y", lambda: layer_norm_modulate_triton(x, shift, scale, 1e-6), (BF16, None)),
+        ("p1 y+q", lambda: layer_norm_modulate_triton(x, shift, scale, 1e-6, inv), (BF16, FP8)),
+        ("p1 q", lambda: layer_norm_modulate_triton(x, shift, scale, 1e-6, inv, False), (None, FP8)),
+        ("p1 none", lambda: layer_norm_modulate_triton(x, shift, scale, 1e-6, None, False), (None, None)),
+        ("p2 y", lambda: gated_residual_layer_norm_modulate_triton(*p2), (BF16, BF16, None)),
+        ("p2 y+q", lambda: gated_residual_layer_norm_modulate_triton(*p2, inv), (BF16, BF16, FP8)),
+        ("p2 q", lambda: gated_residual_layer_norm_modulate_triton(*p2, inv, False), (BF16, None, FP8)),
+        ("p2 r", lambda: gated_residual_layer_norm_modulate_triton(*p2, None, False), (BF16, None, None)),
+        ("residual", lambda: gated_residual_triton(res, gate, x), BF16),
+        ("gelu", lambda: gelu_tanh_triton(x), BF16),
+        ("gelu q", lambda: gelu_tanh_quant_triton(x, inv), (None, FP8)),
+        ("gelu g+q", lambda: gelu_tanh_quant_triton(x, inv, True), (BF16, FP8)),
+    ]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name, call, expected", _variants(), ids=[v[0] for v in _variants()])
+def test_every_variant_launches(name, call, expected):
+    out = call()
+    got = tuple(None if t is None else t.dtype for t in out) if isinstance(out, tuple) else out.dtype
+    assert got == expected, name
+    for t in out if isinstance(out, tuple) else (out,):
+        assert t is None or t.shape == (B, L, 48)
+
+
+def compile_report() -> dict:
+    """Launches recorded (not run) at the model's width, keyed by Triton's specializer, compiled for sm_90.
+
+    Returns {kernel: {"launches", "keys": distinct binaries, "ptx": instruction counts}}.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    from kernels import gelu_quant, norm_modulate, quant
+
+    for module in (quant, norm_modulate, gelu_quant):  # CPU tensors stand in for CUDA ones
+        module.launchable = lambda kernel, *tensors: True
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    kernels = {
+        "quant": quant._static_quant_fp8_kernel,
+        "producer1": norm_modulate._layer_norm_modulate_kernel,
+        "producer2": norm_modulate._gated_residual_layer_norm_modulate_kernel,
+        "gelu": gelu_quant._gelu_tanh_quant_kernel,
+    }
+    calls = {name: [] for name in kernels}
+    for name, kernel in kernels.items():
+        kernel.run = lambda *args, grid, warmup, _calls=calls[name], **kwargs: _calls.append((args, kwargs))
+    # the unfused path's producer launch (y only) and every fused mode of each kernel
+    for name, call, _ in _variants(3072):
+        if name not in ("p1 none", "p2 r", "residual"):
+            call()
+
+    def bind(kernel, args, kwargs):
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, spec, options = binder(*args, **kwargs)
+        return compute_cache_key({}, spec, options), (bound, spec, options)
+
+    def ptx(kernel, kwargs, bound, spec, options) -> str:
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__)
+        return compiled.asm["ptx"]
+
+    report = {}
+    for name, kernel in kernels.items():
+        keys = {bind(kernel, args, kwargs)[0] for args, kwargs in calls[name]}
+        args, kwargs = calls[name][0]
+        code = ptx(kernel, kwargs, *bind(kernel, args, kwargs)[1])
+        counts = {k: len(re.findall(p, code)) for k, p in PTX_PATTERNS.items()}
+        probe_kwargs = {**kwargs, "enable_fp_fusion": True}  # proves the fma count can see contraction
+        probe = ptx(kernel, probe_kwargs, *bind(kernel, args, probe_kwargs)[1])
+        counts["fma_if_fusion_allowed"] = len(re.findall(PTX_PATTERNS["fma"], probe))
+        report[name] = {"launches": len(calls[name]), "keys": len(keys), "ptx": counts}
+    return report
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name, launches", [("quant", 1), ("producer1", 3), ("producer2", 3), ("gelu", 3)])
+def test_fused_and_unfused_launches_share_one_binary(report, name, launches):
+    assert report[name]["launches"] == launches
+    assert report[name]["keys"] == 1
+
+
+@pytest.mark.parametrize("name", ["quant", "producer1", "producer2"])
+def test_ptx_follows_the_contract(report, name):
+    ptx = report[name]["ptx"]
+    assert ptx["fma"] == 0
+    if name != "quant":  # the quantizer has no a * b + c to contract; here the probe must see some
+        assert ptx["fma_if_fusion_allowed"] > 0
+    assert ptx["div_inexact"] == 0 and ptx["inexact_sqrt_or_rcp"] == 0 and ptx["ftz"] == 0
+    assert ptx["cvt_e4m3"] > 0 and ptx["min_max_plain"] == 0  # clamp: only NaN-propagating min/max
+    assert ptx["min_max_nan"] > 0
+    if name != "quant":
+        assert ptx["div_rn"] == 3 and ptx["sqrt_rn"] == 1 and ptx["cvt_bf16"] > 0  # mean, var, 1/sqrt
+
+
+def test_gelu_ptx_does_not_contract_its_own_ops(report):
+    ptx = report["gelu"]["ptx"]
+    # libdevice's tanhf keeps its own FMAs; allowing contraction would add ours on top
+    assert ptx["fma"] < ptx["fma_if_fusion_allowed"]
+    assert ptx["cvt_e4m3"] > 0 and ptx["min_max_plain"] == 0 and ptx["min_max_nan"] > 0
+
+
+def test_kernels_import_and_fall_back_without_triton():
+    code = """
+import sys
+sys.modules["triton"] = None
+import torch
+import kernels
+x = torch.randn(1, 2, 32).bfloat16(); m = torch.randn(1, 32).bfloat16(); inv = torch.ones(1)
+assert kernels.layer_norm_modulate_triton(x, m, m, 1e-6, inv) is None
+assert kernels.static_quant_fp8_triton(x, inv) is None and kernels.gelu_tanh_triton(x) is None
+y, q = kernels.layer_norm_modulate(x, m, m, 1e-6, inv)
+assert torch.equal(q.view(torch.uint8), kernels.static_quant_fp8_torch(y, inv).view(torch.uint8))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_report()))
