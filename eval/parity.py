@@ -2,6 +2,7 @@
 
     python -m eval.parity --a contract --b reference --prompts smoke --size 64x64 --steps 2
     torchrun --nproc_per_node 8 -m eval.parity --model DIR --a fp8-unfused --b fp8-fused --prompts diverse
+    python -m eval.parity --model BF16_DIR --model-b FP8_DIR --a reference --b fp8-fused --expect "psnr>=30"
 
 Each variant runs in its own worker process (eval.worker); pairs alternate ABBA. Under torchrun
 the pairs are sharded round-robin over the ranks (gloo on CPU; nccl on GPUs, where each rank's
@@ -60,7 +61,7 @@ report.json schema: eval/README.md"""
 class Config:
     """A validated command line."""
 
-    model: str | None
+    models: dict[str, str | None]  # checkpoint per side; None: the embedded default
     prompts: list[str]
     prompt_source: str
     seeds: list[int]
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", help="diffusers-layout checkpoint directory (default: the embedded default)"
     )
+    parser.add_argument("--model-a", help="checkpoint of side a only (default: --model)")
+    parser.add_argument("--model-b", help="checkpoint of side b only, e.g. an FP8 export vs its BF16 source")
     parser.add_argument("--prompts", default="smoke", help="prompt file, or a built-in set: smoke, diverse")
     parser.add_argument("--a", required=True, help="variant of side a (grammar below)")
     parser.add_argument("--b", required=True, help="variant of side b (grammar below)")
@@ -133,13 +136,15 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
     from pipelines import VARIANTS
 
     known = (*VARIANTS, "auto")
-    if args.model is not None and not Path(args.model).is_dir():
-        raise InputError(f"model directory not found: {args.model}")
+    models = {"a": args.model_a or args.model, "b": args.model_b or args.model}
+    for model in models.values():
+        if model is not None and not Path(model).is_dir():
+            raise InputError(f"model directory not found: {model}")
     if args.steps is not None and args.steps < 1:
         raise InputError(f"bad --steps {args.steps}: must be at least 1")
     width, height = parse_size(args.size)
     return Config(
-        model=args.model,
+        models=models,
         prompts=load_prompts(args.prompts),
         prompt_source=args.prompts,
         seeds=parse_seeds(args.seeds),
@@ -208,7 +213,7 @@ def run_rank(config: Config, rank: Rank) -> dict:
 
     lpips = load_lpips(config.lpips_weights)
     require_lpips(config, lpips)
-    workers = start_workers(config.specs, config.model, worker_env(rank.cuda_device))
+    workers = start_workers(config.specs, config.models, worker_env(rank.cuda_device))
     try:
         ready = {slot: worker.receive() for slot, worker in workers.items()}
         for slot, info in ready.items():
@@ -261,7 +266,7 @@ def merge(config: Config, world: int) -> dict:
         "schema_version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": ["python", "-m", "eval.parity", *config.argv],
-        "model": shards[0]["workers"]["a"]["model_name"],
+        "model": {slot: shards[0]["workers"][slot]["model_name"] for slot in "ab"},
         "prompts": {"source": config.prompt_source, "count": len(config.prompts)},
         "settings": {**shards[0]["settings"], "seeds": config.seeds},
         "world_size": world,

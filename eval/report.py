@@ -72,12 +72,9 @@ def worst_first(pairs: list[dict]) -> list[dict]:
     return sorted(pairs, key=lambda p: (p["identical"], p["psnr_db"], p["ssim"], p["index"]))
 
 
-def number(value: float | int | None, digits: int = 4) -> str:
-    if value is None:
-        return "unavailable"
-    if isinstance(value, int):
-        return str(value)
-    return "inf" if math.isinf(value) else f"{value:.{digits}f}"
+def number(value: float | int | None) -> str:
+    """Six significant digits (SSIM near 1 keeps its informative digits); None is 'unavailable'."""
+    return "unavailable" if value is None else f"{value:.6g}"
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -108,15 +105,20 @@ th { background: #eee; }
 img { width: 192px; image-rendering: pixelated; display: block; }
 .differs { background: #fff0f0; }
 .prompt { max-width: 22em; }
+td:first-child { white-space: nowrap; }
+li { white-space: pre-line; }
+.cap { font-family: monospace; font-size: 11px; }
 .pass { color: #070; font-weight: bold; } .fail { color: #a00; font-weight: bold; }
 """
 
 
 def image_cell(path: str | None, caption: str) -> str:
+    """A linked thumbnail with a caption below it, or just the caption."""
+    text = html.escape(caption)
     if path is None:
-        return f"<td>{html.escape(caption)}</td>"
+        return f"<td>{text}</td>"
     src = html.escape(path, quote=True)
-    return f'<td><a href="{src}"><img src="{src}" alt="{html.escape(caption, quote=True)}"></a></td>'
+    return f'<td><a href="{src}"><img src="{src}" alt="{text}"></a><span class="cap">{text}</span></td>'
 
 
 def pair_row(p: dict) -> str:
@@ -128,8 +130,8 @@ def pair_row(p: dict) -> str:
         f"<td>{'yes' if p['identical'] else 'no'}</td>",
         *(f"<td>{number(p[key])}</td>" for key in METRIC_KEYS),
         f"<td>{p['a']['seconds']:.2f} / {p['b']['seconds']:.2f}</td>",
-        image_cell(p["a"]["image"], f"{p['id']} a"),
-        image_cell(p["b"]["image"], f"{p['id']} b"),
+        image_cell(p["a"]["image"], f"pixels {p['a']['pixel_sha256'][:12]}"),
+        image_cell(p["b"]["image"], f"pixels {p['b']['pixel_sha256'][:12]}"),
         image_cell(p["diff_image"], diff_caption),
     ]
     row_class = "" if p["identical"] else ' class="differs"'
@@ -142,7 +144,7 @@ def render_html(report: dict) -> str:
     heads = ["pair", "prompt", "seed", "identical", "PSNR dB", "SSIM", "LPIPS", "max |diff|", "mean |diff|"]
     heads += ["seconds a / b", f"a: {variants['a']['spec']}", f"b: {variants['b']['spec']}", "amplified diff"]
     info = [
-        f"model: {report['model']}",
+        f"model: a {report['model']['a']}, b {report['model']['b']}",
         f"prompts: {prompts['source']} ({prompts['count']}), seeds: {settings['seeds']}",
         f"size: {settings['width']}x{settings['height']}, steps: {settings['steps']}",
         *(

@@ -105,9 +105,11 @@ class Worker:
             self.process.wait()
 
 
-def start_workers(specs: dict[str, VariantSpec], model: str | None, env: dict[str, str]) -> dict[str, Worker]:
+def start_workers(
+    specs: dict[str, VariantSpec], models: dict[str, str | None], env: dict[str, str]
+) -> dict[str, Worker]:
     """Start both workers at once (they load in parallel)."""
-    return {slot: Worker(slot, specs[slot], model, env) for slot in SLOTS}
+    return {slot: Worker(slot, specs[slot], models[slot], env) for slot in SLOTS}
 
 
 def close_workers(workers: dict[str, Worker]) -> None:

@@ -27,7 +27,7 @@ from kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
 
 SQRT_2_OVER_PI = 0.7978845608028654
 GELU_CUBIC = 0.044715
-_GELU_BLOCK = 4096
+_GELU_BLOCK = 2048  # with 8 warps: 8 elements a thread, ~2x faster on H200 than 16 (libdevice tanh)
 
 
 def gelu_tanh_torch(h: torch.Tensor) -> torch.Tensor:

@@ -42,11 +42,6 @@ def _static_quant_fp8_kernel(y_ptr, q_ptr, inv_scale_ptr, numel, BLOCK: tl.const
     tl.store(q_ptr + offs, quant_fp8(y, inv_scale_ptr), mask=mask)
 
 
-def _launch_static_quant(y: torch.Tensor, q: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    grid = (triton.cdiv(y.numel(), _QUANT_BLOCK),)
-    _static_quant_fp8_kernel[grid](y, q, inv_scale, y.numel(), BLOCK=_QUANT_BLOCK, num_warps=8, **NO_FMA)
-
-
 def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor | None:
     """Triton twin of `static_quant_fp8_torch` for contiguous bf16 `y`; None when it does not apply."""
     if not (
@@ -58,7 +53,8 @@ def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.T
     ):
         return None
     q = torch.empty_like(y, dtype=FP8_DTYPE)
-    _launch_static_quant(y, q, inv_scale)
+    grid = (triton.cdiv(y.numel(), _QUANT_BLOCK),)
+    _static_quant_fp8_kernel[grid](y, q, inv_scale, y.numel(), BLOCK=_QUANT_BLOCK, num_warps=8, **NO_FMA)
     return q
 
 

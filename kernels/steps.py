@@ -1,8 +1,8 @@
 """Distances between bf16 or E4M3 tensors counted in representable steps (on the integer encodings).
 
-Used by the tests and benches to state "at most one bf16 / fp8 step apart" exactly: each encoding maps
-to an integer that grows with the value (sign-magnitude to signed), so neighbours differ by 1 and +0 and
--0 coincide. NaN matches only NaN.
+Used by the kernel tests (CPU and GPU) to state "n steps apart" exactly: each encoding maps to an
+integer that grows with the value (sign-magnitude to signed), so neighbours differ by 1 and +0 and -0
+coincide. NaN matches only NaN.
 """
 
 import torch
@@ -46,9 +46,3 @@ def nudge_bf16(t: torch.Tensor, steps: int) -> torch.Tensor:
     code = code + steps
     bits = torch.where(code < 0, 0x8000 - code, code)
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
-
-
-def within_steps(actual: torch.Tensor, candidates: list[torch.Tensor], tol: int) -> torch.Tensor:
-    """Mask: `actual` lies within `tol` steps of at least one of `candidates`."""
-    dists = torch.stack([step_distance(actual, c) for c in candidates])
-    return dists.min(0).values <= tol

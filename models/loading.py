@@ -10,7 +10,13 @@ from safetensors.torch import load_file, save_file
 
 from models.config import QwenImageConfig
 from models.errors import CheckpointError
-from models.modelopt import SCALE_SUFFIXES, parse_quant_config, read_hf_quant_config, swap_fp8_linears
+from models.modelopt import (
+    SCALE_SUFFIXES,
+    QuantConfig,
+    parse_quant_config,
+    read_hf_quant_config,
+    swap_fp8_linears,
+)
 from models.transformer import QwenImageTransformer
 
 WEIGHTS_STEM = "diffusion_pytorch_model"
@@ -87,18 +93,25 @@ def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def load_transformer(directory: Path, dtype: torch.dtype, device: torch.device) -> QwenImageTransformer:
-    """Build the transformer of `directory` (BF16 or ModelOpt FP8) on `device` without a random init.
-
-    Every tensor is validated before use; `post_load_weights` then runs the FP8 fusion gate once.
-    """
+    """Build the transformer of `directory` (BF16 or ModelOpt FP8) on `device` without a random init."""
     raw = read_json(directory / "config.json")
     config = QwenImageConfig.from_dict(raw)
     quant = parse_quant_config(raw, read_hf_quant_config(directory))
-    state = read_state_dict(directory, device)
+    return transformer_from_state(config, read_state_dict(directory, device), quant, dtype, directory)
+
+
+def transformer_from_state(
+    config: QwenImageConfig,
+    state: dict[str, torch.Tensor],
+    quant: QuantConfig | None,
+    dtype: torch.dtype,
+    where: Path,
+) -> QwenImageTransformer:
+    """A transformer holding `state` (validated first; FP8 layers swapped in), after `post_load_weights`."""
     with torch.device("meta"):
         model = QwenImageTransformer(config)
-        swap_fp8_linears(model, state, quant, directory)
-    check_state_dict(model.state_dict(), state, directory)
+        swap_fp8_linears(model, state, quant, where)
+    check_state_dict(model.state_dict(), state, where)
     model.load_state_dict({k: _cast(k, v, dtype) for k, v in state.items()}, strict=True, assign=True)
     model.eval().requires_grad_(False)
     model.post_load_weights()

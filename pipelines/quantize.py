@@ -43,6 +43,7 @@ DEFAULT_CALIBRATION_PROMPTS = (
     "isometric illustration of a tiny island with a lighthouse, pastel colors",
     "macro photograph of a dew drop on a green leaf",
 )
+ALL_BLOCKS_FP8 = tuple(p for p in DEFAULT_BF16_FALLBACK if p != "*.img_mlp.net.2")
 SHARED_INPUT_GROUPS = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj"))
 PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
 MIN_AMAX = 1e-8
@@ -102,15 +103,15 @@ def share_group_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def fp8_state_dict(
     model: QwenImageTransformer, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The ModelOpt FP8 state dict: e4m3 weights, fp32 scalar scales, BF16 biases; the rest unchanged."""
+    """The ModelOpt FP8 state dict (on the model's device): e4m3 weights, fp32 scalar scales, BF16 biases."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     for name, linear in linears.items():
         weight = linear.weight.detach().float()
         weight_scale = weight.abs().amax().clamp_min(MIN_AMAX) / FP8_MAX
         state[f"{name}.weight"] = (weight / weight_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        state[f"{name}.weight_scale"] = weight_scale.reshape(()).cpu()
-        state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(()).cpu()
-    return {k: v.cpu() for k, v in state.items()}
+        state[f"{name}.weight_scale"] = weight_scale.reshape(())
+        state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(())
+    return state
 
 
 def write_fp8_transformer(
@@ -135,7 +136,7 @@ def write_fp8_transformer(
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     hf_quant = {"producer": PRODUCER, "quantization": {"quant_algo": "FP8", "exclude_modules": list(ignore)}}
     (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
-    save_tensors(state, directory)
+    save_tensors({k: v.cpu() for k, v in state.items()}, directory)
 
 
 def quantize_checkpoint(

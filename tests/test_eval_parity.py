@@ -120,17 +120,18 @@ def test_usage_errors_print_one_line(
 
 
 @pytest.mark.slow
-def test_worker_errors_print_one_line(tmp_path: Path) -> None:
+def test_worker_errors_print_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpoint error raised inside a worker reaches the user as one line, exit status 2."""
     empty_model = tmp_path / "not-a-checkpoint"
     empty_model.mkdir()
-    result = parity(
-        "--model", str(empty_model), "--a", "contract", "--b", "reference", "--out", str(tmp_path)
+    assert (
+        main(["--model", str(empty_model), "--a", "contract", "--b", "reference", "--out", str(tmp_path)])
+        == 2
     )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: variant a (contract): "), result.stderr
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: variant a (contract): ") and str(empty_model) in err and err.count("\n") == 1
+    )
 
 
 @pytest.mark.slow
@@ -143,7 +144,7 @@ def test_torchrun_two_gloo_ranks_contract_vs_contract_is_identical(prompts: Path
     assert "verdict: PASS (identical on all 4 pairs)" in result.stdout
     assert "[rank 1] pair 4/4 p001-s1 b=contract:cpu" in result.stderr
     report = load(tmp_path)
-    assert report["world_size"] == 2 and report["model"] == "embedded-default"
+    assert report["world_size"] == 2 and report["model"] == {"a": "embedded-default", "b": "embedded-default"}
     assert [p["index"] for p in report["pairs"]] == [0, 1, 2, 3]
     assert [p["rank"] for p in report["pairs"]] == [0, 1, 0, 1]
     assert [w["rank"] for w in report["variants"]["b"]["workers"]] == [0, 1]
@@ -158,3 +159,44 @@ def test_torchrun_two_gloo_ranks_contract_vs_contract_is_identical(prompts: Path
         assert pair["a"]["png_sha256"] == pair["b"]["png_sha256"]
         assert (pair["width"], pair["height"], pair["steps"]) == (64, 64, 2)
         assert all((tmp_path / pair[side]["image"]).is_file() for side in "ab")
+
+
+def test_model_per_side(tmp_path: Path) -> None:
+    from eval.parity import build_parser, make_config
+
+    args = [
+        "--model",
+        str(tmp_path),
+        "--model-b",
+        str(tmp_path / "fp8"),
+        "--a",
+        "reference",
+        "--b",
+        "fp8-fused",
+    ]
+    (tmp_path / "fp8").mkdir()
+    config = make_config(build_parser().parse_args(args), args)
+    assert config.models == {"a": str(tmp_path), "b": str(tmp_path / "fp8")}
+    assert make_config(build_parser().parse_args(args[2:]), args[2:]).models == {
+        "a": None,
+        "b": str(tmp_path / "fp8"),
+    }
+
+
+@pytest.mark.slow
+def test_fp8_unfused_vs_fused_is_identical(prompts: Path, tmp_path: Path) -> None:
+    """On an FP8 export of the embedded default, the fused producers reproduce the unfused bytes."""
+    from pipelines.quantize import quantize_checkpoint
+
+    checkpoint = quantize_checkpoint(None, tmp_path / "fp8", prompts=["a cat"], steps=2, size=64)
+    out = tmp_path / "out"
+    result = parity("--model", str(checkpoint), "--prompts", str(prompts), "--a", "fp8-unfused",
+                    "--b", "fp8-fused", *FAST, "--out", str(out), "--expect", "identical")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verdict: PASS (identical on all 2 pairs)" in result.stdout
+    report = load(out)
+    assert [report["variants"][slot]["workers"][0]["variant"] for slot in "ab"] == [
+        "fp8-unfused",
+        "fp8-fused",
+    ]
+    assert "FP8 norm+quant fusion" in report["variants"]["b"]["workers"][0]["fusion_summary"]

@@ -8,7 +8,7 @@ from eval.report import decode_pair, encode, render_html, summarize, summary_lin
 
 
 def pair(index: int, identical: bool, psnr: float, ssim: float) -> dict:
-    side = {"image": f"images/p{index:03d}-s0-a.png", "seconds": 1.0 + index}
+    side = {"image": f"images/p{index:03d}-s0-a.png", "pixel_sha256": "ab" * 32, "seconds": 1.0 + index}
     return {
         "index": index, "id": f"p{index:03d}-s0", "prompt": f"<prompt {index}>", "seed": 0,
         "a": side, "b": {**side, "image": f"images/p{index:03d}-s0-b.png"},
@@ -58,7 +58,8 @@ class Collector(HTMLParser):
 def test_html_lists_pairs_worst_first_with_escaped_prompts() -> None:
     worker = {"fusion_summary": "FP8 norm+quant fusion: off"}
     report = {
-        "model": "embedded-default", "prompts": {"source": "smoke", "count": 3},
+        "model": {"a": "embedded-default", "b": "embedded-default"},
+        "prompts": {"source": "smoke", "count": 3},
         "settings": {"seeds": [0], "width": 64, "height": 64, "steps": 2},
         "variants": {
             "a": {"spec": "contract", "workers": [worker]},

@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.errors import CheckpointError
 from models.loading import load_transformer
 from pipelines import load_pipeline
 from pipelines.quantize import DEFAULT_BF16_FALLBACK, quantize_checkpoint
+from sync_guard import NoHostSync
 
 CPU = torch.device("cpu")
 
@@ -72,23 +72,6 @@ def test_environment_switch_forces_the_unfused_path(fp8_dir, monkeypatch):
     monkeypatch.setenv("QWEN_IMAGE_FP8_FUSION", "0")
     pipe = load_pipeline(fp8_dir, device="cpu")
     assert "fusion switched off" in pipe.fusion_summary()
-
-
-class NoHostSync(TorchDispatchMode):
-    """Fails on device-to-host scalar reads (`.item()`, `bool(t)`), on tensors made from host data
-    (`torch.tensor(...)`), and on scalar tensors created on the host for a model on another device."""
-
-    def __init__(self, device: torch.device = CPU) -> None:
-        super().__init__()
-        self.device = device
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        host_scalar = name == "aten::scalar_tensor" and torch.device(kwargs.get("device", "cpu")) != self.device
-        if name in ("aten::_local_scalar_dense", "aten::lift_fresh") or host_scalar:
-            raise AssertionError(f"host synchronisation in the denoise step: {name}")
-        return func(*args, **kwargs)
 
 
 @pytest.mark.parametrize("variant", ["fp8-fused", "fp8-unfused"])

@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels.steps import NAN_MISMATCH, nudge_bf16, ordered_codes, step_distance, within_steps
+from kernels.steps import NAN_MISMATCH, nudge_bf16, ordered_codes, step_distance, subnormal
 
 
 def all_bf16() -> torch.Tensor:
@@ -32,11 +32,17 @@ def test_nudge_matches_nextafter():
     assert torch.equal(nudge_bf16(values, -1).float(), torch.nextafter(values, -inf).float())
 
 
-def test_step_distance_and_within_steps():
+def test_subnormal_masks():
+    bf16 = all_bf16()
+    smallest_normal = torch.finfo(torch.bfloat16).tiny
+    assert torch.equal(subnormal(bf16), (bf16.float().abs() < smallest_normal) & (bf16.float() != 0))
+    fp8 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(subnormal(fp8), (fp8.float().abs() < 2.0**-6) & (fp8.float() != 0))
+
+
+def test_step_distance():
     a = torch.tensor([1.0, 1.0, float("nan"), float("nan"), -0.0, 2.0]).bfloat16()
     b = torch.tensor([1.0, 1.0078125, float("nan"), 3.0, 0.0, -2.0]).bfloat16()
     dist = step_distance(a, b)
     assert dist[:5].tolist() == [0, 1, 0, NAN_MISMATCH, 0]
     assert int(dist[5]) == 2 * int(ordered_codes(b[5:])[0].abs())
-    assert within_steps(a, [b], 1).tolist() == [True, True, True, False, True, False]
-    assert within_steps(a, [b, -b], 0).tolist() == [True, False, True, False, True, True]

@@ -86,8 +86,15 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int]], tm
         page.goto(url)
         expect = sync_api.expect
 
+        # A preset fills the size fields; typing a size switches back to "custom".
+        page.get_by_text("16:9 · 1664×928").click()
+        expect(page.locator("#width input")).to_have_value("1664")
+        expect(page.locator("#height input")).to_have_value("928")
+        _fill(page, width=SIZE, height=SIZE)
+        expect(page.get_by_role("radio", name="custom")).to_be_checked()
+
         # A generation: the image appears and the details show the seed that was used.
-        _fill(page, prompt="A red apple on a wooden table", width=SIZE, height=SIZE, steps=4)
+        _fill(page, prompt="A red apple on a wooden table", steps=4)
         page.locator("#generate").click()
         expect(page.locator("#details")).to_contain_text("4 steps", timeout=60_000)
         image = page.locator("#gallery img").first

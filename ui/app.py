@@ -153,9 +153,16 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
     return demo.queue(max_size=QUEUE_MAX, default_concurrency_limit=1)
 
 
-def launch(model: str | None, host: str, port: int, variant: str = "auto") -> None:
+def launch(
+    model: str | None,
+    host: str,
+    port: int,
+    variant: str = "auto",
+    device: str | None = None,
+    dtype: str | None = None,
+) -> None:
     """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`)."""
-    pipe = load_pipeline(model=model, variant=variant)
+    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype)
     build_app(pipe).launch(server_name=host, server_port=port)
 
 

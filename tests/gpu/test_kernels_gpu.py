@@ -1,10 +1,12 @@
 """Compiled Triton kernels on CUDA against the torch twins and against themselves (DESIGN §4).
 
-- quantizer: byte-exact vs the twin (CUDA and CPU) on all 65536 bf16 encodings x 8 scales;
+- quantizer: byte-exact vs the CUDA twin on all 65536 bf16 encodings x 8 scales, and vs the CPU twin
+  (itself checked against a bit-level encoder) except for the sign of NaN;
 - both producers and GELU, at rows {1, 127, 1024, 4096} x hidden {3072, 1536, 5120}, inputs holding every
   bf16 encoding plus normal data: fused == unfused byte for byte and from the same compiled binary;
-  r byte-exact vs the twin; y differs from the twin only through the LN sum order (n moved one bf16 step
-  at most), g only through tanh's last bits; q == the quantizer of the kernel's own y / g, byte-exact.
+  r equal to the twin's (NaN where NaN); y explained by LN statistics within the sum-order slack, and
+  differing from the twin in at most 1e-4 of the values; g within tanh's last-bit slack of the contract;
+  q == the quantizer of the kernel's own y / g, byte-exact.
 Mismatch counts vs the twins are printed (run with -s).
 """
 
@@ -95,8 +97,8 @@ def test_quantizer_byte_exact_on_all_bf16():
         got = static_quant_fp8_triton(y.cuda(), inv.cuda())
         assert got is not None
         assert same_bytes(got, static_quant_fp8_torch(y.cuda(), inv.cuda())), s
-        # vs the CPU twin (checked against the bit-level encoder): the same bytes except that a GPU
-        # multiply returns the canonical (positive) NaN where the CPU keeps the sign of a negative NaN
+        # vs the CPU twin (checked against the bit-level encoder): the same bytes except at NaN inputs,
+        # where the sign of the NaN may differ (a GPU multiply returns the canonical NaN)
         got, cpu = got.cpu().view(torch.uint8), static_quant_fp8_torch(y, inv).view(torch.uint8)
         differ = (got != cpu).nonzero().flatten()
         assert torch.equal(got[~nan], cpu[~nan]), (

