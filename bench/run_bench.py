@@ -1,6 +1,8 @@
 """Balanced step benchmark: each variant in its own process, alternating order, tables in JSON + Markdown.
 
-    python bench/run_bench.py --variants diffusers,contract,fp8-unfused,fp8-fused --rounds 2 --out DIR
+    python bench/run_bench.py --variants diffusers,contract,fp8-unfused,fp8-fused+graph --rounds 2 --out DIR
+
+A `+graph` suffix replays the step as a captured CUDA graph.
 """
 
 import argparse
@@ -43,7 +45,9 @@ def main() -> None:
     order = balanced_order(args.variants.split(","), args.rounds)
     for i, variant in enumerate(order, 1):
         start = time.time()
-        cmd = [sys.executable, str(Path(__file__).with_name("step_bench.py")), "--variant", variant, *extra]
+        name, graph = variant.removesuffix("+graph"), variant.endswith("+graph")
+        script = str(Path(__file__).with_name("step_bench.py"))
+        cmd = [sys.executable, script, "--variant", name, *(["--graph"] if graph else []), *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         print(f"[{i}/{len(order)}] {variant}: {time.time() - start:.0f} s, rc {proc.returncode}", flush=True)
         if proc.returncode:

@@ -19,7 +19,15 @@ from models.modelopt import QuantConfig
 from models.transformer import QwenImageTransformer
 from pipelines.quantize import ALL_BLOCKS_FP8, DEFAULT_BF16_FALLBACK, fp8_state_dict, quantizable_linears
 
-VARIANTS = ("diffusers", "reference", "contract", "fp8-unfused", "fp8-fused", "fp8all-unfused", "fp8all-fused")
+VARIANTS = (
+    "diffusers",
+    "reference",
+    "contract",
+    "fp8-unfused",
+    "fp8-fused",
+    "fp8all-unfused",
+    "fp8all-fused",
+)
 
 
 def step_inputs(config: QwenImageConfig, size: int, batch: int, text: int, device: torch.device):
@@ -32,7 +40,9 @@ def step_inputs(config: QwenImageConfig, size: int, batch: int, text: int, devic
     return latents.bfloat16(), prompt.bfloat16(), sigma, grid
 
 
-def calibrate_random(model: QwenImageTransformer, linears: dict, config: QwenImageConfig, device: torch.device):
+def calibrate_random(
+    model: QwenImageTransformer, linears: dict, config: QwenImageConfig, device: torch.device
+):
     """Input amax of each linear over one forward on random inputs."""
     amax: dict[str, torch.Tensor] = {}
 
@@ -66,7 +76,9 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
         with torch.device("meta"):
             ref = QwenImageTransformer2DModel(**kwargs)
         ref.load_state_dict(model.state_dict(), assign=True)
-        ref.pos_embed = type(ref.pos_embed)(theta=10000, axes_dim=list(config.axes_dims_rope), scale_rope=True)
+        ref.pos_embed = type(ref.pos_embed)(
+            theta=10000, axes_dim=list(config.axes_dims_rope), scale_rope=True
+        )
         return ref.to(device).eval()
     if variant in ("reference", "contract"):
         model.set_numerics(variant)
@@ -79,12 +91,14 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
     state = fp8_state_dict(model, linears, share_group_amax(amax))
     del model, linears
     torch.cuda.empty_cache()
-    fp8 = transformer_from_state(config, state, QuantConfig("FP8", tuple(ignore)), torch.bfloat16, Path("random"))
+    fp8 = transformer_from_state(
+        config, state, QuantConfig("FP8", tuple(ignore)), torch.bfloat16, Path("random")
+    )
     fp8.post_load_weights(fuse=variant.endswith("-fused"))
     return fp8
 
 
-def time_step(model, variant: str, inputs, runs: int, warmup: int) -> list[float]:
+def time_step(model, variant: str, inputs, runs: int, warmup: int, graph: bool) -> list[float]:
     latents, prompt, sigma, grid = inputs
     if variant == "diffusers":
 
@@ -96,6 +110,13 @@ def time_step(model, variant: str, inputs, runs: int, warmup: int) -> list[float
                 img_shapes=[[grid]] * latents.shape[0],
                 return_dict=False,
             )[0]
+    elif graph:
+        from pipelines.cuda_graph import GraphedStep
+
+        graphed = GraphedStep(lambda lat, emb, sig: model(lat, emb, None, sig, grid))
+
+        def step():
+            return graphed(latents, prompt, sigma)
     else:
 
         def step():
@@ -122,6 +143,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=60)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--graph", action="store_true", help="replay the step as a captured CUDA graph")
     args = parser.parse_args()
     device = torch.device("cuda")
     config = QwenImageConfig(num_layers=args.layers)
@@ -130,9 +152,9 @@ def main() -> None:
     for item in args.configs.split(","):
         size, batch = (int(v) for v in item.split("x"))
         inputs = step_inputs(config, size, batch, args.text, device)
-        times = time_step(model, args.variant, inputs, args.runs, args.warmup)
+        times = time_step(model, args.variant, inputs, args.runs, args.warmup, args.graph)
         row = {
-            "variant": args.variant,
+            "variant": args.variant + ("+graph" if args.graph else ""),
             "size": size,
             "batch": batch,
             "text": args.text,

@@ -15,7 +15,7 @@ import argparse
 import datetime
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from eval.expect import Term, judge, parse_expect
@@ -92,22 +92,37 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--model", help="diffusers-layout checkpoint directory (default: the embedded default)"
+        "--model", metavar="DIR", help="diffusers-layout checkpoint directory (default: the embedded default)"
     )
-    parser.add_argument("--model-a", help="checkpoint of side a only (default: --model)")
-    parser.add_argument("--model-b", help="checkpoint of side b only, e.g. an FP8 export vs its BF16 source")
-    parser.add_argument("--prompts", default="smoke", help="prompt file, or a built-in set: smoke, diverse")
-    parser.add_argument("--a", required=True, help="variant of side a (grammar below)")
-    parser.add_argument("--b", required=True, help="variant of side b (grammar below)")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    parser.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
-    parser.add_argument("--size", help="WxH, multiples of 16 (default: the pipeline's)")
-    parser.add_argument("--negative-prompt", help="enables true CFG when --cfg-scale > 1")
-    parser.add_argument("--cfg-scale", type=float, default=4.0, help="true CFG scale (default 4.0)")
-    parser.add_argument("--out", default="out/parity", help="output directory (default out/parity)")
-    parser.add_argument("--expect", help="verdict to reach: identical, or e.g. 'psnr>=35,ssim>=0.98'")
+    parser.add_argument("--model-a", metavar="DIR", help="checkpoint of side a only (default: --model)")
     parser.add_argument(
-        "--lpips-weights", help="torchvision AlexNet checkpoint (default: the torch hub cache)"
+        "--model-b", metavar="DIR", help="checkpoint of side b only, e.g. an FP8 export vs its BF16 source"
+    )
+    parser.add_argument(
+        "--prompts",
+        default="smoke",
+        metavar="FILE|SET",
+        help="prompt file, or a built-in set: smoke, diverse",
+    )
+    parser.add_argument("--a", required=True, metavar="VARIANT", help="variant of side a (grammar below)")
+    parser.add_argument("--b", required=True, metavar="VARIANT", help="variant of side b (grammar below)")
+    parser.add_argument("--seeds", default="0", metavar="LIST", help="comma-separated seeds (default 0)")
+    parser.add_argument("--steps", type=int, metavar="N", help="denoising steps (default: the pipeline's)")
+    parser.add_argument("--size", metavar="WxH", help="WxH, multiples of 16 (default: the pipeline's)")
+    parser.add_argument("--negative-prompt", metavar="TEXT", help="enables true CFG when --cfg-scale > 1")
+    parser.add_argument(
+        "--cfg-scale", type=float, default=4.0, metavar="S", help="true CFG scale (default 4.0)"
+    )
+    parser.add_argument(
+        "--out", default="out/parity", metavar="DIR", help="output directory (default out/parity)"
+    )
+    parser.add_argument(
+        "--expect", metavar="SPEC", help="verdict to reach: identical, or e.g. 'psnr>=35,ssim>=0.98'"
+    )
+    parser.add_argument(
+        "--lpips-weights",
+        metavar="PATH",
+        help="torchvision AlexNet checkpoint (default: the torch hub cache)",
     )
     return parser
 
@@ -133,9 +148,6 @@ def parse_size(text: str | None) -> tuple[int | None, int | None]:
 
 def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
     """Validate everything that can be checked before any worker starts. Raises InputError."""
-    from pipelines import VARIANTS
-
-    known = (*VARIANTS, "auto")
     models = {"a": args.model_a or args.model, "b": args.model_b or args.model}
     for model in models.values():
         if model is not None and not Path(model).is_dir():
@@ -143,16 +155,21 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
     if args.steps is not None and args.steps < 1:
         raise InputError(f"bad --steps {args.steps}: must be at least 1")
     width, height = parse_size(args.size)
+    prompts, seeds = load_prompts(args.prompts), parse_seeds(args.seeds)
+    expect = parse_expect(args.expect) if args.expect is not None else None
+    from pipelines import VARIANTS  # after the cheap checks: importing the pipeline takes seconds
+
+    known = (*VARIANTS, "auto")
     return Config(
         models=models,
-        prompts=load_prompts(args.prompts),
+        prompts=prompts,
         prompt_source=args.prompts,
-        seeds=parse_seeds(args.seeds),
+        seeds=seeds,
         specs={"a": parse_variant(args.a, known), "b": parse_variant(args.b, known)},
         settings=Settings(width, height, args.steps, args.negative_prompt, args.cfg_scale),
         out_dir=Path(args.out),
         expect_text=args.expect,
-        expect=parse_expect(args.expect) if args.expect is not None else None,
+        expect=expect,
         lpips_weights=args.lpips_weights,
         argv=argv,
     )
@@ -221,13 +238,12 @@ def run_rank(config: Config, rank: Rank) -> dict:
                 f"{slot}={config.specs[slot].text}: {info['device']} {info['dtype']}, loaded in "
                 f"{info['load_seconds']:.1f} s; {info['fusion_summary']}"
             )
-        s = config.settings
-        settings = Settings(
-            s.width or ready["a"]["width"],
-            s.height or ready["a"]["height"],
-            s.steps or ready["a"]["steps"],
-            s.negative_prompt,
-            s.true_cfg_scale,
+        given, defaults = config.settings, ready["a"]  # both sides get a's defaults, so the sizes match
+        settings = replace(
+            given,
+            width=given.width or defaults["width"],
+            height=given.height or defaults["height"],
+            steps=given.steps or defaults["steps"],
         )
         lpips = lpips.unavailable_for_size(settings.width, settings.height)
         require_lpips(config, lpips)

@@ -90,7 +90,7 @@ class Worker:
         return message
 
     def request(self, message: dict) -> dict:
-        self.process.stdin.write(json.dumps(message, ensure_ascii=False) + "\n")
+        self.process.stdin.write(json.dumps(message) + "\n")
         self.process.stdin.flush()
         return self.receive()
 

@@ -1,7 +1,7 @@
 """One pipeline in its own process, driven over JSON lines: `python -m eval.worker --variant NAME ...`.
 
-Protocol (UTF-8, one JSON object per line; stdout carries only these replies, everything else the
-pipeline prints goes to stderr):
+Protocol: one ASCII JSON object per line (so no locale matters); stdout carries only these replies,
+everything else the pipeline prints goes to stderr.
   first reply   {"event": "ready", "variant", "device", "dtype", "model_name", "fusion_summary",
                  "load_seconds", "width", "height", "steps"}    (width/height/steps: pipe.defaults)
   request       {"id", "prompt", "seed", "width", "height", "steps", "negative_prompt",
@@ -31,7 +31,7 @@ def open_protocol_channel() -> TextIO:
 
 
 def send(channel: TextIO, message: dict) -> None:
-    channel.write(json.dumps(message, ensure_ascii=False) + "\n")
+    channel.write(json.dumps(message) + "\n")
     channel.flush()
 
 

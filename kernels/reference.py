@@ -1,7 +1,7 @@
 """diffusers' numerics, op for op: the `reference` mode of the producer seam.
 
-Each line mirrors `QwenImageTransformerBlock` / `AdaLayerNormContinuous` in diffusers, so every
-intermediate is rounded to the activation dtype exactly where diffusers rounds it.
+Each line mirrors `QwenImageTransformerBlock` / `AdaLayerNormContinuous` / `RMSNorm` /
+`apply_rotary_emb_qwen` in diffusers, so every intermediate is rounded exactly where diffusers rounds it.
 """
 
 import torch
@@ -19,3 +19,27 @@ def layer_norm_modulate_reference(
 def gated_residual_reference(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`residual + gate * x` in the activation dtype."""
     return residual + gate.unsqueeze(1) * x
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers' `RMSNorm`: `x * rsqrt(mean(x^2) + eps)` in fp32, to a half weight's dtype, `* weight`."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        x = x.to(weight.dtype)
+    return x * weight
+
+
+def rope_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers' `apply_rotary_emb_qwen(use_real=False)`: interleaved pairs of x [B, S, H, D] times complex
+    freqs [S, D/2] in complex64."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
+def rms_norm_rope_reference(
+    x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Per-head q/k RMSNorm then RoPE, as diffusers' attention processor; `rope` [S, D/2, 2] is the real
+    view of the complex rotations."""
+    return rope_reference(rms_norm_reference(x, weight, eps), torch.view_as_complex(rope))

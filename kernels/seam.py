@@ -1,9 +1,10 @@
 """The narrow seam between the transformer blocks and the norm/modulate/residual/GELU backends.
 
-Blocks call only these functions. The numerics mode picks diffusers' op-for-op arithmetic
-(`reference`) or the DESIGN §4 rounding contract (`contract`: Triton on CUDA, torch twin elsewhere);
-the `*_quant` functions are the contract producers that also write static FP8 for their consumers.
-The contract is defined for BF16 activations; other dtypes run the reference arithmetic.
+Blocks call only these functions (attention calls `norm_rope` for q and k). The numerics mode picks
+diffusers' op-for-op arithmetic (`reference`) or the DESIGN §4 rounding contract (`contract`: Triton on
+CUDA, torch twin elsewhere); the `*_quant` functions are the contract producers that also write static
+FP8 for their consumers. The contract is defined for BF16 activations; other dtypes run the reference
+arithmetic.
 """
 
 from enum import StrEnum
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 
 from kernels.gelu_quant import gelu_tanh, gelu_tanh_quant
 from kernels.norm_modulate import gated_residual, gated_residual_layer_norm_modulate, layer_norm_modulate
-from kernels.reference import gated_residual_reference, layer_norm_modulate_reference
+from kernels.qk_norm_rope import rms_norm_rope
+from kernels.reference import gated_residual_reference, layer_norm_modulate_reference, rms_norm_rope_reference
 
 
 class Numerics(StrEnum):
@@ -51,11 +53,30 @@ def residual_norm_modulate(
     return r, y
 
 
-def residual_add(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+def residual_add(
+    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, numerics: Numerics
+) -> torch.Tensor:
     """`residual + gate * x`."""
     if not _contract(numerics, x):
         return gated_residual_reference(residual, gate, x)
     return gated_residual(residual, gate, x)
+
+
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rope: torch.Tensor,
+    eps: float,
+    numerics: Numerics,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-head RMSNorm of q or k [B, S, H, D], then interleaved-pair RoPE; `rope` [S, D/2, 2] fp32 is the
+    real view (cos, sin) of the complex rotations. Writes into `out` (e.g. the text or image rows of the
+    joint [text, image] buffer) when given and returns it. Contract: one Triton launch on CUDA."""
+    if not (_contract(numerics, x) and weight.dtype == torch.bfloat16):
+        y = rms_norm_rope_reference(x, weight, rope, eps)
+        return y if out is None else out.copy_(y)
+    return rms_norm_rope(x, weight, rope, eps, out)
 
 
 def gelu(x: torch.Tensor, numerics: Numerics) -> torch.Tensor:
@@ -66,7 +87,12 @@ def gelu(x: torch.Tensor, numerics: Numerics) -> torch.Tensor:
 
 
 def norm_modulate_quant(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_scale: torch.Tensor, write_y: bool
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor,
+    write_y: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Fused producer 1: `(y or None, q)`."""
     return layer_norm_modulate(x, shift, scale, eps, inv_scale, write_y)
@@ -86,6 +112,8 @@ def residual_norm_modulate_quant(
     return gated_residual_layer_norm_modulate(residual, gate, x, shift, scale, eps, inv_scale, write_y)
 
 
-def gelu_quant(x: torch.Tensor, inv_scale: torch.Tensor, write_g: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+def gelu_quant(
+    x: torch.Tensor, inv_scale: torch.Tensor, write_g: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Fused GELU(tanh) + static FP8 quant for the MLP down-projection: `(g or None, q)`."""
     return gelu_tanh_quant(x, inv_scale, write_g)

@@ -82,8 +82,11 @@ def load_components(directory: Path, dtype: torch.dtype, device: torch.device) -
     )
 
 
-def save_components(components: Components, directory: Path) -> None:
-    """Write a diffusers-layout directory that `load_components` (and diffusers) can read."""
+def save_components(components: Components, directory: Path, skip: tuple[str, ...] = ()) -> None:
+    """Write a diffusers-layout directory that `load_components` (and diffusers) can read.
+
+    Components named in `skip` are left for the caller to write (quantize writes its own transformer).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     index = {
         "_class_name": "QwenImagePipeline",
@@ -94,8 +97,13 @@ def save_components(components: Components, directory: Path) -> None:
         "vae": ["diffusers", "AutoencoderKLQwenImage"],
     }
     (directory / "model_index.json").write_text(json.dumps(index, indent=2))
-    components.tokenizer.save_pretrained(directory / "tokenizer")
-    components.text_encoder.save_pretrained(directory / "text_encoder")
-    save_transformer(components.transformer, directory / "transformer")
-    components.vae.save_pretrained(directory / "vae")
-    components.scheduler.save_pretrained(directory / "scheduler")
+    writers = {
+        "tokenizer": lambda path: components.tokenizer.save_pretrained(path),
+        "text_encoder": lambda path: components.text_encoder.save_pretrained(path),
+        "transformer": lambda path: save_transformer(components.transformer, path),
+        "vae": lambda path: components.vae.save_pretrained(path),
+        "scheduler": lambda path: components.scheduler.save_pretrained(path),
+    }
+    for name, write in writers.items():
+        if name not in skip:
+            write(directory / name)

@@ -43,6 +43,15 @@ def fill_deterministic(module: torch.nn.Module, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
 
 
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Move to `device` and cast parameters only: fp32 buffers (RoPE inverse frequencies) stay fp32,
+    exactly as transformers' `from_pretrained(dtype=...)` leaves them."""
+    module = module.to(device)
+    for param in module.parameters():
+        param.data = param.data.to(dtype)
+    return module.eval().requires_grad_(False)
+
+
 def build_embedded_transformer(dtype: torch.dtype, device: torch.device) -> QwenImageTransformer:
     """The tiny DiT with its deterministic weights, hooks run as after loading."""
     model = QwenImageTransformer(EMBEDDED_TRANSFORMER)
@@ -56,16 +65,7 @@ def build_embedded_vae(dtype: torch.dtype, device: torch.device) -> AutoencoderK
     """A tiny `AutoencoderKLQwenImage` (z_dim 16, 8x spatial) with the real latent statistics."""
     vae = AutoencoderKLQwenImage(**EMBEDDED_VAE)
     fill_deterministic(vae, EMBEDDED_SEED + 1)
-    return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def cast_parameters(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Move to `device` and cast parameters only: fp32 buffers (RoPE inverse frequencies) stay fp32,
-    exactly as transformers' `from_pretrained(dtype=...)` leaves them."""
-    module = module.to(device)
-    for param in module.parameters():
-        param.data = param.data.to(dtype)
-    return module.eval().requires_grad_(False)
+    return cast_parameters(vae, dtype, device)
 
 
 def build_embedded_components(dtype: torch.dtype, device: torch.device) -> Components:

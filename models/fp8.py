@@ -64,14 +64,16 @@ def scaled_mm(
 
 
 class Fp8Linear(nn.Module):
-    """A ModelOpt FP8 linear: `weight` e4m3 [out, in], scalar `weight_scale` and `input_scale`, bias kept BF16."""
+    """A ModelOpt FP8 linear: e4m3 `weight` [out, in], scalar `weight_scale` and `input_scale`, BF16 bias."""
 
     quant_key = FP8_STATIC_KEY
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
         self.weight_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
         self.input_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
@@ -85,13 +87,20 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         if isinstance(x, QuantizedActivation):
             if x.quant_key != self.quant_key:
-                raise RuntimeError(f"activation quantized as {x.quant_key}, consumer expects {self.quant_key}")
+                raise RuntimeError(
+                    f"activation quantized as {x.quant_key}, consumer expects {self.quant_key}"
+                )
             q, out_dtype = x.data, x.dtype
         else:
             q, out_dtype = static_quant_fp8(x, self.inv_input_scale), x.dtype
         lead = q.shape[:-1]
         out = scaled_mm(
-            q.reshape(-1, self.in_features), self.weight, self.input_scale, self.weight_scale, self.bias, out_dtype
+            q.reshape(-1, self.in_features),
+            self.weight,
+            self.input_scale,
+            self.weight_scale,
+            self.bias,
+            out_dtype,
         )
         return out.view(*lead, self.out_features)
 

@@ -104,7 +104,11 @@ def gate_path(
             )
     needs_y = [name for name, spec in specs if spec.needs_unquantized_input]
     if needs_y and not producer_writes_y:
-        return f"consumer {needs_y[0]} needs the unquantized input, which this producer cannot write", None, False
+        return (
+            f"consumer {needs_y[0]} needs the unquantized input, which this producer cannot write",
+            None,
+            False,
+        )
     return "", first, bool(needs_y)
 
 

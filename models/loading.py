@@ -43,7 +43,9 @@ def weight_files(directory: Path) -> list[Path]:
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{directory}: shards listed in {indexes[0].name} are missing: {missing[:3]}")
+            raise CheckpointError(
+                f"{directory}: shards listed in {indexes[0].name} are missing: {missing[:3]}"
+            )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:

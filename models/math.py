@@ -4,6 +4,7 @@ Each mirrors diffusers' arithmetic exactly (same ops, same dtypes), which the or
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +40,20 @@ def rope_tables(axes_dims: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Te
     )
 
 
+class Rope(NamedTuple):
+    """Image and text rotations, [S, head_dim/2, 2] fp32 (cos, sin): real views of complex64 tables."""
+
+    img: torch.Tensor
+    txt: torch.Tensor
+
+
 def rope_frequencies(
     tables: tuple[torch.Tensor, torch.Tensor],
     axes_dims: tuple[int, int, int],
     grid: tuple[int, int, int],
     text_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(image, text) complex rotations for an F x H x W latent grid with centered image positions."""
+) -> Rope:
+    """Image and text rotations for an F x H x W latent grid with centered image positions."""
     frames, height, width = grid
     splits = [d // 2 for d in axes_dims]
     pos = tables[0].split(splits, dim=1)
@@ -57,13 +65,9 @@ def rope_frequencies(
     w = w.view(1, 1, width, -1).expand(frames, height, width, -1)
     image = torch.cat([f, h, w], dim=-1).reshape(frames * height * width, -1)
     start = max(height // 2, width // 2)
-    return image.contiguous(), tables[0][start : start + text_len]
-
-
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x [B, S, H, D] by complex freqs [S, D/2]."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(pairs * freqs.unsqueeze(1)).flatten(3).type_as(x)
+    return Rope(
+        torch.view_as_real(image.contiguous()), torch.view_as_real(tables[0][start : start + text_len])
+    )
 
 
 def joint_attention(

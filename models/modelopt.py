@@ -35,7 +35,9 @@ def parse_quant_config(config: dict[str, Any], hf_quant_config: dict[str, Any] |
     if flat is not None:
         method = str(flat.get("quant_method", "")).lower()
         if method != "modelopt":
-            raise CheckpointError(f"unsupported quantization method {method!r}: only ModelOpt FP8 is supported")
+            raise CheckpointError(
+                f"unsupported quantization method {method!r}: only ModelOpt FP8 is supported"
+            )
         algo, ignore, raw = flat.get("quant_algo"), flat.get("ignore", []), flat
     elif hf_quant_config is not None:
         nested = hf_quant_config.get("quantization", {})
@@ -43,7 +45,9 @@ def parse_quant_config(config: dict[str, Any], hf_quant_config: dict[str, Any] |
     else:
         return None
     if str(algo).upper() != "FP8":
-        raise CheckpointError(f"unsupported ModelOpt quant_algo {algo!r}: only FP8 (per-tensor static) is supported")
+        raise CheckpointError(
+            f"unsupported ModelOpt quant_algo {algo!r}: only FP8 (per-tensor static) is supported"
+        )
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise CheckpointError("ModelOpt ignore/exclude_modules must be a list of glob strings")
     return QuantConfig("FP8", tuple(ignore), raw)
@@ -62,7 +66,9 @@ def read_hf_quant_config(directory: Path) -> dict[str, Any] | None:
 
 def fp8_module_names(state: dict[str, torch.Tensor]) -> list[str]:
     """Modules whose stored weight is FP8 (or that carry ModelOpt scales)."""
-    names = {k.removesuffix(".weight") for k, v in state.items() if k.endswith(".weight") and v.dtype == FP8_DTYPE}
+    names = {
+        k.removesuffix(".weight") for k, v in state.items() if k.endswith(".weight") and v.dtype == FP8_DTYPE
+    }
     names |= {k.rsplit(".", 1)[0] for k in state if k.endswith(SCALE_SUFFIXES)}
     return sorted(names)
 

@@ -1,6 +1,6 @@
 """Qwen-Image MMDiT: the whole model in one file, with diffusers' parameter names (DESIGN §1).
 
-Norm, modulate and gated-residual steps go through `kernels.seam`; the producer modules
+Norm, modulate, gated-residual and q/k norm+RoPE steps go through `kernels.seam`; the producer modules
 (`NormModulate`, `ResidualNormModulate`) are where `post_load_weights` plugs in fused FP8 paths,
 so the block forward below stays free of special cases.
 """
@@ -8,12 +8,14 @@ so the block forward below stays free of special cases.
 import torch
 from torch import nn
 
+from kernels.reference import rms_norm_reference
 from kernels.seam import (
     Numerics,
     gelu,
     gelu_quant,
     norm_modulate,
     norm_modulate_quant,
+    norm_rope,
     residual_add,
     residual_norm_modulate,
     residual_norm_modulate_quant,
@@ -21,7 +23,7 @@ from kernels.seam import (
 from models.config import QwenImageConfig
 from models.fp8 import Fp8Linear, QuantizedActivation
 from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, fusion_enabled_by_env
-from models.math import apply_rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
+from models.math import Rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
 
 EPS = 1e-6
 
@@ -35,11 +37,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return x * self.weight
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+class QKNorm(nn.Module):
+    """Per-head RMSNorm of q or k (diffusers' `RMSNorm` weight), then RoPE; writes rows of a joint buffer."""
+
+    def __init__(self, dim: int, eps: float = EPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.numerics = Numerics.REFERENCE
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return norm_rope(x, self.weight, rope, self.eps, self.numerics, out)
 
 
 class Producer(nn.Module):
@@ -73,7 +84,12 @@ class ResidualNormModulate(Producer):
     """Producer 2: `r = residual + gate * x; y = modulate(LN(r))`; returns `(r, y)`."""
 
     def forward(
-        self, residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+        self,
+        residual: torch.Tensor,
+        gate: torch.Tensor,
+        x: torch.Tensor,
+        shift: torch.Tensor,
+        scale: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | QuantizedActivation]:
         if self.quant is None:
             return residual_norm_modulate(residual, gate, x, shift, scale, self.eps, self.numerics)
@@ -120,6 +136,12 @@ class FeedForward(nn.Module):
         return self.net[2](self.net[0](x))
 
 
+def joint_rows(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+    """An empty [B, S_txt + S_img, H, D] buffer for the joint sequence of two [B, S, H, D] streams."""
+    batch, seq_txt, *head = txt.shape
+    return txt.new_empty(batch, seq_txt + img.shape[1], *head)
+
+
 class JointAttention(nn.Module):
     """Joint text+image attention: per-stream QKV, per-head RMSNorm on q/k, RoPE, order [text, image]."""
 
@@ -129,8 +151,8 @@ class JointAttention(nn.Module):
         inner = heads * head_dim
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
         self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner) for _ in range(3))
-        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.norm_q, self.norm_k = QKNorm(head_dim), QKNorm(head_dim)
+        self.norm_added_q, self.norm_added_k = QKNorm(head_dim), QKNorm(head_dim)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.to_add_out = nn.Linear(inner, dim)
 
@@ -139,19 +161,21 @@ class JointAttention(nn.Module):
         img: torch.Tensor,
         txt: torch.Tensor,
         txt_mask: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         heads = (-1, self.head_dim)
-        img_q = self.norm_q(self.to_q(img).unflatten(-1, heads))
-        img_k = self.norm_k(self.to_k(img).unflatten(-1, heads))
-        img_v = self.to_v(img).unflatten(-1, heads)
-        txt_q = self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads))
-        txt_k = self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads))
-        txt_v = self.add_v_proj(txt).unflatten(-1, heads)
+        img_q, img_k, img_v = (p(img).unflatten(-1, heads) for p in (self.to_q, self.to_k, self.to_v))
+        txt_q, txt_k, txt_v = (
+            p(txt).unflatten(-1, heads) for p in (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        )
 
-        img_freqs, txt_freqs = rope
-        query = torch.cat([apply_rope(txt_q, txt_freqs), apply_rope(img_q, img_freqs)], dim=1)
-        key = torch.cat([apply_rope(txt_k, txt_freqs), apply_rope(img_k, img_freqs)], dim=1)
+        # normalized, rotated q and k go straight into their rows of the joint [text, image] sequence
+        seq_txt = txt_q.shape[1]
+        query, key = joint_rows(txt_q, img_q), joint_rows(txt_k, img_k)
+        self.norm_added_q(txt_q, rope.txt, out=query[:, :seq_txt])
+        self.norm_q(img_q, rope.img, out=query[:, seq_txt:])
+        self.norm_added_k(txt_k, rope.txt, out=key[:, :seq_txt])
+        self.norm_k(img_k, rope.img, out=key[:, seq_txt:])
         value = torch.cat([txt_v, img_v], dim=1)
 
         key_mask = None
@@ -160,7 +184,6 @@ class JointAttention(nn.Module):
             key_mask = torch.cat([txt_mask, img_mask], dim=1)
         out = joint_attention(query, key, value, key_mask).flatten(2, 3).to(query.dtype)
 
-        seq_txt = txt_v.shape[1]
         img_out = self.to_out[0](out[:, seq_txt:, :].contiguous())
         txt_out = self.to_add_out(out[:, :seq_txt, :].contiguous())
         return img_out, txt_out
@@ -185,7 +208,7 @@ class QwenImageTransformerBlock(nn.Module):
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_mask: torch.Tensor | None,
         temb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
         txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
@@ -287,7 +310,7 @@ class QwenImageTransformer(nn.Module):
         self.norm_out = OutputNorm(dim)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
         self._rope_tables = rope_tables(config.axes_dims_rope)
-        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[tuple, Rope] = {}
 
     @property
     def numerics(self) -> Numerics:
@@ -301,7 +324,7 @@ class QwenImageTransformer(nn.Module):
         """Select reference (diffusers op for op) or contract (DESIGN §4) arithmetic for every producer."""
         numerics = Numerics(numerics)
         for module in self.modules():
-            if isinstance(module, (Producer, GatedResidual)):
+            if isinstance(module, (Producer, GatedResidual, QKNorm)):
                 module.numerics = numerics
 
     def post_load_weights(self, fuse: bool | None = None) -> FusionReport:
@@ -326,8 +349,8 @@ class QwenImageTransformer(nn.Module):
         )
         return self.fusion_report
 
-    def rope(self, grid: tuple[int, int, int], text_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Cached (image, text) RoPE rotations on `device`."""
+    def rope(self, grid: tuple[int, int, int], text_len: int, device: torch.device) -> Rope:
+        """Cached image and text RoPE rotations on `device` (computed once per grid and text length)."""
         key = (grid, text_len, device)
         if key not in self._rope_cache:
             tables = tuple(t.to(device) for t in self._rope_tables)
@@ -350,5 +373,7 @@ class QwenImageTransformer(nn.Module):
         temb = self.time_text_embed(timestep, hidden_states.dtype)
         rope = self.rope(grid, encoder_hidden_states.shape[1], hidden_states.device)
         for block in self.transformer_blocks:
-            encoder_hidden_states, hidden_states = block(hidden_states, encoder_hidden_states, mask, temb, rope)
+            encoder_hidden_states, hidden_states = block(
+                hidden_states, encoder_hidden_states, mask, temb, rope
+            )
         return self.proj_out(self.norm_out(hidden_states, temb))

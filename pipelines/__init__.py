@@ -1,12 +1,24 @@
-"""Orchestration: the Qwen-Image text-to-image pipeline and its one-call API."""
+"""Orchestration: the Qwen-Image text-to-image pipeline and its one-call API.
 
-from pipelines.qwen_image import (
-    VARIANTS,
-    GenerationDefaults,
-    QwenImagePipeline,
-    RunInfo,
-    generate,
-    load_pipeline,
-)
+Names load lazily, so light users (argument parsing, `VARIANTS`) do not pay for importing
+torch, diffusers and transformers.
+"""
 
-__all__ = ["VARIANTS", "GenerationDefaults", "QwenImagePipeline", "RunInfo", "generate", "load_pipeline"]
+import importlib
+from typing import Any
+
+VARIANTS = ("reference", "contract", "fp8-unfused", "fp8-fused")
+_LAZY = {
+    "GenerationDefaults": "pipelines.qwen_image",
+    "QwenImagePipeline": "pipelines.qwen_image",
+    "RunInfo": "pipelines.qwen_image",
+    "generate": "pipelines.qwen_image",
+    "load_pipeline": "pipelines.qwen_image",
+}
+__all__ = ["VARIANTS", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pipelines' has no attribute {name!r}")

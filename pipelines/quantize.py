@@ -150,23 +150,39 @@ def quantize_checkpoint(
     seed: int = 0,
 ) -> Path:
     """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`."""
-    if not prompts:
-        raise InputError("no calibration prompts")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise InputError(f"output directory {out} exists and is not empty")
     pipe = load_pipeline(model, variant="contract", device=device)
+    return quantize_pipeline(
+        pipe, out, prompts, ignore, steps, size, seed, None if model is None else Path(model)
+    )
+
+
+def quantize_pipeline(
+    pipe: QwenImagePipeline,
+    out: Path,
+    prompts: Sequence[str] = DEFAULT_CALIBRATION_PROMPTS,
+    ignore: Sequence[str] = DEFAULT_BF16_FALLBACK,
+    steps: int | None = None,
+    size: int | None = None,
+    seed: int = 0,
+    source: Path | None = None,
+) -> Path:
+    """Calibrate a loaded BF16 pipeline and write the FP8 checkpoint; other components are copied from
+    `source` when given, else saved from memory."""
+    if not prompts:
+        raise InputError("no calibration prompts")
     if pipe.transformer.is_fp8:
-        raise InputError(f"{model} is already an FP8 checkpoint")
+        raise InputError(f"{pipe.model_name} is already an FP8 checkpoint")
     steps = steps or min(pipe.defaults.num_inference_steps, 20)
     size = size or min(pipe.defaults.width, pipe.defaults.height)
     linears = quantizable_linears(pipe.transformer, ignore)
     amax = share_group_amax(calibrate(pipe, linears, prompts, steps, size, seed))
     state = fp8_state_dict(pipe.transformer, linears, amax)
-    if model is None:
-        save_components(pipe.components, out)
-        shutil.rmtree(out / "transformer")
+    if source is None:
+        save_components(pipe.components, out, skip=("transformer",))
     else:
-        shutil.copytree(Path(model), out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
+        shutil.copytree(source, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
     write_fp8_transformer(pipe.transformer, state, ignore, out / "transformer")
     return out

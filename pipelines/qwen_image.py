@@ -24,10 +24,11 @@ from models.embedded import EMBEDDED_NAME, build_embedded_components
 from models.errors import InputError
 from models.math import pack_latents, unpack_latents
 from models.text_encoder import MAX_SEQUENCE_LENGTH, encode_prompts
+from pipelines import VARIANTS
+from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env
 
-VARIANTS = ("reference", "contract", "fp8-unfused", "fp8-fused")
-BF16_VARIANTS = ("reference", "contract")
-FP8_VARIANTS = ("fp8-unfused", "fp8-fused")
+BF16_VARIANTS = VARIANTS[:2]
+FP8_VARIANTS = VARIANTS[2:]
 VAE_SCALE = 8
 MAX_SIDE = 2048
 MAX_STEPS = 200
@@ -76,7 +77,12 @@ def pick_device(device: str | torch.device | None) -> torch.device:
 
 def pick_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     """bf16 by default; 'fp32'/'float32' for exact-arithmetic debugging."""
-    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+    names = {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+    }
     if dtype is None:
         return torch.bfloat16
     if isinstance(dtype, torch.dtype) and dtype in names.values():
@@ -118,13 +124,15 @@ def check_generation_args(
     if not isinstance(num_images_per_prompt, int) or not 1 <= num_images_per_prompt <= MAX_IMAGES:
         raise InputError(f"num_images_per_prompt {num_images_per_prompt} must be between 1 and {MAX_IMAGES}")
     if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-        raise InputError(f"max_sequence_length {max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}")
+        raise InputError(
+            f"max_sequence_length {max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}"
+        )
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise InputError(f"seed {seed} must be an integer in [0, 2**63)")
 
 
 class QwenImagePipeline:
-    """Qwen-Image text-to-image on one device; the variant picks numerics and FP8 fusion on the same weights."""
+    """Qwen-Image text-to-image on one device; the variant picks numerics and FP8 fusion on shared weights."""
 
     def __init__(
         self,
@@ -142,6 +150,8 @@ class QwenImagePipeline:
         self.defaults = defaults
         self.image_processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE * 2)
         self.last_run: RunInfo | None = None
+        self.cuda_graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
+        self._graphed: dict[tuple[int, int, int], GraphedStep] = {}
         self.variant = ""
         self.set_variant(variant)
 
@@ -153,7 +163,7 @@ class QwenImagePipeline:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
     ) -> "QwenImagePipeline":
-        """Load a local diffusers-layout checkpoint, or build the embedded default when `directory` is None."""
+        """Load a local diffusers-layout checkpoint, or build the embedded default (`directory` None)."""
         device, dtype = pick_device(device), pick_dtype(dtype)
         if directory is None:
             components = build_embedded_components(dtype, device)
@@ -170,7 +180,7 @@ class QwenImagePipeline:
         return list(FP8_VARIANTS if self.transformer.is_fp8 else BF16_VARIANTS)
 
     def set_variant(self, variant: str) -> None:
-        """Switch numerics or FP8 fusion in place (re-running the gate); 'auto' picks the fastest exact path."""
+        """Switch numerics or FP8 fusion in place (re-running the gate); 'auto' picks the fastest path."""
         available = self.available_variants()
         if variant == "auto":
             variant = available[-1]
@@ -180,6 +190,7 @@ class QwenImagePipeline:
             self.transformer.post_load_weights(fuse=variant == "fp8-fused")
         else:
             self.transformer.set_numerics(variant)
+        self._graphed.clear()
         self.variant = variant
 
     def fusion_summary(self) -> str:
@@ -188,10 +199,14 @@ class QwenImagePipeline:
             return "FP8 norm+quant fusion: off (BF16 weights)"
         return self.transformer.fusion_report.summary()
 
-    def encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode(
+        self, prompts: list[str], max_sequence_length: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompt embeddings [B, L, H] and padding mask (None when nothing is padded)."""
         c = self.components
-        return encode_prompts(c.text_encoder, c.tokenizer, prompts, self.device, self.dtype, max_sequence_length)
+        return encode_prompts(
+            c.text_encoder, c.tokenizer, prompts, self.device, self.dtype, max_sequence_length
+        )
 
     @torch.no_grad()
     def generate(
@@ -218,7 +233,9 @@ class QwenImagePipeline:
             prompts, width, height, steps, true_cfg_scale, num_images_per_prompt, max_sequence_length, seed
         )
         if negatives is not None and len(negatives) not in (1, len(prompts)):
-            raise InputError(f"{len(negatives)} negative prompts for {len(prompts)} prompts: give one or one each")
+            raise InputError(
+                f"{len(negatives)} negative prompts for {len(prompts)} prompts: give one or one each"
+            )
         seed = random.randrange(2**31) if seed is None else seed
         do_cfg = negatives is not None and true_cfg_scale > 1
         timer = _StageTimer(self.device)
@@ -227,7 +244,9 @@ class QwenImagePipeline:
         neg_embeds = neg_mask = None
         if do_cfg:
             negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
-            neg_embeds, neg_mask = self._encode_repeated(negatives, num_images_per_prompt, max_sequence_length)
+            neg_embeds, neg_mask = self._encode_repeated(
+                negatives, num_images_per_prompt, max_sequence_length
+            )
         timer.lap("text_encoding")
 
         latents = self.denoise(
@@ -237,7 +256,13 @@ class QwenImagePipeline:
         images = self.decode(latents, width, height)
         timer.lap("decoding")
         self.last_run = RunInfo(
-            seed, width, height, steps, self.variant, self.fusion_summary(), timer.timings | {"total": timer.total}
+            seed,
+            width,
+            height,
+            steps,
+            self.variant,
+            self.fusion_summary(),
+            timer.timings | {"total": timer.total},
         )
         return images
 
@@ -269,7 +294,9 @@ class QwenImagePipeline:
         lat_h, lat_w = 2 * (height // (VAE_SCALE * 2)), 2 * (width // (VAE_SCALE * 2))
         batch = embeds.shape[0]
         generator = torch.Generator("cpu").manual_seed(seed)
-        noise = randn_tensor((batch, 1, 16, lat_h, lat_w), generator=generator, device=self.device, dtype=self.dtype)
+        noise = randn_tensor(
+            (batch, 1, 16, lat_h, lat_w), generator=generator, device=self.device, dtype=self.dtype
+        )
         latents = pack_latents(noise[:, 0])
         grid = (1, lat_h // 2, lat_w // 2)
 
@@ -284,11 +311,12 @@ class QwenImagePipeline:
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
+        step = self._step(grid)
         for i, t in enumerate(tqdm(timesteps, desc="denoising", disable=not progress, leave=False)):
             sigma = t.expand(batch).to(latents.dtype) / 1000
-            velocity = self.transformer(latents, embeds, mask, sigma, grid)
+            velocity = step(latents, embeds, mask, sigma)
             if neg_embeds is not None:
-                neg_velocity = self.transformer(latents, neg_embeds, neg_mask, sigma, grid)
+                neg_velocity = step(latents, neg_embeds, neg_mask, sigma)
                 combined = neg_velocity + true_cfg_scale * (velocity - neg_velocity)
                 cond_norm = torch.norm(velocity, dim=-1, keepdim=True)
                 combined_norm = torch.norm(combined, dim=-1, keepdim=True)
@@ -297,6 +325,18 @@ class QwenImagePipeline:
             if on_step is not None:
                 on_step(i + 1, len(timesteps))
         return latents
+
+    def _step(self, grid: tuple[int, int, int]) -> Callable[..., torch.Tensor]:
+        """The transformer call for one latent grid: CUDA-graph replays on CUDA, eager elsewhere."""
+
+        def step(latents, embeds, mask, sigma):
+            return self.transformer(latents, embeds, mask, sigma, grid)
+
+        if not self.cuda_graphs:
+            return step
+        if grid not in self._graphed:
+            self._graphed[grid] = GraphedStep(step)
+        return self._graphed[grid]
 
     def decode(self, latents: torch.Tensor, width: int, height: int) -> list[PIL.Image.Image]:
         """VAE-decode packed latents to PIL images (DESIGN §2 latent statistics)."""

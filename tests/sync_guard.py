@@ -21,7 +21,10 @@ class NoHostSync(TorchDispatchMode):
         if self.device.type == "cpu":
             return False
         if name == "aten::_to_copy":
-            return args[0].device.type == "cpu" and torch.device(kwargs.get("device", "cpu")).type == self.device.type
+            return (
+                args[0].device.type == "cpu"
+                and torch.device(kwargs.get("device", "cpu")).type == self.device.type
+            )
         if name == "aten::copy_":
             return args[1].device.type == "cpu" and args[0].device.type == self.device.type
         return False
@@ -29,6 +32,8 @@ class NoHostSync(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        if name in ("aten::_local_scalar_dense", "aten::lift_fresh") or self._host_to_device(name, args, kwargs):
+        if name in ("aten::_local_scalar_dense", "aten::lift_fresh") or self._host_to_device(
+            name, args, kwargs
+        ):
             raise AssertionError(f"host synchronisation in the denoise step: {name}")
         return func(*args, **kwargs)

@@ -22,7 +22,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_writes_a_png_with_no_model_given(tmp_path):
     out = tmp_path / "fox.png"
-    result = run_cli("generate", "a red fox", "-o", str(out), "--width", "64", "--height", "48", "--steps", "2")
+    result = run_cli(
+        "generate", "a red fox", "-o", str(out), "--width", "64", "--height", "48", "--steps", "2"
+    )
     assert result.returncode == 0, result.stderr
     image = PIL.Image.open(out)
     assert image.size == (64, 48) and image.format == "PNG"
@@ -38,7 +40,10 @@ def test_generate_writes_a_png_with_no_model_given(tmp_path):
         (["generate", "fox", "--width", "100"], "width 100 must be a multiple of 16"),
         (["generate", "fox", "--height", "4096"], "height 4096 must be a multiple of 16 between 16 and 2048"),
         (["generate", "fox", "--steps", "0"], "num_inference_steps 0 must be between 1 and 200"),
-        (["generate", "fox", "--model", "/nonexistent/qwen"], "model directory /nonexistent/qwen does not exist"),
+        (
+            ["generate", "fox", "--model", "/nonexistent/qwen"],
+            "model directory /nonexistent/qwen does not exist",
+        ),
         (["info", "--variant", "fp8-fused"], "variant 'fp8-fused' is not available"),
     ],
 )

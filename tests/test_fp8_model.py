@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from sync_guard import NoHostSync
 
 from models.errors import CheckpointError
 from models.loading import load_transformer
 from pipelines import load_pipeline
 from pipelines.quantize import DEFAULT_BF16_FALLBACK, quantize_checkpoint
-from sync_guard import NoHostSync
 
 CPU = torch.device("cpu")
 
@@ -54,7 +54,10 @@ def test_loads_with_every_path_fused_and_reports_it(fp8_dir):
     pipe = load_pipeline(fp8_dir, device="cpu")
     assert pipe.variant == "fp8-fused"
     layers = pipe.transformer.config.num_layers
-    assert pipe.fusion_summary().splitlines()[0] == f"FP8 norm+quant fusion: {4 * layers}/{4 * layers} block paths"
+    assert (
+        pipe.fusion_summary().splitlines()[0]
+        == f"FP8 norm+quant fusion: {4 * layers}/{4 * layers} block paths"
+    )
 
 
 def test_fused_and_unfused_pngs_are_byte_identical(fp8_dir):
@@ -126,18 +129,28 @@ def _broken_copy(fp8_dir, tmp_path, edit) -> torch.device:
             "to_q.input_scale has shape [2]",
         ),
         (
-            lambda s: s.update({"transformer_blocks.0.attn.to_q.input_scale": torch.tensor(1, dtype=torch.int32)}),
+            lambda s: s.update(
+                {"transformer_blocks.0.attn.to_q.input_scale": torch.tensor(1, dtype=torch.int32)}
+            ),
             "to_q.input_scale has dtype torch.int32",
         ),
         (
             lambda s: s.update(
-                {"transformer_blocks.0.attn.to_q.weight": s["transformer_blocks.0.attn.to_q.weight"].bfloat16()}
+                {
+                    "transformer_blocks.0.attn.to_q.weight": s[
+                        "transformer_blocks.0.attn.to_q.weight"
+                    ].bfloat16()
+                }
             ),
             "to_q.weight is torch.bfloat16, expected float8_e4m3fn",
         ),
         (
             lambda s: s.update(
-                {"transformer_blocks.0.attn.to_q.weight": s["transformer_blocks.0.attn.to_q.weight"][:, :16].contiguous()}
+                {
+                    "transformer_blocks.0.attn.to_q.weight": s["transformer_blocks.0.attn.to_q.weight"][
+                        :, :16
+                    ].contiguous()
+                }
             ),
             "to_q.weight has shape",
         ),

@@ -37,7 +37,9 @@ def pipes():
         ("a lighthouse at dusk", "blurry", (48, 32), 2),
     ],
 )
-def test_reference_pipeline_matches_diffusers_pixel_for_pixel(pipes, prompt, negative, size, images_per_prompt):
+def test_reference_pipeline_matches_diffusers_pixel_for_pixel(
+    pipes, prompt, negative, size, images_per_prompt
+):
     """Padded prompt batches with several images per prompt are left out: diffusers 0.42 tiles the
     padding mask in another order than the embeddings there (`mask.repeat(1, n, 1)`), a bug we do not copy."""
     ours, theirs = pipes

@@ -8,7 +8,11 @@ from models.config import QwenImageConfig
 from models.transformer import QwenImageTransformer
 
 TINY = QwenImageConfig(
-    num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(8, 12, 12)
+    num_layers=2,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=48,
+    axes_dims_rope=(8, 12, 12),
 )
 
 

@@ -113,12 +113,14 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int]], tm
         expect(page.get_by_text(f"width {SIZE + 2} must be a multiple of 16")).to_be_visible(timeout=30_000)
         _screenshot(page, tmp_path / "ui_error.png")
 
-        # Stop aborts a long run; the next request then completes.
-        _fill(page, width=SIZE, steps=200)
+        # Stop aborts a long run (200 steps at 256x256: about a minute); the next request then completes.
+        _fill(page, width=256, height=256, steps=200)
         page.locator("#generate").click()
-        expect(page.get_by_role("progressbar", name="Denoising")).to_be_visible(timeout=30_000)
+        progress = page.get_by_role("progressbar", name="Denoising")
+        expect(progress).to_be_visible(timeout=30_000)
         page.locator("#stop").click()
-        _fill(page, steps=3)
+        expect(progress).to_be_hidden()  # a click while the run is still pending would be ignored
+        _fill(page, width=SIZE, height=SIZE, steps=3)
         page.locator("#generate").click()
         expect(page.locator("#details")).to_contain_text("3 steps", timeout=60_000)
         assert 200 not in completed

@@ -24,6 +24,7 @@ from ui.generation import (
 )
 
 QUEUE_MAX = 64
+MAX_STEPS = 200  # docs/API.md: num_inference_steps in 1..200
 MAX_IMAGES = 4
 EXAMPLES = [
     "A red apple on a wooden table, soft window light",
@@ -82,6 +83,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
         except Cancelled as e:
             raise gr.Error("Stopped.", print_exception=False) from e
         except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()  # hand the failed run's blocks back so the next request can fit
             msg = f"Out of GPU memory at {w}x{h} x{int(num_images)}: try a smaller size or fewer images."
             raise gr.Error(msg, print_exception=False) from e
         return images, run.seed, format_details(run)
@@ -110,7 +112,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                     height = gr.Number(defaults.height, label="Height", precision=0, elem_id="height")
                 with gr.Row():
                     steps = gr.Slider(
-                        1, 200, defaults.num_inference_steps, step=1, label="Steps", elem_id="steps"
+                        1, MAX_STEPS, defaults.num_inference_steps, step=1, label="Steps", elem_id="steps"
                     )
                     cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
                 with gr.Row():
@@ -150,7 +152,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
             concurrency_limit=1,
         )
         stop_btn.click(stop, None, None, cancels=[run], queue=False, api_name="stop")
-    return demo.queue(max_size=QUEUE_MAX, default_concurrency_limit=1)
+    return demo.queue(max_size=QUEUE_MAX)
 
 
 def launch(

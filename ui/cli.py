@@ -94,7 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     run = pipe.last_run
     t = run.timings
     print(
-        f"wrote {', '.join(map(str, paths))} ({run.width}x{run.height}, seed {run.seed}, variant {run.variant})"
+        f"wrote {', '.join(map(str, paths))} "
+        f"({run.width}x{run.height}, seed {run.seed}, variant {run.variant})"
     )
     print(
         f"text encoding {t['text_encoding']:.2f} s | denoising {t['denoising']:.2f} s "
@@ -116,7 +117,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     prompts = DEFAULT_CALIBRATION_PROMPTS
     if args.calib_prompts:
         prompts = read_prompt_file(Path(args.calib_prompts))
-    ignore = DEFAULT_BF16_FALLBACK if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
+    ignore = (
+        DEFAULT_BF16_FALLBACK if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
+    )
     out = quantize_checkpoint(
         args.model, Path(args.out), prompts, ignore, steps=args.steps, size=args.size, device=args.device
     )

@@ -38,6 +38,17 @@ def test_fused_and_unfused_pngs_identical_on_gpu(fp8_dir):
     assert len(set(fused)) == len(prompts)
 
 
+def test_cuda_graph_replay_matches_eager(fp8_dir):
+    pipe = load_pipeline(fp8_dir, device="cuda")
+    args = dict(negative_prompt="blurry", width=192, height=128, num_inference_steps=5, seed=4)
+    assert pipe.cuda_graphs
+    graphed = [_sha(im) for im in pipe.generate(["a red fox", "a castle"], **args)]
+    assert pipe._graphed, "the denoise loop did not go through a captured graph"
+    pipe.cuda_graphs = False
+    eager = [_sha(im) for im in pipe.generate(["a red fox", "a castle"], **args)]
+    assert graphed == eager
+
+
 @pytest.mark.parametrize("variant", ["fp8-fused", "fp8-unfused"])
 def test_step_has_no_host_sync_on_gpu(fp8_dir, variant):
     model = load_pipeline(fp8_dir, variant=variant, device="cuda").transformer

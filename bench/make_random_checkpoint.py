@@ -1,0 +1,72 @@
+"""Write a full-size Qwen-Image checkpoint with random weights (FP8 transformer by default) for GPU runs.
+
+Real architecture and sizes: the 60-layer DiT, a Qwen2.5-VL-7B-sized language model (tiny vision
+tower: prompts never use it), the full VAE and the real tokenizer. The DiT is calibrated through the
+real `quantize` path (true CFG, a few steps) and written as a ModelOpt FP8 checkpoint.
+
+    python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60]
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLQwenImage
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from models.components import Components, default_scheduler, save_components
+from models.config import QwenImageConfig
+from models.text_encoder import tiny_text_encoder_config
+from models.tokenizer import build_qwen2_tokenizer
+from models.transformer import QwenImageTransformer
+from pipelines.quantize import quantize_pipeline
+from pipelines.qwen_image import GenerationDefaults, QwenImagePipeline
+
+TEXT_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_window_layers": 28,
+}
+
+
+def full_size_components(layers: int, device: torch.device) -> Components:
+    """Random-weight components at the public checkpoint's sizes, built on `device` in bf16."""
+    torch.manual_seed(0)
+    config = tiny_text_encoder_config(hidden_size=3584, num_layers=28)
+    for key, value in TEXT_7B.items():
+        setattr(config.text_config, key, value)
+    config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval().requires_grad_(False)
+        transformer = QwenImageTransformer(QwenImageConfig(num_layers=layers)).eval().requires_grad_(False)
+        vae = AutoencoderKLQwenImage().eval().requires_grad_(False)
+    torch.set_default_dtype(torch.float32)
+    transformer.post_load_weights()
+    return Components(build_qwen2_tokenizer(), text_encoder, transformer, vae, default_scheduler())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--bf16", action="store_true", help="write the BF16 checkpoint instead of FP8")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.time()
+    components = full_size_components(args.layers, device)
+    print(f"built full-size random components in {time.time() - start:.0f} s", flush=True)
+    if args.bf16:
+        save_components(components, args.out)
+    else:
+        pipe = QwenImagePipeline(components, "random-full-size", device, torch.bfloat16, GenerationDefaults())
+        quantize_pipeline(pipe, args.out, prompts=["a red fox in the snow"], steps=4, size=512)
+    print(f"wrote {args.out} in {time.time() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Per-head RMSNorm of q/k followed by interleaved-pair RoPE: torch twin and Triton, one launch per tensor.
+
+Contract (the q/k path of the `contract` numerics), per row `x` = one head of one token, D = head_dim:
+  fp32 math; `var = sum(fp32(x)^2) / D`; `rstd = 1 / sqrt(var + eps)` with IEEE sqrt and division
+  (never the approximate rsqrt);
+  `n = bf16(fp32(x) * rstd)`; `w = bf16(fp32(n) * fp32(weight))`  (diffusers' RMSNorm rounding: x times
+  rsqrt in fp32, cast to bf16, times the bf16 weight);
+  rope on the interleaved pairs `(a, b) = (w[2i], w[2i+1])` with `(cos, sin) = rope[s, i]`:
+  `out[2i] = bf16(a*cos - b*sin)`, `out[2i+1] = bf16(a*sin + b*cos)`, each fp32 op rounded on its own
+  (no FMA contraction; the kernel launches with fp fusion off).
+Only the order of the sum of squares may differ between the Triton kernel and the twin.
+
+`x` is [B, S, H, D] bf16 with unit stride on D (any other strides: e.g. the `unflatten` view of a
+[B, S, H*D] projection output); `rope` is [S, D/2, 2] fp32 (cos, sin), i.e. `torch.view_as_real` of the
+model's complex64 rotations. `out` (optional) is a [B, S, H, D] bf16 view with unit stride on D, e.g.
+the text or image rows of a joint [B, S_txt + S_img, H, D] buffer, so no `torch.cat` is needed.
+
+Versus diffusers (`RMSNorm` with `torch.rsqrt`, then `apply_rotary_emb_qwen(use_real=False)`, a
+complex64 multiply) the twin differs only where rsqrt and 1/sqrt differ in the last fp32 bit (n moves by
+one bf16 step) and where the complex multiply rounds `a*cos - b*sin` otherwise (an FMA or another
+grouping): tests/test_qk_norm_rope.py states the tolerance.
+"""
+
+import torch
+
+from kernels._triton_common import NO_FMA, jit, launchable, tl, triton
+
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 512
+_BLOCK = 2048  # elements a program: 16 rows of D = 128, 4 warps (16 elements a thread)
+
+
+def rms_norm_rope_torch(
+    x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm + RoPE following the contract above; writes into `out` when given and returns it."""
+    xf = x.float()
+    var = (xf * xf).sum(-1, keepdim=True) / x.shape[-1]
+    rstd = 1.0 / torch.sqrt(var + eps)
+    n = (xf * rstd).to(torch.bfloat16)
+    w = (n.float() * weight.float()).to(torch.bfloat16).float()
+    a, b = w[..., 0::2], w[..., 1::2]
+    cos, sin = rope[..., 0].unsqueeze(1), rope[..., 1].unsqueeze(1)  # [S, 1, D/2]: broadcast over heads
+    y = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(torch.bfloat16)
+    return y if out is None else out.copy_(y)
+
+
+@jit()
+def _rms_norm_rope_kernel(
+    x_ptr, w_ptr, rope_ptr, out_ptr,
+    n_rows, seq_len, heads,
+    x_stride_b, x_stride_s, x_stride_h, rope_stride_s, out_stride_b, out_stride_s, out_stride_h,
+    eps,
+    D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    head = rows % heads
+    token = rows // heads
+    s = token % seq_len
+    b = token // seq_len
+    cols = tl.arange(0, D)
+    mask = (rows < n_rows)[:, None]
+    x_offs = (b * x_stride_b + s * x_stride_s + head * x_stride_h)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.math.div_rn(tl.sum(x * x, axis=1), tl.full((ROWS,), D, tl.float32))
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
+    n = (x * rstd[:, None]).to(tl.bfloat16)
+    weight = tl.load(w_ptr + cols).to(tl.float32)
+    w = (n.to(tl.float32) * weight[None, :]).to(tl.bfloat16).to(tl.float32)
+    # interleaved pairs: [ROWS, D] -> [ROWS, D/2, 2] -> (even, odd); the rope row is (cos, sin) pairs alike
+    a, b_odd = tl.split(tl.reshape(w, (ROWS, D // 2, 2)))
+    rope = tl.load(rope_ptr + (s * rope_stride_s)[:, None] + cols[None, :], mask=mask, other=0.0)
+    cos, sin = tl.split(tl.reshape(rope, (ROWS, D // 2, 2)))
+    real = (a * cos - b_odd * sin).to(tl.bfloat16)
+    imag = (a * sin + b_odd * cos).to(tl.bfloat16)
+    y = tl.reshape(tl.join(real, imag), (ROWS, D))
+    out_offs = (b * out_stride_b + s * out_stride_s + head * out_stride_h)[:, None] + cols[None, :]
+    tl.store(out_ptr + out_offs, y, mask=mask)
+
+
+def _head_dim_ok(dim: int) -> bool:
+    return MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM and dim & (dim - 1) == 0
+
+
+def _rms_norm_rope_ok(
+    x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, out: torch.Tensor | None
+) -> bool:
+    """Guard: bf16 x [B, S, H, D] with D a power of two in [16, 512] and unit stride on D; bf16 weight [D]
+    with unit stride; fp32 rope [S, D/2, 2] whose rows are D contiguous floats (cos, sin, cos, ...); an
+    optional bf16 `out` of x's shape with unit stride on D; all on one device the kernel runs on."""
+    tensors = (x, weight, rope) if out is None else (x, weight, rope, out)
+    if not launchable(_rms_norm_rope_kernel, *tensors) or x.dim() != 4 or x.numel() == 0:
+        return False
+    _, seq, _, dim = x.shape
+    if not _head_dim_ok(dim) or x.dtype != torch.bfloat16 or x.stride(3) != 1:
+        return False
+    if weight.dtype != torch.bfloat16 or weight.shape != (dim,) or weight.stride(0) != 1:
+        return False
+    if rope.dtype != torch.float32 or rope.shape != (seq, dim // 2, 2) or rope.stride()[1:] != (2, 1):
+        return False
+    return out is None or (out.dtype == torch.bfloat16 and out.shape == x.shape and out.stride(3) == 1)
+
+
+def rms_norm_rope_triton(
+    x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Triton twin of `rms_norm_rope_torch` (one launch; writes `out` when given); None when rejected."""
+    if not _rms_norm_rope_ok(x, weight, rope, out):
+        return None
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    batch, seq, heads, dim = x.shape
+    n_rows = batch * seq * heads
+    rows = max(1, _BLOCK // dim)
+    _rms_norm_rope_kernel[(triton.cdiv(n_rows, rows),)](
+        x, weight, rope, out, n_rows, seq, heads,
+        x.stride(0), x.stride(1), x.stride(2), rope.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        eps, D=dim, ROWS=rows, num_warps=4, **NO_FMA,
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm + RoPE through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
+    y = rms_norm_rope_triton(x, weight, rope, eps, out) if x.is_cuda else None
+    return rms_norm_rope_torch(x, weight, rope, eps, out) if y is None else y

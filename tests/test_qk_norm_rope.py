@@ -1,0 +1,363 @@
+"""q/k RMSNorm + RoPE: the twin vs the contract and vs diffusers; Triton (interpreter) vs the contract;
+guards, every launch variant, and the sm_90 PTX of the kernel (compiled here, no GPU needed).
+
+`contract` below restates the rounding contract of kernels/qk_norm_rope.py independently of the twin,
+for a given sum of squares and a given fp32 -> bf16 rounding: nearest-even (the contract) or truncation
+(what Triton's CPU interpreter does, DESIGN §4). `explained_by_sum_order` then checks, row by row, that a
+kernel's output is the contract's for a sum of squares a few fp32 ulps from the twin's: the only freedom
+the contract leaves (the order of the sum).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+from test_kernels_quant import needs_interpreter
+
+from kernels.qk_norm_rope import (
+    MAX_HEAD_DIM,
+    rms_norm_rope,
+    rms_norm_rope_torch,
+    rms_norm_rope_triton,
+)
+from kernels.steps import step_distance
+from models import transformer
+from models.config import QwenImageConfig
+from models.transformer import QwenImageTransformer
+
+EPS = 1e-6
+SUM_ULPS = 8  # how far (fp32 ulps) another order may move a sum of D <= 512 squares in these tests
+# (batch, tokens, heads, head_dim): the embedded model's head_dim, the real one, a wide one; few rows
+# (the interpreter costs ~3 ms a program)
+SHAPES = [(2, 5, 3, 32), (1, 3, 4, 128), (1, 2, 1, MAX_HEAD_DIM)]
+TINY = QwenImageConfig(
+    num_layers=1,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=48,
+    axes_dims_rope=(8, 12, 12),
+)
+
+
+def nearest_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16)
+
+
+def truncated_bf16(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 toward zero, as Triton's interpreter converts normal values."""
+    return (t.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def contract(x, sum_sq, weight, cos, sin, to_bf16) -> torch.Tensor:
+    """The contract from the fp32 sum of squares on: rstd, n, w, then the rotated pairs (x [..., D];
+    sum_sq [..., 1]; cos / sin broadcastable to [..., D/2])."""
+    rstd = 1.0 / torch.sqrt(sum_sq / x.shape[-1] + EPS)
+    n = to_bf16(x.float() * rstd)
+    w = to_bf16(n.float() * weight.float()).float()
+    a, b = w[..., 0::2], w[..., 1::2]
+    real, imag = to_bf16(a * cos - b * sin), to_bf16(a * sin + b * cos)
+    return torch.stack([real, imag], dim=-1).flatten(-2)
+
+
+def same_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., 1] mask of rows (last dim) with identical bytes, NaN matching any NaN (a GPU writes its own)."""
+    same = (a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())
+    return same.all(-1, keepdim=True)
+
+
+def explained_by_sum_order(got, x, weight, rope, to_bf16=nearest_bf16, ulps=SUM_ULPS):
+    """(explained, exact): [B, S, H, 1] masks of the rows of `got` equal to the contract for some sum of
+    squares within `ulps` fp32 ulps of torch's, and for torch's sum itself."""
+    xf = x.float()
+    codes = (xf * xf).sum(-1, keepdim=True).view(torch.int32)
+    cos, sin = rope[..., 0].unsqueeze(1), rope[..., 1].unsqueeze(1)
+    exact = same_rows(got, contract(x, codes.view(torch.float32), weight, cos, sin, to_bf16))
+    explained = exact.clone()
+    if bool(exact.all()):
+        return explained, exact
+    b, s, h, _ = (~exact).nonzero(as_tuple=True)  # retry only the rows that differ
+    rows_x, rows_got, rows_codes = x[b, s, h], got[b, s, h], codes[b, s, h]
+    for j in range(-ulps, ulps + 1):
+        sum_sq = (rows_codes + j).clamp(min=0).view(torch.float32)
+        want = contract(rows_x, sum_sq, weight, rope[s, :, 0], rope[s, :, 1], to_bf16)
+        explained[b, s, h] |= same_rows(rows_got, want)
+    return explained, exact
+
+
+def make_inputs(batch, seq, heads, dim, seed=0, exact_sums=False):
+    """x as the `unflatten` view of a [B, S, H*D] projection output, rows of varied scale; weight near 1;
+    rope = view_as_real of unit complex rotations at random angles.
+
+    `exact_sums`: x = k * 2^e with |k| < 256 and one e per row, so every partial sum of squares is an
+    integer multiple of 2^(2e) below 2^24 of them: exact in fp32 in any order.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if exact_sums:
+        k = torch.randint(-255, 256, (batch, seq, heads, dim), generator=g).float()
+        x = k * torch.exp2(torch.randint(-12, 4, (batch, seq, heads, 1), generator=g).float())
+    else:
+        spread = torch.exp(2 * torch.randn(batch, seq, heads, 1, generator=g))
+        x = torch.randn(batch, seq, heads, dim, generator=g) * spread
+    angles = 40 * torch.randn(seq, dim // 2, generator=g)
+    return {
+        "x": x.bfloat16().flatten(2).unflatten(-1, (heads, dim)),
+        "weight": (1 + 0.2 * torch.randn(dim, generator=g)).bfloat16(),
+        "rope": torch.view_as_real(torch.polar(torch.ones_like(angles), angles)),
+    }
+
+
+def joint_buffer(t: dict, text: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-filled joint [B, text + S, H, D] buffer and its image rows (the slice after `text` rows)."""
+    b, s, h, d = t["x"].shape
+    joint = torch.full((b, text + s, h, d), float("nan"), dtype=torch.bfloat16)
+    return joint, joint[:, text:]
+
+
+def test_twin_is_the_contract():
+    t = make_inputs(2, 16, 3, 128, seed=1)
+    x, rope = t["x"], t["rope"]
+    xf = x.float()
+    want = contract(
+        x,
+        (xf * xf).sum(-1, keepdim=True),
+        t["weight"],
+        rope[..., 0][:, None],
+        rope[..., 1][:, None],
+        nearest_bf16,
+    )
+    got = rms_norm_rope_torch(x, t["weight"], rope, EPS)
+    assert got.dtype == torch.bfloat16 and bool(same_rows(got, want).all())
+    joint, image = joint_buffer(t, text=4)
+    assert rms_norm_rope_torch(x, t["weight"], rope, EPS, out=image) is image
+    assert bool(same_rows(image, want).all()) and bool(joint[:, :4].isnan().all())
+
+
+@pytest.mark.parametrize("shape", [(2, 64, 24, 128), (2, 1024, 4, 32)])
+def test_twin_vs_diffusers(shape):
+    """diffusers: `RMSNorm` (x * rsqrt(mean(x^2) + eps) in fp32, to bf16, times the bf16 weight), then
+    `apply_rotary_emb_qwen(use_real=False)` (complex64 multiply). Tolerance: bytes equal in every row where
+    rsqrt and 1/sqrt agree; elsewhere n may move one bf16 step, so each output within 3 * 2^-7 * (|a| + |b|)
+    of diffusers' (a, b: the pair diffusers rotates). With rsqrt in place of 1/sqrt the contract gives
+    diffusers' bytes everywhere (CPU; a CUDA complex multiply may contract to an FMA)."""
+    t = make_inputs(*shape, seed=2)
+    x, weight, rope = t["x"], t["weight"], t["rope"]
+    norm = RMSNorm(shape[-1], eps=EPS).bfloat16().requires_grad_(False)
+    norm.weight.copy_(weight)
+    normed = norm(x)
+    expected = apply_rotary_emb_qwen(normed, torch.view_as_complex(rope), use_real=False)
+    got = rms_norm_rope_torch(x, weight, rope, EPS)
+
+    xf = x.float()
+    mean_sq = xf.pow(2).mean(-1, keepdim=True)
+    rsqrt_rows = torch.rsqrt(mean_sq + EPS) != 1.0 / torch.sqrt(mean_sq + EPS)
+    assert bool(same_rows(got, expected)[~rsqrt_rows].all())
+    pair = normed.float().abs().unflatten(-1, (-1, 2)).sum(-1).repeat_interleave(2, dim=-1)
+    assert bool(((got.float() - expected.float()).abs() <= 3 * 2.0**-7 * pair).all())
+    cos, sin = rope[..., 0][:, None], rope[..., 1][:, None]
+    # the sum of squares that makes 1/sqrt(sum / D + eps) equal diffusers' rsqrt is not needed: replay
+    # the contract with rsqrt directly
+    n = (xf * torch.rsqrt(mean_sq + EPS)).bfloat16()
+    w = (n.float() * weight.float()).bfloat16().float()
+    a, b = w[..., 0::2], w[..., 1::2]
+    replay = torch.stack([(a * cos - b * sin), (a * sin + b * cos)], dim=-1).flatten(-2).bfloat16()
+    assert bool(same_rows(replay, expected).all())
+    print(f"{shape}: {int(rsqrt_rows.sum())} of {rsqrt_rows.numel()} rows where rsqrt != 1/sqrt, "
+          f"{int((step_distance(got, expected) > 0).sum())} values differ")  # fmt: skip
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("exact_sums", [True, False], ids=["exact-sums", "random"])
+def test_triton_is_the_contract(shape, exact_sums):
+    """Interpreter vs the contract with its truncating conversion: with sums exact in any order, every row
+    equal; otherwise every row explained by a sum order (the GPU suite checks the nearest-even bytes)."""
+    t = make_inputs(*shape, seed=shape[-1], exact_sums=exact_sums)
+    joint, image = joint_buffer(t, text=3)
+    assert rms_norm_rope_triton(t["x"], t["weight"], t["rope"], EPS, out=image) is image
+    assert bool(joint[:, :3].isnan().all())  # the text rows are untouched
+    explained, exact = explained_by_sum_order(image, t["x"], t["weight"], t["rope"], truncated_bf16)
+    assert bool(explained.all())
+    if exact_sums:
+        assert bool(exact.all())
+    fresh = rms_norm_rope_triton(t["x"], t["weight"], t["rope"], EPS)
+    assert fresh.is_contiguous() and bool(same_rows(fresh, image).all())
+
+
+def _inputs_with(**changes) -> dict:
+    t = make_inputs(2, 3, 2, 32)
+    t.update(changes)
+    return t
+
+
+def _out(shape=(2, 3, 2, 32), dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "t, out",
+    [
+        (_inputs_with(x=torch.randn(2, 3, 2, 32)), None),  # fp32 x
+        (_inputs_with(x=torch.randn(2, 3, 32, 2).bfloat16().transpose(2, 3)), None),  # D not unit-stride
+        (_inputs_with(x=torch.randn(6, 2, 32).bfloat16()), None),  # 3-D x
+        (_inputs_with(x=torch.empty(2, 0, 2, 32, dtype=torch.bfloat16)), None),  # no tokens
+        (make_inputs(1, 2, 1, 24), None),  # D not a power of two
+        (make_inputs(1, 2, 1, 8), None),  # D below 16
+        (make_inputs(1, 2, 1, 2 * MAX_HEAD_DIM), None),  # D above 512
+        (_inputs_with(weight=torch.ones(32)), None),  # fp32 weight
+        (_inputs_with(weight=torch.ones(64, dtype=torch.bfloat16)[::2]), None),  # weight not unit-stride
+        (_inputs_with(weight=torch.ones(16, dtype=torch.bfloat16)), None),  # weight of another width
+        (_inputs_with(rope=torch.ones(3, 16, 2, dtype=torch.bfloat16)), None),  # bf16 rope
+        (_inputs_with(rope=torch.ones(4, 16, 2)), None),  # rope for another sequence length
+        (_inputs_with(rope=torch.ones(3, 2, 16).transpose(1, 2)), None),  # cos and sin not adjacent
+        (_inputs_with(rope=torch.ones(3, 16, 2, device="meta")), None),  # rope on another device
+        (make_inputs(2, 3, 2, 32), _out(dtype=torch.float32)),  # fp32 out
+        (make_inputs(2, 3, 2, 32), _out((2, 4, 2, 32))),  # out of another shape
+        (make_inputs(2, 3, 2, 32), _out((2, 3, 32, 2)).transpose(2, 3)),  # out not unit-stride on D
+        (make_inputs(2, 3, 2, 32), _out(device="meta")),  # out on another device
+    ],
+)
+def test_guard_rejects(t, out):
+    assert rms_norm_rope_triton(t["x"], t["weight"], t["rope"], EPS, out) is None
+
+
+def test_dispatch_on_cpu_is_the_torch_twin():
+    t = make_inputs(2, 7, 3, 128, seed=3)
+    got = rms_norm_rope(t["x"], t["weight"], t["rope"], EPS)
+    assert bool(same_rows(got, rms_norm_rope_torch(t["x"], t["weight"], t["rope"], EPS)).all())
+    joint, image = joint_buffer(t, text=2)
+    assert rms_norm_rope(t["x"], t["weight"], t["rope"], EPS, out=image) is image
+    assert bool(same_rows(image, got).all()) and bool(joint[:, :2].isnan().all())
+
+
+def _variants():
+    """(name, inputs, out or None): every kind of launch the model and the tests make."""
+    text = make_inputs(2, 3, 2, 32, seed=4)
+    image = make_inputs(2, 5, 2, 32, seed=5)
+    joint = torch.empty(2, 8, 2, 32, dtype=torch.bfloat16)
+    contiguous = make_inputs(1, 2, 3, 128, seed=6)
+    contiguous["x"] = contiguous["x"].contiguous()
+    return [
+        ("text rows of a joint buffer", text, joint[:, :3]),
+        ("image rows of a joint buffer", image, joint[:, 3:]),
+        ("new output, contiguous x", contiguous, None),
+        ("one row", make_inputs(1, 1, 1, 16, seed=7), None),
+        ("widest", make_inputs(1, 1, 1, MAX_HEAD_DIM, seed=8), None),
+    ]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name, t, out", _variants(), ids=[v[0] for v in _variants()])
+def test_every_variant_launches(name, t, out):
+    got = rms_norm_rope_triton(t["x"], t["weight"], t["rope"], EPS, out)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == t["x"].shape, name
+    assert out is None or got is out
+    assert bool(explained_by_sum_order(got, t["x"], t["weight"], t["rope"], truncated_bf16)[0].all())
+
+
+def test_contract_attention_writes_the_twin_into_the_joint_sequence(monkeypatch):
+    """JointAttention in contract numerics: q and k are the twin's rows, text then image, one buffer each."""
+    torch.manual_seed(0)
+    model = QwenImageTransformer(TINY).bfloat16()
+    model.set_numerics("contract")
+    attn = model.transformer_blocks[0].attn
+    assert all(
+        m.numerics == "contract" for m in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    )
+    with torch.no_grad():
+        for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+            norm.weight.normal_(1.0, 0.2)
+    seen = {}
+
+    def capture(query, key, value, key_mask):
+        seen.update(query=query, key=key)
+        return query
+
+    monkeypatch.setattr(transformer, "joint_attention", capture)
+    img, txt = torch.randn(2, 6, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
+    rope = model.rope((1, 2, 3), 3, torch.device("cpu"))
+    with torch.no_grad():
+        attn(img, txt, None, rope)
+        for name, txt_proj, img_proj, txt_norm, img_norm in [
+            ("query", attn.add_q_proj, attn.to_q, attn.norm_added_q, attn.norm_q),
+            ("key", attn.add_k_proj, attn.to_k, attn.norm_added_k, attn.norm_k),
+        ]:
+            txt_rows = rms_norm_rope_torch(
+                txt_proj(txt).unflatten(-1, (2, 32)), txt_norm.weight, rope.txt, EPS
+            )
+            img_rows = rms_norm_rope_torch(
+                img_proj(img).unflatten(-1, (2, 32)), img_norm.weight, rope.img, EPS
+            )
+            assert torch.equal(seen[name], torch.cat([txt_rows, img_rows], dim=1)), name
+    assert model.rope((1, 2, 3), 3, torch.device("cpu")) is rope  # cached: nothing recomputed per step
+
+
+PTX_PATTERNS = {
+    "fma": r"\bfma\.rn\.f32",
+    "div_rn": r"\bdiv\.rn\.f32",
+    "div_inexact": r"\bdiv\.(full|approx)",
+    "sqrt_rn": r"\bsqrt\.rn\.f32",
+    "inexact_sqrt_or_rcp": r"\b(rsqrt|sqrt\.approx|rcp\.approx)",
+    "ftz": r"\.ftz\b",
+    "cvt_bf16": r"\bcvt\.rn\.bf16(x2)?\.f32",
+}
+
+
+def compile_report() -> dict:
+    """The model's launch (D = 128, x a strided projection view, out a joint-buffer slice) recorded, not
+    run, and compiled for sm_90: PTX instruction counts, with fp fusion off (as launched) and on (probe)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from kernels import qk_norm_rope
+
+    qk_norm_rope.launchable = lambda kernel, *tensors: True  # CPU tensors stand in for CUDA ones
+    kernel = qk_norm_rope._rms_norm_rope_kernel
+    calls = []
+    kernel.run = lambda *args, grid, warmup, **kwargs: calls.append((args, kwargs))
+    t = make_inputs(2, 8, 24, 128)
+    out = torch.empty(2, 12, 24, 128, dtype=torch.bfloat16)[:, 4:]
+    qk_norm_rope.rms_norm_rope_triton(t["x"], t["weight"], t["rope"], EPS, out)
+    ((args, kwargs),) = calls
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+
+    def ptx(kwargs) -> str:
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, spec, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+        return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__).asm[
+            "ptx"
+        ]
+
+    code = ptx(kwargs)
+    counts = {k: len(re.findall(p, code)) for k, p in PTX_PATTERNS.items()}
+    counts["fma_if_fusion_allowed"] = len(
+        re.findall(PTX_PATTERNS["fma"], ptx({**kwargs, "enable_fp_fusion": True}))
+    )
+    return counts
+
+
+def test_ptx_follows_the_contract():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ptx["fma"] == 0 and ptx["fma_if_fusion_allowed"] > 0  # the rope's a*cos - b*sin would contract
+    assert ptx["div_inexact"] == 0 and ptx["inexact_sqrt_or_rcp"] == 0 and ptx["ftz"] == 0
+    assert ptx["sqrt_rn"] > 0 and ptx["div_rn"] > 0 and ptx["cvt_bf16"] > 0
+    assert ptx["div_rn"] == 2 * ptx["sqrt_rn"]  # per row a thread holds: sum / D, 1 / sqrt
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_report()))
