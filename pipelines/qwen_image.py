@@ -31,6 +31,7 @@ BF16_VARIANTS = VARIANTS[:2]
 FP8_VARIANTS = VARIANTS[2:]
 VAE_SCALE = 8
 MAX_SIDE = 2048
+MIN_STEPS = 2
 MAX_STEPS = 200
 MAX_IMAGES = 16
 
@@ -117,8 +118,11 @@ def check_generation_args(
     for name, side in (("width", width), ("height", height)):
         if not isinstance(side, int) or side % 16 or not 16 <= side <= MAX_SIDE:
             raise InputError(f"{name} {side} must be a multiple of 16 between 16 and {MAX_SIDE}")
-    if not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-        raise InputError(f"num_inference_steps {steps} must be between 1 and {MAX_STEPS}")
+    if not isinstance(steps, int) or not MIN_STEPS <= steps <= MAX_STEPS:
+        raise InputError(
+            f"num_inference_steps {steps} must be between {MIN_STEPS} and {MAX_STEPS} "
+            "(a single step divides by zero in the scheduler's terminal-shift stretch)"
+        )
     if not math.isfinite(true_cfg_scale) or true_cfg_scale < 0:
         raise InputError(f"true_cfg_scale {true_cfg_scale} must be a finite number >= 0")
     if not isinstance(num_images_per_prompt, int) or not 1 <= num_images_per_prompt <= MAX_IMAGES:

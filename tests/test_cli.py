@@ -39,7 +39,7 @@ def test_generate_writes_a_png_with_no_model_given(tmp_path):
         (["generate", "   "], "prompt is empty"),
         (["generate", "fox", "--width", "100"], "width 100 must be a multiple of 16"),
         (["generate", "fox", "--height", "4096"], "height 4096 must be a multiple of 16 between 16 and 2048"),
-        (["generate", "fox", "--steps", "0"], "num_inference_steps 0 must be between 1 and 200"),
+        (["generate", "fox", "--steps", "0"], "num_inference_steps 0 must be between 2 and 200"),
         (
             ["generate", "fox", "--model", "/nonexistent/qwen"],
             "model directory /nonexistent/qwen does not exist",

@@ -1,15 +1,13 @@
 """FP8 transformer end to end on CPU: quantize the embedded model, load it, fused == unfused, no host syncs,
 and refusal of broken ModelOpt checkpoints."""
 
-import hashlib
-import io
 import json
 import shutil
 
 import pytest
 import torch
+from helpers import NoHostSync, png_sha256
 from safetensors.torch import load_file, save_file
-from sync_guard import NoHostSync
 
 from models.errors import CheckpointError
 from models.loading import load_transformer
@@ -23,12 +21,6 @@ CPU = torch.device("cpu")
 def fp8_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8") / "model"
     return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
-
-
-def _png_sha(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
 def test_quantized_checkpoint_layout_and_scales(fp8_dir):
@@ -63,10 +55,10 @@ def test_loads_with_every_path_fused_and_reports_it(fp8_dir):
 def test_fused_and_unfused_pngs_are_byte_identical(fp8_dir):
     pipe = load_pipeline(fp8_dir, device="cpu")
     args = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=3, seed=11)
-    fused = [_png_sha(im) for im in pipe.generate(["a red fox", "a blue bird"], **args)]
+    fused = [png_sha256(im) for im in pipe.generate(["a red fox", "a blue bird"], **args)]
     pipe.set_variant("fp8-unfused")
     assert "0/" in pipe.fusion_summary().splitlines()[0]
-    unfused = [_png_sha(im) for im in pipe.generate(["a red fox", "a blue bird"], **args)]
+    unfused = [png_sha256(im) for im in pipe.generate(["a red fox", "a blue bird"], **args)]
     assert fused == unfused
     assert fused[0] != fused[1]
 

@@ -11,6 +11,7 @@ from PIL import Image
 from models.embedded import EMBEDDED_NAME
 from models.errors import QwenImageError
 from pipelines import load_pipeline
+from pipelines.qwen_image import MAX_STEPS, MIN_STEPS
 from ui.generation import (
     CUSTOM,
     PRESETS,
@@ -24,7 +25,6 @@ from ui.generation import (
 )
 
 QUEUE_MAX = 64
-MAX_STEPS = 200  # docs/API.md: num_inference_steps in 1..200
 MAX_IMAGES = 4
 EXAMPLES = [
     "A red apple on a wooden table, soft window light",
@@ -112,7 +112,12 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                     height = gr.Number(defaults.height, label="Height", precision=0, elem_id="height")
                 with gr.Row():
                     steps = gr.Slider(
-                        1, MAX_STEPS, defaults.num_inference_steps, step=1, label="Steps", elem_id="steps"
+                        MIN_STEPS,
+                        MAX_STEPS,
+                        defaults.num_inference_steps,
+                        step=1,
+                        label="Steps",
+                        elem_id="steps",
                     )
                     cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
                 with gr.Row():

@@ -143,7 +143,9 @@ def read_prompt_file(path: Path) -> list[str]:
 def cmd_ui(args: argparse.Namespace) -> None:
     from ui.app import launch
 
-    launch(args.model, host=args.host, port=args.port, variant=args.variant)
+    launch(
+        args.model, host=args.host, port=args.port, variant=args.variant, device=args.device, dtype=args.dtype
+    )
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {

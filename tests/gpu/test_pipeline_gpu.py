@@ -1,11 +1,8 @@
 """GPU (H200) checks of the whole pipeline: Triton fused vs unfused PNGs byte-identical, no host syncs."""
 
-import hashlib
-import io
-
 import pytest
 import torch
-from sync_guard import NoHostSync
+from helpers import NoHostSync, png_sha256
 
 from pipelines import load_pipeline
 from pipelines.quantize import quantize_checkpoint
@@ -20,20 +17,14 @@ def fp8_dir(tmp_path_factory):
     return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=4, size=128, device="cuda")
 
 
-def _sha(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return hashlib.sha256(buf.getvalue()).hexdigest()
-
-
 def test_fused_and_unfused_pngs_identical_on_gpu(fp8_dir):
     pipe = load_pipeline(fp8_dir, device="cuda")
     assert pipe.fusion_summary().startswith("FP8 norm+quant fusion: 8/8")
     prompts = ["a red fox in the snow", "a neon street at night", "一只熊猫在竹林里"]
     args = dict(negative_prompt=" ", width=256, height=192, num_inference_steps=10, seed=3)
-    fused = [_sha(im) for im in pipe.generate(prompts, **args)]
+    fused = [png_sha256(im) for im in pipe.generate(prompts, **args)]
     pipe.set_variant("fp8-unfused")
-    unfused = [_sha(im) for im in pipe.generate(prompts, **args)]
+    unfused = [png_sha256(im) for im in pipe.generate(prompts, **args)]
     assert fused == unfused
     assert len(set(fused)) == len(prompts)
 
@@ -42,10 +33,10 @@ def test_cuda_graph_replay_matches_eager(fp8_dir):
     pipe = load_pipeline(fp8_dir, device="cuda")
     args = dict(negative_prompt="blurry", width=192, height=128, num_inference_steps=5, seed=4)
     assert pipe.cuda_graphs
-    graphed = [_sha(im) for im in pipe.generate(["a red fox", "a castle"], **args)]
+    graphed = [png_sha256(im) for im in pipe.generate(["a red fox", "a castle"], **args)]
     assert pipe._graphed, "the denoise loop did not go through a captured graph"
     pipe.cuda_graphs = False
-    eager = [_sha(im) for im in pipe.generate(["a red fox", "a castle"], **args)]
+    eager = [png_sha256(im) for im in pipe.generate(["a red fox", "a castle"], **args)]
     assert graphed == eager
 
 

@@ -1,5 +1,9 @@
-"""A dispatch-mode guard that fails on host synchronisation inside a model step."""
+"""Shared test helpers: a host-synchronisation guard and PNG hashing."""
 
+import hashlib
+import io
+
+import PIL.Image
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,3 +41,10 @@ class NoHostSync(TorchDispatchMode):
         ):
             raise AssertionError(f"host synchronisation in the denoise step: {name}")
         return func(*args, **kwargs)
+
+
+def png_sha256(image: PIL.Image.Image) -> str:
+    """SHA256 of the PNG encoding, as a user comparing files would see it."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return hashlib.sha256(buf.getvalue()).hexdigest()
