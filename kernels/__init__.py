@@ -25,6 +25,7 @@ from kernels.norm_modulate import (
     layer_norm_torch,
     modulate_torch,
 )
+from kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_torch, rms_norm_rope_triton
 from kernels.quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -55,6 +56,9 @@ __all__ = [
     "layer_norm_modulate_triton",
     "layer_norm_torch",
     "modulate_torch",
+    "rms_norm_rope",
+    "rms_norm_rope_torch",
+    "rms_norm_rope_triton",
     "static_quant_fp8",
     "static_quant_fp8_torch",
     "static_quant_fp8_triton",
