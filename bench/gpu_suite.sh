@@ -37,7 +37,7 @@ if stage e2e; then
     # Full-size random FP8 checkpoint, then the smoke prompt set fused vs unfused at 1024x1024 and one
     # timed generate() per stage. Parity output stays in /tmp; the report comes back under $OUT.
     CKPT=/tmp/qwen-image-random-fp8
-    timeout 400 python3 bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -5
+    timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -5
     timeout 400 python3 -m eval.parity --model "$CKPT" --prompts smoke --a fp8-unfused:cuda --b fp8-fused:cuda \
         --size 1024x1024 --steps "${E2E_STEPS:-10}" --negative-prompt " " --out /tmp/parity --expect identical \
         2>&1 | tail -15

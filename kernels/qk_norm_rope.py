@@ -27,7 +27,12 @@ from kernels._triton_common import NO_FMA, jit, launchable, tl, triton
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 512
-_BLOCK = 2048  # elements a program: 16 rows of D = 128, 4 warps (16 elements a thread)
+MAX_TOKEN_ELEMENTS = 16384  # heads (rounded up to a power of two) x head_dim held by one program
+
+
+def _warps(elements: int) -> int:
+    """About 16 elements a thread: 8 warps for a 32 x 128 token block."""
+    return max(1, min(16, elements // 512))
 
 
 def rms_norm_rope_torch(
@@ -48,32 +53,32 @@ def rms_norm_rope_torch(
 @jit()
 def _rms_norm_rope_kernel(
     x_ptr, w_ptr, rope_ptr, out_ptr,
-    n_rows, seq_len, heads,
+    seq_len, heads,
     x_stride_b, x_stride_s, x_stride_h, rope_stride_s, out_stride_b, out_stride_s, out_stride_h,
     eps,
-    D: tl.constexpr, ROWS: tl.constexpr,
+    D: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    head = rows % heads
-    token = rows // heads
+    # One program per token: all its heads share one rope row and the weight, loaded once.
+    token = tl.program_id(0).to(tl.int64)
     s = token % seq_len
     b = token // seq_len
+    head = tl.arange(0, HEADS)
     cols = tl.arange(0, D)
-    mask = (rows < n_rows)[:, None]
+    mask = (head < heads)[:, None]
     x_offs = (b * x_stride_b + s * x_stride_s + head * x_stride_h)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    var = tl.math.div_rn(tl.sum(x * x, axis=1), tl.full((ROWS,), D, tl.float32))
+    var = tl.math.div_rn(tl.sum(x * x, axis=1), tl.full((HEADS,), D, tl.float32))
     rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     n = (x * rstd[:, None]).to(tl.bfloat16)
     weight = tl.load(w_ptr + cols).to(tl.float32)
     w = (n.to(tl.float32) * weight[None, :]).to(tl.bfloat16).to(tl.float32)
-    # interleaved pairs: [ROWS, D] -> [ROWS, D/2, 2] -> (even, odd); the rope row is (cos, sin) pairs alike
-    a, b_odd = tl.split(tl.reshape(w, (ROWS, D // 2, 2)))
-    rope = tl.load(rope_ptr + (s * rope_stride_s)[:, None] + cols[None, :], mask=mask, other=0.0)
-    cos, sin = tl.split(tl.reshape(rope, (ROWS, D // 2, 2)))
-    real = (a * cos - b_odd * sin).to(tl.bfloat16)
-    imag = (a * sin + b_odd * cos).to(tl.bfloat16)
-    y = tl.reshape(tl.join(real, imag), (ROWS, D))
+    # interleaved pairs: [HEADS, D] -> [HEADS, D/2, 2] -> (even, odd); the rope row is (cos, sin) pairs alike
+    a, b_odd = tl.split(tl.reshape(w, (HEADS, D // 2, 2)))
+    rope = tl.load(rope_ptr + s * rope_stride_s + cols)
+    cos, sin = tl.split(tl.reshape(rope, (D // 2, 2)))
+    real = (a * cos[None, :] - b_odd * sin[None, :]).to(tl.bfloat16)
+    imag = (a * sin[None, :] + b_odd * cos[None, :]).to(tl.bfloat16)
+    y = tl.reshape(tl.join(real, imag), (HEADS, D))
     out_offs = (b * out_stride_b + s * out_stride_s + head * out_stride_h)[:, None] + cols[None, :]
     tl.store(out_ptr + out_offs, y, mask=mask)
 
@@ -85,14 +90,17 @@ def _head_dim_ok(dim: int) -> bool:
 def _rms_norm_rope_ok(
     x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, out: torch.Tensor | None
 ) -> bool:
-    """Guard: bf16 x [B, S, H, D] with D a power of two in [16, 512] and unit stride on D; bf16 weight [D]
+    """Guard: bf16 x [B, S, H, D] with D a power of two in [16, 512], next_pow2(H) * D <= 16384 and unit
+    stride on D; bf16 weight [D]
     with unit stride; fp32 rope [S, D/2, 2] whose rows are D contiguous floats (cos, sin, cos, ...); an
     optional bf16 `out` of x's shape with unit stride on D; all on one device the kernel runs on."""
     tensors = (x, weight, rope) if out is None else (x, weight, rope, out)
     if not launchable(_rms_norm_rope_kernel, *tensors) or x.dim() != 4 or x.numel() == 0:
         return False
-    _, seq, _, dim = x.shape
+    _, seq, heads, dim = x.shape
     if not _head_dim_ok(dim) or x.dtype != torch.bfloat16 or x.stride(3) != 1:
+        return False
+    if triton.next_power_of_2(heads) * dim > MAX_TOKEN_ELEMENTS:
         return False
     if weight.dtype != torch.bfloat16 or weight.shape != (dim,) or weight.stride(0) != 1:
         return False
@@ -110,12 +118,11 @@ def rms_norm_rope_triton(
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     batch, seq, heads, dim = x.shape
-    n_rows = batch * seq * heads
-    rows = max(1, _BLOCK // dim)
-    _rms_norm_rope_kernel[(triton.cdiv(n_rows, rows),)](
-        x, weight, rope, out, n_rows, seq, heads,
+    heads_block = triton.next_power_of_2(heads)
+    _rms_norm_rope_kernel[(batch * seq,)](
+        x, weight, rope, out, seq, heads,
         x.stride(0), x.stride(1), x.stride(2), rope.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        eps, D=dim, ROWS=rows, num_warps=4, **NO_FMA,
+        eps, D=dim, HEADS=heads_block, num_warps=_warps(heads_block * dim), **NO_FMA,
     )  # fmt: skip
     return out
 

@@ -74,12 +74,14 @@ def calibrate(
         return hook
 
     handles = [m.register_forward_pre_hook(record(n)) for n, m in linears.items()]
+    graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # hooks must run on every step, not a replay
     try:
         for i, prompt in enumerate(tqdm(prompts, desc="calibrating", unit="prompt")):
             pipe.generate(
                 prompt, negative_prompt=" ", width=size, height=size, num_inference_steps=steps, seed=seed + i
             )
     finally:
+        pipe.cuda_graphs = graphs
         for handle in handles:
             handle.remove()
     missing = sorted(set(linears) - set(amax))
