@@ -6,13 +6,12 @@ instructions the contract forbids or requires.
 """
 
 import json
-import os
-import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from ptx_probe import binary_key, ptx_counts, record_launches, report_from_subprocess
 from test_kernels_quant import needs_interpreter
 
 from kernels import (
@@ -27,18 +26,6 @@ from kernels import (
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 B, L = 2, 3
-PTX_PATTERNS = {
-    "fma": r"\bfma\.rn\.f32",
-    "div_rn": r"\bdiv\.rn\.f32",
-    "div_inexact": r"\bdiv\.(full|approx)",
-    "sqrt_rn": r"\bsqrt\.rn\.f32",
-    "inexact_sqrt_or_rcp": r"\b(rsqrt|sqrt\.approx|rcp\.approx)",
-    "ftz": r"\.ftz\b",
-    "min_max_nan": r"\b(min|max)\.NaN",
-    "min_max_plain": r"\b(min|max)\.(xorsign\.abs\.)?f32",
-    "cvt_e4m3": r"\bcvt\.rn\.satfinite\.e4m3x2\.f32",
-    "cvt_bf16": r"\bcvt\.rn\.bf16(x2)?\.f32",
-}
 
 
 def _tensors(width: int):
@@ -84,62 +71,35 @@ def compile_report() -> dict:
 
     Returns {kernel: {"launches", "keys": distinct binaries, "ptx": instruction counts}}.
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource, make_backend
-    from triton.runtime.jit import compute_cache_key, create_function_from_signature
-
     from kernels import gelu_quant, norm_modulate, quant
 
     for module in (quant, norm_modulate, gelu_quant):  # CPU tensors stand in for CUDA ones
         module.launchable = lambda kernel, *tensors: True
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     kernels = {
         "quant": quant._static_quant_fp8_kernel,
         "producer1": norm_modulate._layer_norm_modulate_kernel,
         "producer2": norm_modulate._gated_residual_layer_norm_modulate_kernel,
         "gelu": gelu_quant._gelu_tanh_quant_kernel,
     }
-    calls = {name: [] for name in kernels}
-    for name, kernel in kernels.items():
-        kernel.run = lambda *args, grid, warmup, _calls=calls[name], **kwargs: _calls.append((args, kwargs))
+    calls = {name: record_launches(kernel) for name, kernel in kernels.items()}
     # the unfused path's producer launch (y only) and every fused mode of each kernel
     for name, call, _ in _variants(3072):
         if name not in ("p1 none", "p2 r", "residual"):
             call()
-
-    def bind(kernel, args, kwargs):
-        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, spec, options = binder(*args, **kwargs)
-        return compute_cache_key({}, spec, options), (bound, spec, options)
-
-    def ptx(kernel, kwargs, bound, spec, options) -> str:
-        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__)
-        return compiled.asm["ptx"]
-
     report = {}
     for name, kernel in kernels.items():
-        keys = {bind(kernel, args, kwargs)[0] for args, kwargs in calls[name]}
-        args, kwargs = calls[name][0]
-        code = ptx(kernel, kwargs, *bind(kernel, args, kwargs)[1])
-        counts = {k: len(re.findall(p, code)) for k, p in PTX_PATTERNS.items()}
-        probe_kwargs = {**kwargs, "enable_fp_fusion": True}  # proves the fma count can see contraction
-        probe = ptx(kernel, probe_kwargs, *bind(kernel, args, probe_kwargs)[1])
-        counts["fma_if_fusion_allowed"] = len(re.findall(PTX_PATTERNS["fma"], probe))
-        report[name] = {"launches": len(calls[name]), "keys": len(keys), "ptx": counts}
+        keys = {binary_key(kernel, args, kwargs) for args, kwargs in calls[name]}
+        report[name] = {
+            "launches": len(calls[name]),
+            "keys": len(keys),
+            "ptx": ptx_counts(kernel, *calls[name][0]),
+        }
     return report
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return report_from_subprocess(__file__)
 
 
 @pytest.mark.parametrize("name, launches", [("quant", 1), ("producer1", 3), ("producer2", 3), ("gelu", 3)])

@@ -9,15 +9,12 @@ the contract leaves (the order of the sum).
 """
 
 import json
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+from ptx_probe import ptx_counts, record_launches, report_from_subprocess
 from test_kernels_quant import needs_interpreter
 
 from kernels.qk_norm_rope import (
@@ -298,61 +295,23 @@ def test_contract_attention_writes_the_twin_into_the_joint_sequence(monkeypatch)
     assert model.rope((1, 2, 3), 3, torch.device("cpu")) is rope  # cached: nothing recomputed per step
 
 
-PTX_PATTERNS = {
-    "fma": r"\bfma\.rn\.f32",
-    "div_rn": r"\bdiv\.rn\.f32",
-    "div_inexact": r"\bdiv\.(full|approx)",
-    "sqrt_rn": r"\bsqrt\.rn\.f32",
-    "inexact_sqrt_or_rcp": r"\b(rsqrt|sqrt\.approx|rcp\.approx)",
-    "ftz": r"\.ftz\b",
-    "cvt_bf16": r"\bcvt\.rn\.bf16(x2)?\.f32",
-}
-
-
 def compile_report() -> dict:
     """The model's launch (D = 128, x a strided projection view, out a joint-buffer slice) recorded, not
     run, and compiled for sm_90: PTX instruction counts, with fp fusion off (as launched) and on (probe)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     from kernels import qk_norm_rope
 
     qk_norm_rope.launchable = lambda kernel, *tensors: True  # CPU tensors stand in for CUDA ones
     kernel = qk_norm_rope._rms_norm_rope_kernel
-    calls = []
-    kernel.run = lambda *args, grid, warmup, **kwargs: calls.append((args, kwargs))
+    calls = record_launches(kernel)
     t = make_inputs(2, 8, 24, 128)
     out = torch.empty(2, 12, 24, 128, dtype=torch.bfloat16)[:, 4:]
     qk_norm_rope.rms_norm_rope_triton(t["x"], t["weight"], t["rope"], EPS, out)
     ((args, kwargs),) = calls
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-
-    def ptx(kwargs) -> str:
-        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, spec, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
-        return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__).asm[
-            "ptx"
-        ]
-
-    code = ptx(kwargs)
-    counts = {k: len(re.findall(p, code)) for k, p in PTX_PATTERNS.items()}
-    counts["fma_if_fusion_allowed"] = len(
-        re.findall(PTX_PATTERNS["fma"], ptx({**kwargs, "enable_fp_fusion": True}))
-    )
-    return counts
+    return ptx_counts(kernel, args, kwargs)
 
 
 def test_ptx_follows_the_contract():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    ptx = report_from_subprocess(__file__)
     assert ptx["fma"] == 0 and ptx["fma_if_fusion_allowed"] > 0  # the rope's a*cos - b*sin would contract
     assert ptx["div_inexact"] == 0 and ptx["inexact_sqrt_or_rcp"] == 0 and ptx["ftz"] == 0
     assert ptx["sqrt_rn"] > 0 and ptx["div_rn"] > 0 and ptx["cvt_bf16"] > 0
