@@ -116,6 +116,7 @@ def transformer_from_state(
     check_state_dict(model.state_dict(), state, where)
     model.load_state_dict({k: _cast(k, v, dtype) for k, v in state.items()}, strict=True, assign=True)
     model.eval().requires_grad_(False)
+    model.quant_config = quant
     model.post_load_weights()
     return model
 

@@ -24,6 +24,7 @@ from models.config import QwenImageConfig
 from models.fp8 import Fp8Linear, QuantizedActivation
 from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, fusion_enabled_by_env
 from models.math import Rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
+from models.modelopt import QuantConfig
 
 EPS = 1e-6
 
@@ -309,6 +310,7 @@ class QwenImageTransformer(nn.Module):
         )
         self.norm_out = OutputNorm(dim)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
+        self.quant_config: QuantConfig | None = None
         self._rope_tables = rope_tables(config.axes_dims_rope)
         self._rope_cache: dict[tuple, Rope] = {}
 

@@ -4,6 +4,7 @@ from collections import Counter
 
 import torch
 
+from models.fp8 import Fp8Linear
 from pipelines.qwen_image import QwenImagePipeline
 
 
@@ -13,6 +14,15 @@ def _params(module: torch.nn.Module) -> str:
         by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel()
     dtypes = ", ".join(f"{name} {n / 1e6:.2f}M" for name, n in by_dtype.most_common())
     return f"{sum(by_dtype.values()) / 1e6:,.2f}M parameters ({dtypes})"
+
+
+def _quantization(pipe: QwenImagePipeline) -> str:
+    quant = pipe.transformer.quant_config
+    if quant is None:
+        return "none (BF16 weights)"
+    fp8 = sum(isinstance(m, Fp8Linear) for m in pipe.transformer.modules())
+    kept = ", ".join(quant.ignore) or "nothing"
+    return f"ModelOpt {quant.quant_algo}, {fp8} FP8 linears (static per-tensor scales); kept BF16: {kept}"
 
 
 def describe(pipe: QwenImagePipeline) -> str:
@@ -30,6 +40,7 @@ def describe(pipe: QwenImagePipeline) -> str:
         f"tokenizer: {type(c.tokenizer).__name__}, vocabulary {len(c.tokenizer)}",
         f"scheduler: {type(c.scheduler).__name__}",
         f"defaults: {pipe.defaults.width}x{pipe.defaults.height}, {pipe.defaults.num_inference_steps} steps",
+        f"quantization: {_quantization(pipe)}",
         pipe.fusion_summary(),
     ]
     return "\n".join(lines)

@@ -70,6 +70,7 @@ def test_saved_checkpoint_round_trips_and_info_describes_it(saved_model, tmp_pat
     assert main(["info", "--model", str(saved_model)]) == 0
     out = capsys.readouterr().out
     assert "transformer:" in out and "2 layers" in out and "FP8 norm+quant fusion: off" in out
+    assert "quantization: none (BF16 weights)" in out
 
 
 def test_partial_and_mismatched_checkpoints_are_refused(saved_model, tmp_path, capsys):

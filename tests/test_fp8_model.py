@@ -13,6 +13,7 @@ from models.errors import CheckpointError
 from models.loading import load_transformer
 from pipelines import load_pipeline
 from pipelines.quantize import DEFAULT_BF16_FALLBACK, quantize_checkpoint
+from ui.cli import main
 
 CPU = torch.device("cpu")
 
@@ -50,6 +51,14 @@ def test_loads_with_every_path_fused_and_reports_it(fp8_dir):
         pipe.fusion_summary().splitlines()[0]
         == f"FP8 norm+quant fusion: {4 * layers}/{4 * layers} block paths"
     )
+
+
+def test_info_reports_the_quantization(fp8_dir, capsys):
+    assert main(["info", "--model", str(fp8_dir), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    linears = 11 * 2  # per block: 6 attention inputs + 2 outputs + 2 MLP-in + txt MLP-out
+    assert f"quantization: ModelOpt FP8, {linears} FP8 linears" in out
+    assert "kept BF16: img_in, txt_in" in out
 
 
 def test_fused_and_unfused_pngs_are_byte_identical(fp8_dir):
