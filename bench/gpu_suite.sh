@@ -10,7 +10,9 @@ STEP_VARIANTS=${STEP_VARIANTS:-diffusers,reference,contract,fp8-unfused,fp8-fuse
 STEP_ROUNDS=${STEP_ROUNDS:-1}
 STEP_CONFIGS=${STEP_CONFIGS:-1024x2}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GRADIO_ANALYTICS_ENABLED=False
 {
     date -u

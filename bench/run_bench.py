@@ -27,7 +27,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['size']} | {r['batch']} | {len(r['ms'])} | {r['median_ms']:.1f} "
-            f"| {min(r['ms']):.1f} | {max(r['ms']):.1f} | {r['fused_paths']} |"
+            f"| {min(r['ms']):.1f} | {max(r['ms']):.1f} | {r['fusion_summary']} |"
         )
     return "\n".join(lines)
 

@@ -17,7 +17,14 @@ from models.config import QwenImageConfig
 from models.loading import transformer_from_state
 from models.modelopt import QuantConfig
 from models.transformer import QwenImageTransformer
-from pipelines.quantize import ALL_BLOCKS_FP8, DEFAULT_BF16_FALLBACK, fp8_state_dict, quantizable_linears
+from pipelines.quantize import (
+    ALL_BLOCKS_FP8,
+    DEFAULT_BF16_FALLBACK,
+    fp8_state_dict,
+    quantizable_linears,
+    record_input_amax,
+    share_group_amax,
+)
 
 VARIANTS = (
     "diffusers",
@@ -44,21 +51,9 @@ def calibrate_random(
     model: QwenImageTransformer, linears: dict, config: QwenImageConfig, device: torch.device
 ):
     """Input amax of each linear over one forward on random inputs."""
-    amax: dict[str, torch.Tensor] = {}
-
-    def hook_for(name):
-        def hook(_m, args):
-            v = args[0].detach().abs().amax().float()
-            amax[name] = v if name not in amax else torch.maximum(amax[name], v)
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in linears.items()]
     latents, prompt, sigma, grid = step_inputs(config, 512, 1, 64, device)
-    with torch.no_grad():
+    with torch.no_grad(), record_input_amax(linears) as amax:
         model(latents, prompt, None, sigma, grid)
-    for h in handles:
-        h.remove()
     return amax
 
 
@@ -86,8 +81,6 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
     ignore = DEFAULT_BF16_FALLBACK if variant.startswith("fp8-") else ALL_BLOCKS_FP8
     linears = quantizable_linears(model, ignore)
     amax = calibrate_random(model, linears, config, device)
-    from pipelines.quantize import share_group_amax
-
     state = fp8_state_dict(model, linears, share_group_amax(amax))
     del model, linears
     torch.cuda.empty_cache()
@@ -161,7 +154,7 @@ def main() -> None:
             "layers": args.layers,
             "ms": times,
             "median_ms": statistics.median(times),
-            "fused_paths": report.summary().splitlines()[0] if report else "",
+            "fusion_summary": report.summary().splitlines()[0] if report else "",
         }
         print(json.dumps(row), flush=True)
     print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", file=sys.stderr)

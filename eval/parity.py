@@ -43,6 +43,7 @@ from eval.runner import (
 )
 from eval.variants import VariantSpec, parse_variant
 from models.errors import InputError, QwenImageError
+from pipelines.limits import VARIANTS, check_size, check_steps
 
 VARIANT_HELP = """variants: NAME[:DEVICE[:INDEX]][:DTYPE]
   NAME    reference | contract | fp8-unfused | fp8-fused | auto   (see docs/API.md)
@@ -109,9 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", default="0", metavar="LIST", help="comma-separated seeds (default 0)")
     parser.add_argument("--steps", type=int, metavar="N", help="denoising steps (default: the pipeline's)")
     parser.add_argument("--size", metavar="WxH", help="WxH, multiples of 16 (default: the pipeline's)")
-    parser.add_argument("--negative-prompt", metavar="TEXT", help="enables true CFG when --cfg-scale > 1")
     parser.add_argument(
-        "--cfg-scale", type=float, default=4.0, metavar="S", help="true CFG scale (default 4.0)"
+        "--negative-prompt", metavar="TEXT", help="enables true CFG when --true-cfg-scale > 1"
+    )
+    parser.add_argument(
+        "--true-cfg-scale",
+        "--cfg-scale",
+        dest="cfg_scale",
+        type=float,
+        default=4.0,
+        metavar="S",
+        help="true CFG scale (default 4.0), as in `qwen-image generate`",
     )
     parser.add_argument(
         "--out", default="out/parity", metavar="DIR", help="output directory (default out/parity)"
@@ -152,12 +161,13 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
     for model in models.values():
         if model is not None and not Path(model).is_dir():
             raise InputError(f"model directory not found: {model}")
-    if args.steps is not None and args.steps < 1:
-        raise InputError(f"bad --steps {args.steps}: must be at least 1")
+    if args.steps is not None:
+        check_steps(args.steps)
     width, height = parse_size(args.size)
+    if width is not None:
+        check_size(width, height)
     prompts, seeds = load_prompts(args.prompts), parse_seeds(args.seeds)
     expect = parse_expect(args.expect) if args.expect is not None else None
-    from pipelines import VARIANTS  # after the cheap checks: importing the pipeline takes seconds
 
     known = (*VARIANTS, "auto")
     return Config(

@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from models.errors import InputError
+from pipelines.prompts import parse_prompts, read_prompt_file
 
 
 def builtin_sets() -> list[str]:
@@ -17,24 +18,11 @@ def builtin_sets() -> list[str]:
     )
 
 
-def parse_prompts(text: str) -> list[str]:
-    lines = (line.strip() for line in text.splitlines())
-    return [line for line in lines if line and not line.startswith("#")]
-
-
 def load_prompts(spec: str) -> list[str]:
     """Prompts of a file, else of a built-in set. InputError when neither exists or it has no prompt."""
     path = Path(spec)
     if path.is_file():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read prompt file {spec}: {exc}") from exc
-    elif spec in builtin_sets():
-        text = (resources.files("eval") / "prompts" / f"{spec}.txt").read_text(encoding="utf-8")
-    else:
+        return read_prompt_file(path)
+    if spec not in builtin_sets():
         raise InputError(f"prompt file not found: {spec} (built-in sets: {', '.join(builtin_sets())})")
-    prompts = parse_prompts(text)
-    if not prompts:
-        raise InputError(f"no prompts in {spec} (one per line; '#' starts a comment line)")
-    return prompts
+    return parse_prompts((resources.files("eval") / "prompts" / f"{spec}.txt").read_text(encoding="utf-8"))

@@ -67,7 +67,10 @@ def load_vae(directory: Path, dtype: torch.dtype, device: torch.device) -> Autoe
 def load_scheduler(directory: Path) -> FlowMatchEulerDiscreteScheduler:
     """The scheduler of `scheduler/scheduler_config.json`."""
     read_json(directory / "scheduler_config.json")
-    return FlowMatchEulerDiscreteScheduler.from_pretrained(directory, local_files_only=True)
+    try:
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise CheckpointError(f"cannot load scheduler from {directory}: {err}") from err
 
 
 def load_components(directory: Path, dtype: torch.dtype, device: torch.device) -> Components:

@@ -1,9 +1,16 @@
 """Transformer configuration: the fields of diffusers' `transformer/config.json` that shape the model."""
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from models.errors import CheckpointError
+
+
+def env_flag(name: str) -> bool:
+    """An on-by-default switch from the environment: `0`, `off`, `false` or `no` turn it off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
+
 
 UNSUPPORTED_FLAGS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
 

@@ -24,10 +24,6 @@ class QuantizedActivation:
     quant_key: str
     unquantized: torch.Tensor | None = None
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
 
 @dataclass(frozen=True)
 class QuantSpec:
@@ -90,18 +86,13 @@ class Fp8Linear(nn.Module):
                 raise RuntimeError(
                     f"activation quantized as {x.quant_key}, consumer expects {self.quant_key}"
                 )
-            q, out_dtype = x.data, x.dtype
+            q, scale = x.data, x.scale
         else:
-            q, out_dtype = static_quant_fp8(x, self.inv_input_scale), x.dtype
-        lead = q.shape[:-1]
+            q, scale = static_quant_fp8(x, self.inv_input_scale), self.input_scale
         out = scaled_mm(
-            q.reshape(-1, self.in_features),
-            self.weight,
-            self.input_scale,
-            self.weight_scale,
-            self.bias,
-            out_dtype,
+            q.reshape(-1, self.in_features), self.weight, scale, self.weight_scale, self.bias, x.dtype
         )
+        lead = q.shape[:-1]
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -113,12 +104,3 @@ def quant_consumer_spec(module: nn.Module) -> QuantSpec | None:
     if not isinstance(module, Fp8Linear):
         return None
     return QuantSpec(module.quant_key, module.input_scale, module.needs_unquantized_input)
-
-
-def unquantized(x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-    """The BF16 tensor behind an activation (for consumers such as a LoRA branch)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    if x.unquantized is None:
-        raise RuntimeError("this quantized activation was produced without its unquantized input")
-    return x.unquantized

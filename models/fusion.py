@@ -6,17 +6,16 @@ needs the unquantized input can get it. Every refusal is recorded with its reaso
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kernels.quant import inverse_scale
+from models.config import env_flag
 from models.fp8 import QuantSpec, quant_consumer_spec
 
 FUSION_ENV = "QWEN_IMAGE_FP8_FUSION"
-BLOCK_PATHS = 4
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class PathDecision:
 
 def fusion_enabled_by_env() -> bool:
     """`QWEN_IMAGE_FP8_FUSION=0` forces the unfused path (for parity runs)."""
-    return os.environ.get(FUSION_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_flag(FUSION_ENV)
 
 
 def fp8_target_refusal(device: torch.device) -> str:

@@ -14,7 +14,6 @@ from models.modelopt import (
     SCALE_SUFFIXES,
     QuantConfig,
     parse_quant_config,
-    read_hf_quant_config,
     swap_fp8_linears,
 )
 from models.transformer import QwenImageTransformer
@@ -31,6 +30,14 @@ def read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+
+
+def read_hf_quant_config(directory: Path) -> dict[str, Any] | None:
+    """The nested ModelOpt `hf_quant_config.json` of a transformer directory (or its parent), if any."""
+    for path in (directory / "hf_quant_config.json", directory.parent / "hf_quant_config.json"):
+        if path.is_file():
+            return read_json(path)
+    return None
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -1,7 +1,6 @@
 """ModelOpt FP8 checkpoints: the quantization config, validation of per-layer scales, linear swapping."""
 
 import fnmatch
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,17 +50,6 @@ def parse_quant_config(config: dict[str, Any], hf_quant_config: dict[str, Any] |
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise CheckpointError("ModelOpt ignore/exclude_modules must be a list of glob strings")
     return QuantConfig("FP8", tuple(ignore), raw)
-
-
-def read_hf_quant_config(directory: Path) -> dict[str, Any] | None:
-    """`hf_quant_config.json` of a transformer directory (or its parent), if any."""
-    for path in (directory / "hf_quant_config.json", directory.parent / "hf_quant_config.json"):
-        if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise CheckpointError(f"{path} is not valid JSON: {err}") from err
-    return None
 
 
 def fp8_module_names(state: dict[str, torch.Tensor]) -> list[str]:

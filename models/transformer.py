@@ -312,11 +312,8 @@ class QwenImageTransformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
         self.quant_config: QuantConfig | None = None
         self._rope_tables = rope_tables(config.axes_dims_rope)
+        self._device_rope_tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._rope_cache: dict[tuple, Rope] = {}
-
-    @property
-    def numerics(self) -> Numerics:
-        return self.norm_out.norm.numerics
 
     @property
     def is_fp8(self) -> bool:
@@ -355,7 +352,9 @@ class QwenImageTransformer(nn.Module):
         """Cached image and text RoPE rotations on `device` (computed once per grid and text length)."""
         key = (grid, text_len, device)
         if key not in self._rope_cache:
-            tables = tuple(t.to(device) for t in self._rope_tables)
+            if device not in self._device_rope_tables:  # copied to the device once, not per shape
+                self._device_rope_tables[device] = tuple(t.to(device) for t in self._rope_tables)
+            tables = self._device_rope_tables[device]
             self._rope_cache[key] = rope_frequencies(tables, self.config.axes_dims_rope, grid, text_len)
         return self._rope_cache[key]
 

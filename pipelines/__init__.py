@@ -7,7 +7,8 @@ torch, diffusers and transformers.
 import importlib
 from typing import Any
 
-VARIANTS = ("reference", "contract", "fp8-unfused", "fp8-fused")
+from pipelines.limits import VARIANTS
+
 _LAZY = {
     "GenerationDefaults": "pipelines.qwen_image",
     "QwenImagePipeline": "pipelines.qwen_image",

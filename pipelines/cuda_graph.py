@@ -5,17 +5,20 @@ once and replayed, removing thousands of kernel launches per step. Replays run t
 the same data as eager execution; the variant switch drops all captured graphs.
 """
 
-import os
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
+from models.config import env_flag
+
 GRAPHS_ENV = "QWEN_IMAGE_CUDA_GRAPHS"
+MAX_GRAPHS = 4  # cond and negative branch of two prompt lengths
 
 
 def cuda_graphs_enabled_by_env() -> bool:
     """`QWEN_IMAGE_CUDA_GRAPHS=0` turns capture off (eager steps)."""
-    return os.environ.get(GRAPHS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_flag(GRAPHS_ENV)
 
 
 class _Captured:
@@ -39,14 +42,23 @@ class _Captured:
 
 
 class GraphedStep:
-    """Calls `step(*tensors)` through captured CUDA graphs keyed by the inputs' shapes and dtypes."""
+    """Calls `step(*tensors)` through captured CUDA graphs keyed by the inputs' shapes and dtypes.
 
-    def __init__(self, step: Callable[..., torch.Tensor]) -> None:
+    Each capture holds its own memory pool; the least recently used graphs beyond `max_graphs` are
+    dropped (each new prompt length is a new shape), so a long-running server does not accumulate them.
+    """
+
+    def __init__(self, step: Callable[..., torch.Tensor], max_graphs: int = MAX_GRAPHS) -> None:
         self.step = step
-        self.graphs: dict[tuple, _Captured] = {}
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
 
     def __call__(self, *inputs: torch.Tensor | None) -> torch.Tensor:
         key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in inputs)
-        if key not in self.graphs:
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+        else:
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)
             self.graphs[key] = _Captured(self.step, inputs)
         return self.graphs[key](inputs)

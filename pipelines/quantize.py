@@ -8,7 +8,8 @@ ModelOpt FP8 export (DESIGN §3) that this project and other ModelOpt consumers 
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -64,9 +65,32 @@ def calibrate(
     seed: int,
 ) -> dict[str, torch.Tensor]:
     """Max |input| seen by each linear over all prompts and denoising steps (device tensors, no syncs)."""
+    graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # hooks must run on every step, not a replay
+    try:
+        with record_input_amax(linears) as amax:
+            for i, prompt in enumerate(tqdm(prompts, desc="calibrating", unit="prompt")):
+                pipe.generate(
+                    prompt,
+                    negative_prompt=" ",
+                    width=size,
+                    height=size,
+                    num_inference_steps=steps,
+                    seed=seed + i,
+                )
+    finally:
+        pipe.cuda_graphs = graphs
+    return amax
+
+
+@contextmanager
+def record_input_amax(linears: dict[str, nn.Linear]) -> Iterator[dict[str, torch.Tensor]]:
+    """While active, the running max |input| of each linear (device scalars, no host syncs).
+
+    On exit the hooks are removed, and a linear that never ran is an error.
+    """
     amax: dict[str, torch.Tensor] = {}
 
-    def record(name: str):
+    def record(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             current = args[0].detach().abs().amax().float()
             amax[name] = current if name not in amax else torch.maximum(amax[name], current)
@@ -74,20 +98,14 @@ def calibrate(
         return hook
 
     handles = [m.register_forward_pre_hook(record(n)) for n, m in linears.items()]
-    graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # hooks must run on every step, not a replay
     try:
-        for i, prompt in enumerate(tqdm(prompts, desc="calibrating", unit="prompt")):
-            pipe.generate(
-                prompt, negative_prompt=" ", width=size, height=size, num_inference_steps=steps, seed=seed + i
-            )
+        yield amax
     finally:
-        pipe.cuda_graphs = graphs
         for handle in handles:
             handle.remove()
     missing = sorted(set(linears) - set(amax))
     if missing:
         raise RuntimeError(f"calibration never reached {missing[:3]}")
-    return amax
 
 
 def share_group_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -153,8 +171,8 @@ def quantize_checkpoint(
 ) -> Path:
     """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise InputError(f"output directory {out} exists and is not empty")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"output {out} exists and is not an empty directory")
     pipe = load_pipeline(model, variant="contract", device=device)
     return quantize_pipeline(
         pipe, out, prompts, ignore, steps, size, seed, None if model is None else Path(model)

@@ -23,17 +23,13 @@ from models.components import Components, load_components
 from models.embedded import EMBEDDED_NAME, build_embedded_components
 from models.errors import InputError
 from models.math import pack_latents, unpack_latents
-from models.text_encoder import MAX_SEQUENCE_LENGTH, encode_prompts
-from pipelines import VARIANTS
+from models.text_encoder import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH, encode_prompts
 from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env
+from pipelines.limits import MAX_IMAGES, VARIANTS, check_size, check_steps
 
 BF16_VARIANTS = VARIANTS[:2]
 FP8_VARIANTS = VARIANTS[2:]
 VAE_SCALE = 8
-MAX_SIDE = 2048
-MIN_STEPS = 2
-MAX_STEPS = 200
-MAX_IMAGES = 16
 
 
 @dataclass(frozen=True)
@@ -58,7 +54,7 @@ class RunInfo:
     height: int
     num_inference_steps: int
     variant: str
-    fused_paths: str
+    fusion_summary: str
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -115,14 +111,8 @@ def check_generation_args(
     """Raise InputError naming the first invalid argument."""
     if not prompts or any(not p.strip() for p in prompts):
         raise InputError("prompt is empty: describe the image to generate")
-    for name, side in (("width", width), ("height", height)):
-        if not isinstance(side, int) or side % 16 or not 16 <= side <= MAX_SIDE:
-            raise InputError(f"{name} {side} must be a multiple of 16 between 16 and {MAX_SIDE}")
-    if not isinstance(steps, int) or not MIN_STEPS <= steps <= MAX_STEPS:
-        raise InputError(
-            f"num_inference_steps {steps} must be between {MIN_STEPS} and {MAX_STEPS} "
-            "(a single step divides by zero in the scheduler's terminal-shift stretch)"
-        )
+    check_size(width, height)
+    check_steps(steps)
     if not math.isfinite(true_cfg_scale) or true_cfg_scale < 0:
         raise InputError(f"true_cfg_scale {true_cfg_scale} must be a finite number >= 0")
     if not isinstance(num_images_per_prompt, int) or not 1 <= num_images_per_prompt <= MAX_IMAGES:
@@ -220,10 +210,10 @@ class QwenImagePipeline:
         width: int | None = None,
         height: int | None = None,
         num_inference_steps: int | None = None,
-        true_cfg_scale: float = 4.0,
+        true_cfg_scale: float | None = None,
         seed: int | None = None,
         num_images_per_prompt: int = 1,
-        max_sequence_length: int = 512,
+        max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
     ) -> list[PIL.Image.Image]:
@@ -233,6 +223,7 @@ class QwenImagePipeline:
         width = self.defaults.width if width is None else width
         height = self.defaults.height if height is None else height
         steps = self.defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
+        true_cfg_scale = self.defaults.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
         check_generation_args(
             prompts, width, height, steps, true_cfg_scale, num_images_per_prompt, max_sequence_length, seed
         )

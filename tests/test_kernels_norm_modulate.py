@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from steps import nudge_bf16, ordered_codes, step_distance
 from test_kernels_quant import interpreter_exact_range, needs_interpreter
 
 from kernels.norm_modulate import (
@@ -16,7 +17,6 @@ from kernels.norm_modulate import (
     modulate_torch,
 )
 from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
-from kernels.steps import nudge_bf16, ordered_codes, step_distance
 
 EPS = 1e-6
 STATS_SLACK = 2.0**-18  # relative budget for the fp32 LN statistics (mean scaled by mean |x|, rstd)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from steps import step_distance, subnormal
 
 import kernels.quant as quant
 from kernels._triton_common import interpreted
@@ -14,7 +15,6 @@ from kernels.quant import (
     static_quant_fp8_torch,
     static_quant_fp8_triton,
 )
-from kernels.steps import step_distance, subnormal
 
 INPUT_SCALES = [0.005, 0.03125, 0.4263392984867096, 0.4754464328289032, 1.0, 1e-3, 3.7, 448.0]
 

@@ -1,8 +1,7 @@
 """The step-distance helpers the kernel tests rely on, checked against torch's own float ordering."""
 
 import torch
-
-from kernels.steps import NAN_MISMATCH, nudge_bf16, ordered_codes, step_distance, subnormal
+from steps import NAN_MISMATCH, nudge_bf16, ordered_codes, step_distance, subnormal
 
 
 def all_bf16() -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 from ptx_probe import ptx_counts, record_launches, report_from_subprocess
+from steps import step_distance
 from test_kernels_quant import needs_interpreter
 
 from kernels.qk_norm_rope import (
@@ -23,7 +24,6 @@ from kernels.qk_norm_rope import (
     rms_norm_rope_torch,
     rms_norm_rope_triton,
 )
-from kernels.steps import step_distance
 from models import transformer
 from models.config import QwenImageConfig
 from models.transformer import QwenImageTransformer

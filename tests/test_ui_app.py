@@ -61,7 +61,7 @@ class FakePipe:
         timings = {"text_encoding": 0.1, "denoising": 0.2, "decoding": 0.3, "total": 0.6}
         self.last_run = SimpleNamespace(
             seed=seed, width=w, height=h, num_inference_steps=n, variant=self.variant,
-            fused_paths="FP8 norm+quant fusion: 240/240 block paths", timings=timings, ms_per_step=66.7,
+            fusion_summary="FP8 norm+quant fusion: 240/240 block paths", timings=timings, ms_per_step=66.7,
         )  # fmt: skip
         return [Image.new("RGB", (w, h), (200, 30, 30))] * kw["num_images_per_prompt"]
 

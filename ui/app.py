@@ -11,7 +11,7 @@ from PIL import Image
 from models.embedded import EMBEDDED_NAME
 from models.errors import QwenImageError
 from pipelines import load_pipeline
-from pipelines.qwen_image import MAX_STEPS, MIN_STEPS
+from pipelines.limits import MAX_STEPS, MIN_STEPS
 from ui.generation import (
     CUSTOM,
     PRESETS,
@@ -25,7 +25,7 @@ from ui.generation import (
 )
 
 QUEUE_MAX = 64
-MAX_IMAGES = 4
+GALLERY_MAX_IMAGES = 4
 EXAMPLES = [
     "A red apple on a wooden table, soft window light",
     "A foggy mountain lake at sunrise with a small rowing boat",
@@ -123,7 +123,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                 with gr.Row():
                     seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="seed")
                     randomize = gr.Checkbox(True, label="Randomize seed")
-                    num_images = gr.Slider(1, MAX_IMAGES, 1, step=1, label="Images")
+                    num_images = gr.Slider(1, GALLERY_MAX_IMAGES, 1, step=1, label="Images")
                 variant = gr.Dropdown(
                     [(VARIANT_LABELS.get(v, v), v) for v in variants],
                     value=pipe.variant,

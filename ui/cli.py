@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import PIL.Image
+
 from models.errors import InputError, QwenImageError
 
 
@@ -31,10 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--width", type=int)
     gen.add_argument("--height", type=int)
     gen.add_argument("--steps", type=int, dest="num_inference_steps")
-    gen.add_argument("--true-cfg-scale", type=float, default=4.0)
+    gen.add_argument(
+        "--true-cfg-scale", type=float, help="true CFG scale (default 4.0; needs a negative prompt)"
+    )
     gen.add_argument("--seed", type=int)
     gen.add_argument("--num-images", type=int, default=1, dest="num_images_per_prompt")
-    gen.add_argument("--max-sequence-length", type=int, default=512)
+    gen.add_argument("--max-sequence-length", type=int, help="text tokens kept, 1..1024 (default 512)")
     _add_model_args(gen)
 
     info = sub.add_parser("info", help="components, dtypes, parameter counts, quantization and fusion")
@@ -66,19 +70,18 @@ def _load(args: argparse.Namespace):
     return load_pipeline(args.model, variant=args.variant, device=args.device, dtype=args.dtype)
 
 
+def image_paths(out: Path, count: int) -> list[Path]:
+    """Where `count` images go: `out` itself, or `out` with an index for several."""
+    if out.suffix.lower() not in PIL.Image.registered_extensions():
+        raise InputError(f"output {out} needs an image extension such as .png")
+    return [out] if count == 1 else [out.with_stem(f"{out.stem}-{i}") for i in range(count)]
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
+    image_paths(Path(args.out), 1)  # refuse a bad output name before loading anything
     pipe = _load(args)
-    options = {
-        k: getattr(args, k)
-        for k in (
-            "width",
-            "height",
-            "num_inference_steps",
-            "seed",
-            "num_images_per_prompt",
-            "max_sequence_length",
-        )
-    }
+    names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
+    options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     images = pipe.generate(
         args.prompt,
         negative_prompt=args.negative_prompt,
@@ -86,9 +89,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         progress=True,
         **options,
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out] if len(images) == 1 else [out.with_stem(f"{out.stem}-{i}") for i in range(len(images))]
+    paths = image_paths(Path(args.out), len(images))
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
     for image, path in zip(images, paths, strict=True):
         image.save(path)
     run = pipe.last_run
@@ -102,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         f"({run.ms_per_step:.0f} ms/step x {run.num_inference_steps}) | decoding {t['decoding']:.2f} s "
         f"| total {t['total']:.2f} s"
     )
-    print(run.fused_paths)
+    print(run.fusion_summary)
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -112,6 +114,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
+    from pipelines.prompts import read_prompt_file
     from pipelines.quantize import DEFAULT_BF16_FALLBACK, DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
 
     prompts = DEFAULT_CALIBRATION_PROMPTS
@@ -123,21 +126,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     out = quantize_checkpoint(
         args.model, Path(args.out), prompts, ignore, steps=args.steps, size=args.size, device=args.device
     )
-    from pipelines import load_pipeline
-
     print(f"wrote {out}")
-    print(load_pipeline(out, device=args.device).fusion_summary())
-
-
-def read_prompt_file(path: Path) -> list[str]:
-    """Prompts of a text file, one per line; blank lines and '#' comments skipped."""
-    if not path.is_file():
-        raise InputError(f"prompt file {path} does not exist")
-    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
-    prompts = [line for line in lines if line and not line.startswith("#")]
-    if not prompts:
-        raise InputError(f"prompt file {path} holds no prompts")
-    return prompts
+    print(f"check it with: qwen-image info --model {out}")
 
 
 def cmd_ui(args: argparse.Namespace) -> None:

@@ -121,6 +121,6 @@ def format_details(run: Any) -> str:
         f"**Size:** {run.width}×{run.height}, {run.num_inference_steps} steps, "
         f"**{run.ms_per_step:.1f} ms/step**  \n"
         f"**Variant:** {VARIANT_LABELS.get(run.variant, run.variant)} (`{run.variant}`)  \n"
-        f"**Fused paths:** {run.fused_paths}\n\n"
+        f"**Fused paths:** {run.fusion_summary}\n\n"
         f"| stage | time |\n|---|---|\n{rows}\n"
     )

@@ -12,6 +12,7 @@ Mismatch counts vs the twins are printed (run with -s).
 
 import pytest
 import torch
+from steps import step_distance
 from test_kernels_gelu import within_tanh_slack
 from test_kernels_norm_modulate import EPS, explained_by_ln_statistics
 from test_kernels_quant import INPUT_SCALES, all_bf16
@@ -33,7 +34,6 @@ from kernels.norm_modulate import (
     layer_norm_modulate_triton,
 )
 from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
-from kernels.steps import step_distance
 
 pytestmark = pytest.mark.gpu
 ROWS = [1, 127, 1024, 4096]

@@ -1,4 +1,4 @@
-"""Distances between bf16 or E4M3 tensors counted in representable steps (on the integer encodings).
+"""Test support: distances between bf16 or E4M3 tensors in representable steps (integer encodings).
 
 Used by the kernel tests (CPU and GPU) to state "n steps apart" exactly: each encoding maps to an
 integer that grows with the value (sign-magnitude to signed), so neighbours differ by 1 and +0 and -0
