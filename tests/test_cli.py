@@ -45,6 +45,8 @@ def test_generate_writes_a_png_with_no_model_given(tmp_path):
             "model directory /nonexistent/qwen does not exist",
         ),
         (["info", "--variant", "fp8-fused"], "variant 'fp8-fused' is not available"),
+        (["generate", "fox", "-o", "out"], "output out needs an image extension such as .png"),
+        (["quantize", "--out", __file__], "exists and is not an empty directory"),
     ],
 )
 def test_bad_input_gives_one_line_error(args, message, capsys):
@@ -91,3 +93,10 @@ def test_partial_and_mismatched_checkpoints_are_refused(saved_model, tmp_path, c
     assert main(["info", "--model", str(wrong)]) == 2
     err = capsys.readouterr().err
     assert "has shape" in err and "expected" in err
+
+
+def test_unreadable_calibration_prompts_give_one_line_error(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\xff\xfe not utf-8 \x80")
+    assert main(["quantize", "--out", str(tmp_path / "q"), "--calib-prompts", str(prompts)]) == 2
+    assert "cannot read prompt file" in capsys.readouterr().err
