@@ -22,7 +22,13 @@ from kernels.seam import (
 )
 from models.config import QwenImageConfig
 from models.fp8 import Fp8Linear, QuantizedActivation
-from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, fusion_enabled_by_env
+from models.fusion import (
+    FusionReport,
+    PathDecision,
+    ProducerQuant,
+    configure_fp8_norm_quant,
+    fusion_enabled_by_env,
+)
 from models.math import Rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
 from models.modelopt import QuantConfig
 
@@ -57,13 +63,13 @@ class QKNorm(nn.Module):
 class Producer(nn.Module):
     """Base of the modules whose output feeds linears: set by `post_load_weights` to write FP8 or not."""
 
-    writes_y = True
+    writes_y = True  # capability for the gate: the fused kernels can also write BF16 `y`
 
     def __init__(self, eps: float = EPS) -> None:
         super().__init__()
         self.eps = eps
         self.numerics = Numerics.REFERENCE
-        self.quant = None
+        self.quant: ProducerQuant | None = None
 
     def quantized(self, y: torch.Tensor | None, q: torch.Tensor, dtype: torch.dtype) -> QuantizedActivation:
         return QuantizedActivation(q, self.quant.input_scale, dtype, self.quant.quant_key, y)

@@ -181,7 +181,8 @@ class QwenImagePipeline:
         if variant not in available:
             raise InputError(f"variant {variant!r} is not available for this model; choose from {available}")
         if self.transformer.is_fp8:
-            self.transformer.post_load_weights(fuse=variant == "fp8-fused")
+            report = self.transformer.post_load_weights(fuse=variant == "fp8-fused")
+            variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
         else:
             self.transformer.set_numerics(variant)
         self._graphed.clear()
