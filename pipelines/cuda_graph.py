@@ -42,10 +42,12 @@ class _Captured:
 
 
 class GraphedStep:
-    """Calls `step(*tensors)` through captured CUDA graphs keyed by the inputs' shapes and dtypes.
+    """Calls `step(*tensors, *static)` through captured CUDA graphs keyed by the tensors' shapes and dtypes
+    and by the hashable `static` arguments (for the transformer: the latent grid).
 
     Each capture holds its own memory pool; the least recently used graphs beyond `max_graphs` are
-    dropped (each new prompt length is a new shape), so a long-running server does not accumulate them.
+    dropped (each new prompt length or image size is a new key), so a long-running server does not
+    accumulate them.
     """
 
     def __init__(self, step: Callable[..., torch.Tensor], max_graphs: int = MAX_GRAPHS) -> None:
@@ -53,12 +55,12 @@ class GraphedStep:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
 
-    def __call__(self, *inputs: torch.Tensor | None) -> torch.Tensor:
-        key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in inputs)
+    def __call__(self, *inputs: torch.Tensor | None, static: tuple = ()) -> torch.Tensor:
+        key = (static, *(None if t is None else (t.shape, t.dtype, t.device) for t in inputs))
         if key in self.graphs:
             self.graphs.move_to_end(key)
         else:
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.popitem(last=False)
-            self.graphs[key] = _Captured(self.step, inputs)
+            self.graphs[key] = _Captured(lambda *tensors: self.step(*tensors, *static), inputs)
         return self.graphs[key](inputs)

@@ -145,7 +145,7 @@ class QwenImagePipeline:
         self.image_processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE * 2)
         self.last_run: RunInfo | None = None
         self.cuda_graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
-        self._graphed: dict[tuple[int, int, int], GraphedStep] = {}
+        self._graphed = GraphedStep(self._eager_step)
         self.variant = ""
         self.set_variant(variant)
 
@@ -185,7 +185,7 @@ class QwenImagePipeline:
             variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
         else:
             self.transformer.set_numerics(variant)
-        self._graphed.clear()
+        self._graphed.graphs.clear()
         self.variant = variant
 
     def fusion_summary(self) -> str:
@@ -322,17 +322,21 @@ class QwenImagePipeline:
                 on_step(i + 1, len(timesteps))
         return latents
 
+    def _eager_step(
+        self,
+        latents: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        sigma: torch.Tensor,
+        grid: tuple[int, int, int],
+    ) -> torch.Tensor:
+        return self.transformer(latents, embeds, mask, sigma, grid)
+
     def _step(self, grid: tuple[int, int, int]) -> Callable[..., torch.Tensor]:
         """The transformer call for one latent grid: CUDA-graph replays on CUDA, eager elsewhere."""
-
-        def step(latents, embeds, mask, sigma):
-            return self.transformer(latents, embeds, mask, sigma, grid)
-
         if not self.cuda_graphs:
-            return step
-        if grid not in self._graphed:
-            self._graphed[grid] = GraphedStep(step)
-        return self._graphed[grid]
+            return lambda *tensors: self._eager_step(*tensors, grid)
+        return lambda *tensors: self._graphed(*tensors, static=(grid,))
 
     def decode(self, latents: torch.Tensor, width: int, height: int) -> list[PIL.Image.Image]:
         """VAE-decode packed latents to PIL images (DESIGN §2 latent statistics)."""
