@@ -28,6 +28,8 @@ from pipelines.quantize import (
 
 VARIANTS = (
     "diffusers",
+    "diffusers-compile",
+    "diffusers-torchao",
     "reference",
     "contract",
     "fp8-unfused",
@@ -57,6 +59,38 @@ def calibrate_random(
     return amax
 
 
+def diffusers_model(
+    variant: str, model: QwenImageTransformer, config: QwenImageConfig, device: torch.device
+) -> torch.nn.Module:
+    """diffusers' transformer on `model`'s weights; `-compile`: regional torch.compile of the blocks;
+    `-torchao`: also torchao float8 dynamic per-tensor on the block linears outside the default BF16
+    fallback list (the DESIGN §5 baseline), compiled the same way."""
+    from diffusers import QwenImageTransformer2DModel
+
+    kwargs = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        ref = QwenImageTransformer2DModel(**kwargs)
+    ref.load_state_dict(model.state_dict(), assign=True)
+    ref.pos_embed = type(ref.pos_embed)(theta=10000, axes_dim=list(config.axes_dims_rope), scale_rope=True)
+    ref = ref.to(device).eval()
+    if variant == "diffusers-torchao":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
+
+        fallback = QuantConfig("FP8", DEFAULT_BF16_FALLBACK)
+        quantize_(
+            ref,
+            Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()),
+            filter_fn=lambda module, name: (
+                isinstance(module, torch.nn.Linear)
+                and name.startswith("transformer_blocks.")
+                and not fallback.ignores(name)
+            ),
+        )
+    if variant != "diffusers":
+        ref.compile_repeated_blocks(fullgraph=True)
+    return ref
+
+
 def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.nn.Module:
     """The model to time: ours (BF16 or FP8) or diffusers' on identical random weights."""
     torch.manual_seed(0)
@@ -64,17 +98,8 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
     with torch.device(device):
         model = QwenImageTransformer(config).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
-    if variant == "diffusers":
-        from diffusers import QwenImageTransformer2DModel
-
-        kwargs = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
-        with torch.device("meta"):
-            ref = QwenImageTransformer2DModel(**kwargs)
-        ref.load_state_dict(model.state_dict(), assign=True)
-        ref.pos_embed = type(ref.pos_embed)(
-            theta=10000, axes_dim=list(config.axes_dims_rope), scale_rope=True
-        )
-        return ref.to(device).eval()
+    if variant.startswith("diffusers"):
+        return diffusers_model(variant, model, config, device)
     if variant in ("reference", "contract"):
         model.set_numerics(variant)
         return model
@@ -93,7 +118,7 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
 
 def time_step(model, variant: str, inputs, runs: int, warmup: int, graph: bool) -> list[float]:
     latents, prompt, sigma, grid = inputs
-    if variant == "diffusers":
+    if variant.startswith("diffusers"):
 
         def step():
             return model(

@@ -74,8 +74,16 @@ def gated_residual_layer_norm_modulate_torch(
 
 
 @jit()
+def _load_modulation(shift_ptr, scale_ptr, cols, mask):
+    """fp32 shift and scale of one sample; loaded before the LN reductions so their latency overlaps."""
+    shift = tl.load(shift_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return shift, scale
+
+
+@jit()
 def _layer_norm_modulate_row(
-    v, mask, cols, width, eps, shift_ptr, scale_ptr, y_ptr, q_ptr, inv_ptr, write_y, write_q
+    v, mask, cols, width, eps, shift, scale, y_ptr, q_ptr, inv_ptr, write_y, write_q
 ):
     """LN + modulate of one fp32 row `v` (zero past `width`); stores y and/or q. Pointers at the row."""
     width_f = width.to(tl.float32)
@@ -84,8 +92,6 @@ def _layer_norm_modulate_row(
     var = tl.math.div_rn(tl.sum(centered * centered, axis=0), width_f)
     rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     normed = (centered * rstd).to(tl.bfloat16)
-    shift = tl.load(shift_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (normed.to(tl.float32) * (1.0 + scale) + shift).to(tl.bfloat16)
     if write_y != 0:
         tl.store(y_ptr + cols, y, mask=mask)
@@ -104,9 +110,12 @@ def _layer_norm_modulate_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     v = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    shift, scale = _load_modulation(
+        shift_ptr + sample * shift_stride, scale_ptr + sample * scale_stride, cols, mask
+    )
     _layer_norm_modulate_row(
-        v, mask, cols, width, eps, shift_ptr + sample * shift_stride, scale_ptr + sample * scale_stride,
-        y_ptr + row * width, q_ptr + row * width, inv_ptr, write_y, write_q,
+        v, mask, cols, width, eps, shift, scale, y_ptr + row * width, q_ptr + row * width, inv_ptr,
+        write_y, write_q,
     )  # fmt: skip
 
 
@@ -127,10 +136,12 @@ def _gated_residual_layer_norm_modulate_kernel(
     r = (res + gate * x).to(tl.bfloat16)
     tl.store(r_ptr + offs, r, mask=mask)
     if (write_y | write_q) != 0:
+        shift, scale = _load_modulation(
+            shift_ptr + sample * shift_stride, scale_ptr + sample * scale_stride, cols, mask
+        )
         _layer_norm_modulate_row(
-            r.to(tl.float32), mask, cols, width, eps, shift_ptr + sample * shift_stride,
-            scale_ptr + sample * scale_stride, y_ptr + row * width, q_ptr + row * width, inv_ptr,
-            write_y, write_q,
+            r.to(tl.float32), mask, cols, width, eps, shift, scale, y_ptr + row * width,
+            q_ptr + row * width, inv_ptr, write_y, write_q,
         )  # fmt: skip
 
 

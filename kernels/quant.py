@@ -35,26 +35,44 @@ def quant_fp8(y, inv_scale_ptr):
 
 
 @jit()
-def _static_quant_fp8_kernel(y_ptr, q_ptr, inv_scale_ptr, numel, BLOCK: tl.constexpr):
+def _static_quant_fp8_kernel(y_ptr, q_ptr, inv_scale_ptr, sample_numel, sample_stride, BLOCK: tl.constexpr):
+    # grid (blocks of one sample, samples): each sample of y is contiguous, samples `sample_stride` apart
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-    tl.store(q_ptr + offs, quant_fp8(y, inv_scale_ptr), mask=mask)
+    sample = tl.program_id(1).to(tl.int64)
+    mask = offs < sample_numel
+    y = tl.load(y_ptr + sample * sample_stride + offs, mask=mask, other=0.0)
+    tl.store(q_ptr + sample * sample_numel + offs, quant_fp8(y, inv_scale_ptr), mask=mask)
+
+
+def _contiguous_samples(y: torch.Tensor) -> bool:
+    """Each `y[i]` is contiguous (e.g. the image rows `out[:, s:]` of a joint [B, S, D] sequence)."""
+    expected = 1
+    for size, stride in reversed(list(zip(y.shape[1:], y.stride()[1:], strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor | None:
-    """Triton twin of `static_quant_fp8_torch` for contiguous bf16 `y`; None when it does not apply."""
+    """Triton twin of `static_quant_fp8_torch` for bf16 `y` whose samples `y[i]` are each contiguous
+    (no copy of a row slice first); the result is contiguous. None when it does not apply."""
     if not (
         launchable(_static_quant_fp8_kernel, y)
         and y.dtype == torch.bfloat16
-        and y.is_contiguous()
         and y.numel() > 0
         and inverse_scale_ok(inv_scale, y.device)
     ):
         return None
-    q = torch.empty_like(y, dtype=FP8_DTYPE)
-    grid = (triton.cdiv(y.numel(), _QUANT_BLOCK),)
-    _static_quant_fp8_kernel[grid](y, q, inv_scale, y.numel(), BLOCK=_QUANT_BLOCK, num_warps=8, **NO_FMA)
+    samples = y if y.dim() >= 2 else y.unsqueeze(0)
+    if not _contiguous_samples(samples):
+        return None
+    q = torch.empty(y.shape, dtype=FP8_DTYPE, device=y.device)
+    sample_numel = samples[0].numel()
+    grid = (triton.cdiv(sample_numel, _QUANT_BLOCK), samples.shape[0])
+    _static_quant_fp8_kernel[grid](
+        samples, q, inv_scale, sample_numel, samples.stride(0), BLOCK=_QUANT_BLOCK, num_warps=8, **NO_FMA
+    )
     return q
 
 

@@ -105,11 +105,23 @@ def test_triton_quantizer_keeps_shape_of_3d_input():
 
 
 @needs_interpreter
+def test_triton_quantizer_reads_row_slices_of_a_joint_sequence():
+    joint = torch.randn(2, 7, 48).bfloat16()
+    inv = inverse_scale(torch.tensor(0.01))
+    for rows in (joint[:, 3:], joint[:, :3], joint[1:, 2:]):
+        got = static_quant_fp8_triton(rows, inv)
+        assert got is not None and got.is_contiguous() and got.shape == rows.shape
+        want = static_quant_fp8_triton(rows.contiguous(), inv)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@needs_interpreter
 @pytest.mark.parametrize(
     "y, inv",
     [
         (torch.randn(4, 32), torch.ones(1)),  # fp32 activations
         (torch.randn(32, 4).bfloat16().t(), torch.ones(1)),  # not contiguous
+        (torch.randn(2, 3, 64).bfloat16()[..., :32], torch.ones(1)),  # samples not contiguous
         (torch.empty(0, 32, dtype=torch.bfloat16), torch.ones(1)),  # empty
         (torch.randn(4, 32).bfloat16(), torch.ones(1, dtype=torch.float16)),  # fp16 scale
         (torch.randn(4, 32).bfloat16(), torch.ones(2)),  # two scales

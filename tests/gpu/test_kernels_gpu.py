@@ -107,6 +107,16 @@ def test_quantizer_byte_exact_on_all_bf16():
         assert bool(((got[nan] & 0x7F) == 0x7F).all()), s
 
 
+def test_quantizer_reads_row_slices_without_a_copy():
+    """The image rows of a joint [B, S, D] attention output, quantized in place of `.contiguous()` first."""
+    joint = activations(2 * 4224, 3072, seed=11).view(2, 4224, 3072)
+    inv = inverse_scale(torch.tensor(0.05)).cuda()
+    for rows in (joint[:, 128:], joint[:, :128], joint[1:, 7:]):
+        got = static_quant_fp8_triton(rows, inv)
+        assert got is not None and got.is_contiguous()
+        assert same_bytes(got, static_quant_fp8_torch(rows.contiguous(), inv))
+
+
 @pytest.mark.parametrize("rows, width", CASES)
 def test_producer1(rows, width):
     x = activations(rows, width, seed=rows + width)

@@ -1,0 +1,159 @@
+"""Kernel-time breakdown of one denoise step on the full-size DiT (random weights), by kernel and by kind.
+
+    python bench/profile_step.py --variant fp8-fused --config 1024x2 --out DIR
+
+Profiles one step after warm-up with the CUDA profiler (`--graph`: a CUDA-graph replay), then times
+`--runs` back-to-back steps while sampling the SM clock and power with nvidia-smi, so the kernel sum,
+the step time and any clock drop under sustained load can be compared. Writes
+DIR/profile_<variant>[+graph]_<config>.{json,md}.
+"""
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.step_bench import VARIANTS, build, step_inputs
+from models.config import QwenImageConfig
+
+KINDS = (
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("fp8 gemm", ("f8", "e4m3", "fp8")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90")),
+    ("producers (ours)", ("_layer_norm", "_gated_residual")),
+    ("gelu (ours)", ("_gelu",)),
+    ("q/k norm+rope (ours)", ("_rms_norm_rope",)),
+    ("fp8 quant (ours)", ("_static_quant",)),
+    ("copies/cat", ("copy", "cat", "concat")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "other"
+
+
+def clock_power_samples(text: str) -> list[tuple[float, float]]:
+    """(SM MHz, W) pairs from nvidia-smi's CSV lines; lines it could not read ("[N/A]") are skipped."""
+    samples = []
+    for line in text.splitlines():
+        try:
+            clock, power = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        samples.append((clock, power))
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", choices=VARIANTS, default="fp8-fused")
+    parser.add_argument("--config", default="1024x2", help="SIZExBATCH")
+    parser.add_argument("--text", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--graph", action="store_true", help="profile a CUDA-graph replay")
+    parser.add_argument("--runs", type=int, default=10, help="back-to-back steps timed after the profile")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    config = QwenImageConfig(num_layers=args.layers)
+    model = build(args.variant, config, device)
+    size, batch = (int(v) for v in args.config.split("x"))
+    latents, prompt, sigma, grid = step_inputs(config, size, batch, args.text, device)
+
+    def eager():
+        if args.variant.startswith("diffusers"):
+            return model(latents, prompt, None, sigma, [[grid]] * batch, return_dict=False)[0]
+        return model(latents, prompt, None, sigma, grid)
+
+    step = eager
+    if args.graph:
+        from pipelines.cuda_graph import GraphedStep
+
+        graphed = GraphedStep(lambda lat, emb, sig: model(lat, emb, None, sig, grid))
+
+        def step():
+            return graphed(latents, prompt, sigma)
+
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.runs + 3)]
+    with torch.no_grad():
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            events[0].record()
+            step()
+            events[1].record()
+            torch.cuda.synchronize()
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        events[2].record()
+        for i in range(args.runs):
+            step()
+            events[3 + i].record()
+        torch.cuda.synchronize()
+        smi.terminate()
+    samples = clock_power_samples(smi.communicate()[0])
+    runs_ms = [events[2 + i].elapsed_time(events[3 + i]) for i in range(args.runs)]
+    kernels = [
+        {"kernel": e.key, "kind": kind_of(e.key), "count": e.count, "ms": e.device_time_total / 1000}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k["ms"])
+    kinds: dict[str, dict] = {}
+    for k in kernels:
+        entry = kinds.setdefault(k["kind"], {"ms": 0.0, "launches": 0})
+        entry["ms"] += k["ms"]
+        entry["launches"] += k["count"]
+    total = sum(k["ms"] for k in kernels)
+    report = {
+        "variant": args.variant,
+        "config": args.config,
+        "text": args.text,
+        "layers": args.layers,
+        "graph": args.graph,
+        "step_ms_profiled": events[0].elapsed_time(events[1]),
+        "back_to_back_ms": runs_ms,
+        "sm_clock_mhz_power_w": samples,
+        "kernel_ms": total,
+        "kinds": kinds,
+        "kernels": kernels,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"profile_{args.variant}{'+graph' if args.graph else ''}_{args.config}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = [
+        f"# {args.variant}{' (graph replay)' if args.graph else ''}, {args.config}, {args.text} text tokens:"
+        f" step {report['step_ms_profiled']:.1f} ms under the profiler, kernels {total:.1f} ms",
+        "",
+        f"{args.runs} back-to-back steps (ms): {', '.join(f'{t:.1f}' for t in runs_ms)}",
+        f"SM clock (MHz) / power (W) while timing: min {min(c for c, _ in samples or [(0, 0)]):.0f} /"
+        f" max {max(p for _, p in samples or [(0, 0)]):.0f} over {len(samples)} samples",
+        "",
+        "| kind | ms | launches |",
+        "|---|---:|---:|",
+        *(
+            f"| {kind} | {v['ms']:.2f} | {v['launches']} |"
+            for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1]["ms"])
+        ),
+        "",
+        "| kernel | kind | launches | ms |",
+        "|---|---|---:|---:|",
+        *(f"| `{k['kernel'][:100]}` | {k['kind']} | {k['count']} | {k['ms']:.2f} |" for k in kernels[:30]),
+    ]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:17]))
+
+
+if __name__ == "__main__":
+    main()
