@@ -130,7 +130,7 @@ def main() -> None:
         "kernels": kernels,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"profile_{args.variant}{'+graph' if args.graph else ''}_{args.config}"
+    stem = args.out / f"profile_{args.variant}{'-graph' if args.graph else ''}_{args.config}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [
         f"# {args.variant}{' (graph replay)' if args.graph else ''}, {args.config}, {args.text} text tokens:"

@@ -59,26 +59,10 @@ def scaled_mm(
     return acc.to(out_dtype)
 
 
-def fp8_input(
-    x: torch.Tensor | QuantizedActivation,
-    quant_key: str,
-    input_scale: torch.Tensor,
-    inv_input_scale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 data and dequant scale of a linear's input: a producer's quantized activation as it is (after
-    checking its key), else `x` quantized here with the linear's static scale."""
-    if isinstance(x, QuantizedActivation):
-        if x.quant_key != quant_key:
-            raise RuntimeError(f"activation quantized as {x.quant_key}, consumer expects {quant_key}")
-        return x.data, x.scale
-    return static_quant_fp8(x, inv_input_scale), input_scale
-
-
 class Fp8Linear(nn.Module):
     """A ModelOpt FP8 linear: e4m3 `weight` [out, in], scalar `weight_scale` and `input_scale`, BF16 bias."""
 
     quant_key = FP8_STATIC_KEY
-    reads_row_slices = True  # the quantizer reads each sample's rows in place (no `.contiguous()` first)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
@@ -97,7 +81,14 @@ class Fp8Linear(nn.Module):
         self.inv_input_scale = inverse_scale(self.input_scale)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        q, scale = fp8_input(x, self.quant_key, self.input_scale, self.inv_input_scale)
+        if isinstance(x, QuantizedActivation):
+            if x.quant_key != self.quant_key:
+                raise RuntimeError(
+                    f"activation quantized as {x.quant_key}, consumer expects {self.quant_key}"
+                )
+            q, scale = x.data, x.scale
+        else:
+            q, scale = static_quant_fp8(x, self.inv_input_scale), self.input_scale
         out = scaled_mm(
             q.reshape(-1, self.in_features), self.weight, scale, self.weight_scale, self.bias, x.dtype
         )
@@ -106,73 +97,6 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn"
-
-
-def rowwise_scaled_mm(
-    q: torch.Tensor,
-    weight: torch.Tensor,
-    out_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """`(q @ W.T) * out_scale[n] + bias` with fp32 accumulation, for q [M, K], W [N, K], out_scale [1, N].
-
-    CUDA runs `torch._scaled_mm` with unit row scales and `out_scale` as the column scales; elsewhere
-    the same arithmetic model as `scaled_mm`.
-    """
-    if q.is_cuda:
-        return torch._scaled_mm(
-            q, weight.t(), scale_a=_unit_row_scales(q.shape[0], q.device), scale_b=out_scale, bias=bias,
-            out_dtype=out_dtype,
-        )  # fmt: skip
-    acc = (q.float() @ weight.float().t()) * out_scale
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype)
-
-
-_UNIT_ROW_SCALES: dict[torch.device, torch.Tensor] = {}
-
-
-def _unit_row_scales(rows: int, device: torch.device) -> torch.Tensor:
-    """fp32 ones [rows, 1], sliced from one cached buffer per device (no fill kernel per call)."""
-    ones = _UNIT_ROW_SCALES.get(device)
-    if ones is None or ones.shape[0] < rows:
-        ones = _UNIT_ROW_SCALES[device] = torch.ones(max(rows, 8192), 1, device=device)
-    return ones[:rows]
-
-
-class MergedFp8Projection:
-    """Several FP8 linears reading one input (Q, K, V of a stream) as ONE GEMM, when their input scales
-    are equal: the weights become row blocks of one [sum N, K] tensor (each linear keeps a view, so
-    nothing is duplicated) and each output column is dequantized by its own linear's
-    `input_scale * weight_scale`, folded once here. Not a module: it adds no state-dict entries.
-    """
-
-    def __init__(self, linears: list[Fp8Linear]) -> None:
-        self.sizes = [lin.out_features for lin in linears]
-        self.quant_key = linears[0].quant_key
-        self.input_scale, self.inv_input_scale = linears[0].input_scale, linears[0].inv_input_scale
-        self.weight = torch.cat([lin.weight.detach() for lin in linears])
-        for lin, part in zip(linears, self.weight.split(self.sizes), strict=True):
-            lin.weight = nn.Parameter(part, requires_grad=False)
-        self.out_scale = torch.cat(
-            [(lin.input_scale.float() * lin.weight_scale.float()).reshape(1).expand(n) for lin, n in
-             zip(linears, self.sizes, strict=True)]
-        ).reshape(1, -1)  # fmt: skip
-        biases = [lin.bias for lin in linears]
-        present = [b for b in biases if b is not None]
-        self.bias = None if not present else torch.cat(
-            [b.detach() if b is not None else present[0].new_zeros(n) for b, n in
-             zip(biases, self.sizes, strict=True)]
-        )  # fmt: skip
-
-    def __call__(self, x: torch.Tensor | QuantizedActivation) -> tuple[torch.Tensor, ...]:
-        """Each linear's output, as column views of the one GEMM result."""
-        # the input scale is folded into out_scale: the merge and the fusion gate check it is shared
-        q, _ = fp8_input(x, self.quant_key, self.input_scale, self.inv_input_scale)
-        out = rowwise_scaled_mm(q.reshape(-1, q.shape[-1]), self.weight, self.out_scale, self.bias, x.dtype)
-        return out.view(*q.shape[:-1], -1).split(self.sizes, dim=-1)
 
 
 def quant_consumer_spec(module: nn.Module) -> QuantSpec | None:

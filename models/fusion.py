@@ -13,10 +13,9 @@ from torch import nn
 
 from kernels.quant import inverse_scale
 from models.config import env_flag
-from models.fp8 import Fp8Linear, MergedFp8Projection, QuantSpec, quant_consumer_spec
+from models.fp8 import QuantSpec, quant_consumer_spec
 
 FUSION_ENV = "QWEN_IMAGE_FP8_FUSION"
-MERGED_QKV_ENV = "QWEN_IMAGE_FP8_MERGED_QKV"
 
 
 @dataclass(frozen=True)
@@ -133,52 +132,12 @@ def configure_fp8_norm_quant(
     return PathDecision(path_name, True)
 
 
-def merged_projection_refusal(device: torch.device, linears: list[tuple[str, nn.Module]]) -> str:
-    """Empty when `linears` (one stream's Q, K, V) can run as one rowwise-scaled FP8 GEMM, else why not.
-
-    Independent of the norm+quant fusion switch, so the fused and the unfused path run the same GEMMs.
-    """
-    if not env_flag(MERGED_QKV_ENV):
-        return f"switched off ({MERGED_QKV_ENV}=0)"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] not in (9, 10):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"rowwise-scaled FP8 GEMM not validated on CUDA capability {major}.{minor} (9.x, 10.x)"
-    if device.type not in ("cpu", "cuda"):
-        return f"device {device.type} has no rowwise-scaled FP8 GEMM"
-    first_name, first = linears[0]
-    for name, module in linears:
-        if not isinstance(module, Fp8Linear):
-            return f"{name} is not a ModelOpt FP8 linear"
-        reason = _scale_refusal(name, module.input_scale, device)
-        if reason:
-            return reason
-        if module.weight_scale.numel() != 1 or module.weight.device != device:
-            return f"weight of {name} is not per-tensor scaled on {device}"
-        if module.in_features != first.in_features or module.out_features % 16:
-            return f"shape of {name} does not fit one GEMM with {first_name}"
-        if not torch.equal(module.input_scale, first.input_scale):
-            return f"input scales of {first_name} and {name} differ"
-    return ""
-
-
-def configure_merged_projection(
-    name: str, linears: list[tuple[str, nn.Module]], device: torch.device
-) -> tuple[MergedFp8Projection | None, PathDecision]:
-    """The merged Q/K/V GEMM of one stream (or None) and the decision to report."""
-    reason = merged_projection_refusal(device, linears)
-    if reason:
-        return None, PathDecision(name, False, reason)
-    return MergedFp8Projection([module for _, module in linears]), PathDecision(name, True)
-
-
 @dataclass(frozen=True)
 class FusionReport:
-    """All decisions of a model: `block` paths (norm producers), `mlp` paths (GELU producers) and the
-    `qkv` projections run as one GEMM per stream."""
+    """All path decisions of a model: `block` paths (norm producers) and `mlp` paths (GELU producers)."""
 
     block: tuple[PathDecision, ...]
     mlp: tuple[PathDecision, ...]
-    qkv: tuple[PathDecision, ...] = ()
 
     @property
     def fused(self) -> int:
@@ -191,9 +150,6 @@ class FusionReport:
         if self.mlp:
             lines.append(f"FP8 GELU+quant fusion: {sum(d.fused for d in self.mlp)}/{len(self.mlp)} MLP paths")
             lines += _reasons(self.mlp)
-        if any(d.fused for d in self.qkv):
-            lines.append(f"FP8 Q/K/V as one GEMM: {sum(d.fused for d in self.qkv)}/{len(self.qkv)} streams")
-            lines += _reasons(self.qkv)
         return "\n".join(lines)
 
 

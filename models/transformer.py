@@ -21,13 +21,12 @@ from kernels.seam import (
     residual_norm_modulate_quant,
 )
 from models.config import QwenImageConfig
-from models.fp8 import Fp8Linear, MergedFp8Projection, QuantizedActivation
+from models.fp8 import Fp8Linear, QuantizedActivation
 from models.fusion import (
     FusionReport,
     PathDecision,
     ProducerQuant,
     configure_fp8_norm_quant,
-    configure_merged_projection,
     fusion_enabled_by_env,
 )
 from models.math import Rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
@@ -150,12 +149,6 @@ def joint_rows(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
     return txt.new_empty(batch, seq_txt + img.shape[1], *head)
 
 
-def rows_for(linear: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    """A row slice of the joint sequence as `linear` takes it: in place where the consumer reads slices
-    (the FP8 quantizer does, saving a copy), else contiguous like diffusers (same GEMM, same bits)."""
-    return rows if getattr(linear, "reads_row_slices", False) else rows.contiguous()
-
-
 class JointAttention(nn.Module):
     """Joint text+image attention: per-stream QKV, per-head RMSNorm on q/k, RoPE, order [text, image]."""
 
@@ -169,31 +162,6 @@ class JointAttention(nn.Module):
         self.norm_added_q, self.norm_added_k = QKNorm(head_dim), QKNorm(head_dim)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.to_add_out = nn.Linear(inner, dim)
-        self.img_qkv: MergedFp8Projection | None = None  # set by `merge_projections` after loading
-        self.txt_qkv: MergedFp8Projection | None = None
-
-    def projections(self) -> dict[str, list[tuple[str, nn.Module]]]:
-        """Each stream's Q, K, V linears by name."""
-        return {
-            "img_qkv": [("to_q", self.to_q), ("to_k", self.to_k), ("to_v", self.to_v)],
-            "txt_qkv": [("add_q_proj", self.add_q_proj), ("add_k_proj", self.add_k_proj),
-                        ("add_v_proj", self.add_v_proj)],
-        }  # fmt: skip
-
-    def merge_projections(self, device: torch.device, prefix: str = "") -> list[PathDecision]:
-        """Decide once, after loading, which streams run Q/K/V as one FP8 GEMM."""
-        decisions = []
-        for stream, linears in self.projections().items():
-            merged, decision = configure_merged_projection(f"{prefix}{stream}", linears, device)
-            setattr(self, stream, merged)
-            decisions.append(decision)
-        return decisions
-
-    def project(self, x: torch.Tensor, stream: str) -> tuple[torch.Tensor, ...]:
-        """q, k, v of one stream as [B, S, H, D] views: one GEMM when merged, else one per linear."""
-        merged = getattr(self, stream)
-        outs = merged(x) if merged is not None else [linear(x) for _, linear in self.projections()[stream]]
-        return tuple(out.unflatten(-1, (-1, self.head_dim)) for out in outs)
 
     def forward(
         self,
@@ -202,8 +170,11 @@ class JointAttention(nn.Module):
         txt_mask: torch.Tensor | None,
         rope: Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        img_q, img_k, img_v = self.project(img, "img_qkv")
-        txt_q, txt_k, txt_v = self.project(txt, "txt_qkv")
+        heads = (-1, self.head_dim)
+        img_q, img_k, img_v = (p(img).unflatten(-1, heads) for p in (self.to_q, self.to_k, self.to_v))
+        txt_q, txt_k, txt_v = (
+            p(txt).unflatten(-1, heads) for p in (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        )
 
         # normalized, rotated q and k go straight into their rows of the joint [text, image] sequence
         seq_txt = txt_q.shape[1]
@@ -220,8 +191,8 @@ class JointAttention(nn.Module):
             key_mask = torch.cat([txt_mask, img_mask], dim=1)
         out = joint_attention(query, key, value, key_mask).flatten(2, 3).to(query.dtype)
 
-        img_out = self.to_out[0](rows_for(self.to_out[0], out[:, seq_txt:, :]))
-        txt_out = self.to_add_out(rows_for(self.to_add_out, out[:, :seq_txt, :]))
+        img_out = self.to_out[0](out[:, seq_txt:, :].contiguous())
+        txt_out = self.to_add_out(out[:, :seq_txt, :].contiguous())
         return img_out, txt_out
 
 
@@ -287,7 +258,7 @@ class QwenImageTransformerBlock(nn.Module):
         return [
             configure_fp8_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
             for name, (producer, consumers) in self.producer_paths().items()
-        ] + self.attn.merge_projections(device, prefix)
+        ]
 
 
 class TimestepEmbedder(nn.Module):
@@ -378,9 +349,8 @@ class QwenImageTransformer(nn.Module):
             for d in block.post_load_weights(fuse, prefix=f"transformer_blocks.{i}.")
         ]
         self.fusion_report = FusionReport(
-            block=tuple(d for d in decisions if d.name.endswith("_input")),
+            block=tuple(d for d in decisions if not d.name.endswith("_hidden")),
             mlp=tuple(d for d in decisions if d.name.endswith("_hidden")),
-            qkv=tuple(d for d in decisions if d.name.endswith("_qkv")),
         )
         return self.fusion_report
 

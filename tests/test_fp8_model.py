@@ -179,22 +179,3 @@ def test_nested_hf_quant_config_is_understood(fp8_dir, tmp_path):
     (target / "hf_quant_config.json").unlink()
     with pytest.raises(CheckpointError, match="no ModelOpt quantization_config"):
         load_transformer(target, torch.bfloat16, CPU)
-
-
-def test_merged_qkv_keeps_the_checkpoint_weights_and_saves_them(fp8_dir, tmp_path):
-    """Q/K/V run as one GEMM per stream; the linears keep views of the merged weight, so the state
-    dict (and a saved copy) still holds exactly the checkpoint's tensors under their names."""
-    from models.loading import save_transformer
-
-    pipe = load_pipeline(fp8_dir, device="cpu")
-    layers = pipe.transformer.config.num_layers
-    assert f"FP8 Q/K/V as one GEMM: {2 * layers}/{2 * layers} streams" in pipe.fusion_summary()
-    original = load_file(fp8_dir / "transformer" / "diffusion_pytorch_model.safetensors")
-    save_transformer(pipe.transformer, tmp_path)
-    saved = load_file(tmp_path / "diffusion_pytorch_model.safetensors")
-    assert saved.keys() == original.keys()
-    for name, tensor in original.items():
-        assert saved[name].dtype == tensor.dtype, name
-        assert torch.equal(saved[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), (
-            name
-        )
