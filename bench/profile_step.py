@@ -5,7 +5,8 @@
 Profiles one step after warm-up with the CUDA profiler (`--graph`: a CUDA-graph replay), then times
 `--runs` back-to-back steps while sampling the SM clock and power with nvidia-smi, so the kernel sum,
 the step time and any clock drop under sustained load can be compared. Writes
-DIR/profile_<variant>[+graph]_<config>.{json,md}.
+DIR/profile_<variant>[-graph]_<config>.{json,md}; `--tables-from FILE.json` rewrites the Markdown of a
+stored report (e.g. after changing how kernels are grouped).
 """
 
 import argparse
@@ -14,20 +15,20 @@ import subprocess
 from pathlib import Path
 
 import torch
+from step_bench import VARIANTS, build, step_inputs
 from torch.profiler import ProfilerActivity, profile
 
-from bench.step_bench import VARIANTS, build, step_inputs
 from models.config import QwenImageConfig
 
-KINDS = (
-    ("attention", ("flash", "fmha", "attention", "cudnn")),
-    ("fp8 gemm", ("f8", "e4m3", "fp8")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90")),
+KINDS = (  # first match wins: our kernels by name, then FP8 GEMMs (cuBLAS "nvjet_*_qq*", e4m3), then BF16
     ("producers (ours)", ("_layer_norm", "_gated_residual")),
     ("gelu (ours)", ("_gelu",)),
     ("q/k norm+rope (ours)", ("_rms_norm_rope",)),
     ("fp8 quant (ours)", ("_static_quant",)),
-    ("copies/cat", ("copy", "cat", "concat")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("fp8 gemm", ("_qqtst", "e4m3", "f8f8")),
+    ("bf16 gemm", ("gemm", "nvjet", "cutlass", "xmma")),
+    ("copies/cat", ("copy", "cat", "concat", "memcpy")),
 )
 
 
@@ -59,8 +60,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=60)
     parser.add_argument("--graph", action="store_true", help="profile a CUDA-graph replay")
     parser.add_argument("--runs", type=int, default=10, help="back-to-back steps timed after the profile")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="where the JSON and Markdown go")
+    parser.add_argument("--tables-from", type=Path, help="rewrite the Markdown of a stored JSON report")
     args = parser.parse_args()
+    if args.tables_from:
+        print(write_tables(json.loads(args.tables_from.read_text()), args.tables_from.with_suffix(".md")))
+        return
+    if args.out is None:
+        parser.error("--out is required to profile")
     device = torch.device("cuda")
     config = QwenImageConfig(num_layers=args.layers)
     model = build(args.variant, config, device)
@@ -105,17 +112,10 @@ def main() -> None:
     samples = clock_power_samples(smi.communicate()[0])
     runs_ms = [events[2 + i].elapsed_time(events[3 + i]) for i in range(args.runs)]
     kernels = [
-        {"kernel": e.key, "kind": kind_of(e.key), "count": e.count, "ms": e.device_time_total / 1000}
+        {"kernel": e.key, "count": e.count, "ms": e.device_time_total / 1000}
         for e in prof.key_averages()
         if e.device_time_total > 0
     ]
-    kernels.sort(key=lambda k: -k["ms"])
-    kinds: dict[str, dict] = {}
-    for k in kernels:
-        entry = kinds.setdefault(k["kind"], {"ms": 0.0, "launches": 0})
-        entry["ms"] += k["ms"]
-        entry["launches"] += k["count"]
-    total = sum(k["ms"] for k in kernels)
     report = {
         "variant": args.variant,
         "config": args.config,
@@ -125,34 +125,58 @@ def main() -> None:
         "step_ms_profiled": events[0].elapsed_time(events[1]),
         "back_to_back_ms": runs_ms,
         "sm_clock_mhz_power_w": samples,
-        "kernel_ms": total,
-        "kinds": kinds,
-        "kernels": kernels,
+        "kernels": sorted(kernels, key=lambda k: -k["ms"]),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"profile_{args.variant}{'-graph' if args.graph else ''}_{args.config}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    print(write_tables(report, stem.with_suffix(".md")))
+
+
+def write_tables(report: dict, path: Path) -> str:
+    """Writes the Markdown tables (per kind, top kernels) of a profile report; returns the summary part."""
+    kinds: dict[str, dict] = {}
+    for k in report["kernels"]:
+        k["kind"] = kind_of(k["kernel"])
+        entry = kinds.setdefault(k["kind"], {"ms": 0.0, "launches": 0})
+        entry["ms"] += k["ms"]
+        entry["launches"] += k["count"]
+    total = sum(k["ms"] for k in report["kernels"])
+    runs_ms, samples = report.get("back_to_back_ms", []), report.get("sm_clock_mhz_power_w", [])
     lines = [
-        f"# {args.variant}{' (graph replay)' if args.graph else ''}, {args.config}, {args.text} text tokens:"
-        f" step {report['step_ms_profiled']:.1f} ms under the profiler, kernels {total:.1f} ms",
+        f"# {report['variant']}{' (graph replay)' if report.get('graph') else ''}, {report['config']},"
+        f" {report['text']} text tokens: step {report['step_ms_profiled']:.1f} ms under the profiler,"
+        f" kernels {total:.1f} ms",
         "",
-        f"{args.runs} back-to-back steps (ms): {', '.join(f'{t:.1f}' for t in runs_ms)}",
-        f"SM clock (MHz) / power (W) while timing: min {min(c for c, _ in samples or [(0, 0)]):.0f} /"
-        f" max {max(p for _, p in samples or [(0, 0)]):.0f} over {len(samples)} samples",
-        "",
+    ]
+    if runs_ms:  # reports from before the back-to-back timing have none
+        lines += [f"{len(runs_ms)} back-to-back steps (ms): {', '.join(f'{t:.1f}' for t in runs_ms)}", ""]
+    if samples:
+        lines += [
+            f"SM clock (MHz) / power (W) while timing: min {min(c for c, _ in samples):.0f} /"
+            f" max {max(p for _, p in samples):.0f} over {len(samples)} samples",
+            "",
+        ]
+    lines += [
         "| kind | ms | launches |",
         "|---|---:|---:|",
         *(
             f"| {kind} | {v['ms']:.2f} | {v['launches']} |"
             for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1]["ms"])
         ),
+    ]
+    summary = "\n".join(lines)
+    lines += [
         "",
         "| kernel | kind | launches | ms |",
         "|---|---|---:|---:|",
-        *(f"| `{k['kernel'][:100]}` | {k['kind']} | {k['count']} | {k['ms']:.2f} |" for k in kernels[:30]),
+        *(
+            f"| `{k['kernel'][:100]}` | {k['kind']} | {k['count']} | {k['ms']:.2f} |"
+            for k in report["kernels"][:30]
+        ),
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:17]))
+    path.write_text("\n".join(lines) + "\n")
+    return summary
 
 
 if __name__ == "__main__":
