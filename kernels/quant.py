@@ -13,6 +13,7 @@ from kernels._triton_common import NO_FMA, inverse_scale_ok, jit, launchable, tl
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _QUANT_BLOCK = 4096
+_MAX_SAMPLES = 65535  # CUDA's limit on the second grid dimension
 
 
 def inverse_scale(input_scale: torch.Tensor) -> torch.Tensor:
@@ -64,14 +65,16 @@ def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.T
         and inverse_scale_ok(inv_scale, y.device)
     ):
         return None
-    samples = y if y.dim() >= 2 else y.unsqueeze(0)
-    if not _contiguous_samples(samples):
+    if y.is_contiguous():
+        samples, sample_numel, sample_stride = 1, y.numel(), y.numel()
+    elif y.dim() >= 2 and y.shape[0] <= _MAX_SAMPLES and _contiguous_samples(y):
+        samples, sample_numel, sample_stride = y.shape[0], y[0].numel(), y.stride(0)
+    else:
         return None
     q = torch.empty(y.shape, dtype=FP8_DTYPE, device=y.device)
-    sample_numel = samples[0].numel()
-    grid = (triton.cdiv(sample_numel, _QUANT_BLOCK), samples.shape[0])
+    grid = (triton.cdiv(sample_numel, _QUANT_BLOCK), samples)
     _static_quant_fp8_kernel[grid](
-        samples, q, inv_scale, sample_numel, samples.stride(0), BLOCK=_QUANT_BLOCK, num_warps=8, **NO_FMA
+        y, q, inv_scale, sample_numel, sample_stride, BLOCK=_QUANT_BLOCK, num_warps=8, **NO_FMA
     )
     return q
 

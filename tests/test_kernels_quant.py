@@ -122,6 +122,7 @@ def test_triton_quantizer_reads_row_slices_of_a_joint_sequence():
         (torch.randn(4, 32), torch.ones(1)),  # fp32 activations
         (torch.randn(32, 4).bfloat16().t(), torch.ones(1)),  # not contiguous
         (torch.randn(2, 3, 64).bfloat16()[..., :32], torch.ones(1)),  # samples not contiguous
+        (torch.randn(70000, 2, 16).bfloat16()[:, :1], torch.ones(1)),  # more samples than a CUDA grid
         (torch.empty(0, 32, dtype=torch.bfloat16), torch.ones(1)),  # empty
         (torch.randn(4, 32).bfloat16(), torch.ones(1, dtype=torch.float16)),  # fp16 scale
         (torch.randn(4, 32).bfloat16(), torch.ones(2)),  # two scales
