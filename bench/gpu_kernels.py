@@ -133,8 +133,7 @@ def main() -> None:
     (args.out / "gpu_kernels.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
     header = f"Split vs fused producers on {env['device']} (torch {env['torch']}, triton {env['triton']}); "
     header += "median of CUDA-graph replays (do_bench_cudagraph); GB/s over the bytes each variant "
-    header += "must move; "
-    header += "last column: the same with plain launches (do_bench).\n\n"
+    header += "must move; last column: the same with plain launches (do_bench).\n\n"
     (args.out / "gpu_kernels.md").write_text(header + markdown(results))
     print(markdown(results))
 

@@ -45,16 +45,6 @@ def _static_quant_fp8_kernel(y_ptr, q_ptr, inv_scale_ptr, sample_numel, sample_s
     tl.store(q_ptr + sample * sample_numel + offs, quant_fp8(y, inv_scale_ptr), mask=mask)
 
 
-def _contiguous_samples(y: torch.Tensor) -> bool:
-    """Each `y[i]` is contiguous (e.g. the image rows `out[:, s:]` of a joint [B, S, D] sequence)."""
-    expected = 1
-    for size, stride in reversed(list(zip(y.shape[1:], y.stride()[1:], strict=True))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor | None:
     """Triton twin of `static_quant_fp8_torch` for bf16 `y` whose samples `y[i]` are each contiguous
     (no copy of a row slice first); the result is contiguous. None when it does not apply."""
@@ -67,7 +57,7 @@ def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.T
         return None
     if y.is_contiguous():
         samples, sample_numel, sample_stride = 1, y.numel(), y.numel()
-    elif y.dim() >= 2 and y.shape[0] <= _MAX_SAMPLES and _contiguous_samples(y):
+    elif y.dim() >= 2 and y.shape[0] <= _MAX_SAMPLES and y[0].is_contiguous():
         samples, sample_numel, sample_stride = y.shape[0], y[0].numel(), y.stride(0)
     else:
         return None
