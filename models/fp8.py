@@ -63,6 +63,7 @@ class Fp8Linear(nn.Module):
     """A ModelOpt FP8 linear: e4m3 `weight` [out, in], scalar `weight_scale` and `input_scale`, BF16 bias."""
 
     quant_key = FP8_STATIC_KEY
+    reads_row_slices = True  # the quantizer reads each sample's rows in place (no `.contiguous()` first)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()

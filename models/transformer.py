@@ -149,6 +149,12 @@ def joint_rows(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
     return txt.new_empty(batch, seq_txt + img.shape[1], *head)
 
 
+def rows_for(linear: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """A row slice of the joint sequence as `linear` takes it: in place where the consumer reads slices
+    (the FP8 quantizer does, saving a copy), else contiguous like diffusers (same GEMM, same bits)."""
+    return rows if getattr(linear, "reads_row_slices", False) else rows.contiguous()
+
+
 class JointAttention(nn.Module):
     """Joint text+image attention: per-stream QKV, per-head RMSNorm on q/k, RoPE, order [text, image]."""
 
@@ -191,8 +197,8 @@ class JointAttention(nn.Module):
             key_mask = torch.cat([txt_mask, img_mask], dim=1)
         out = joint_attention(query, key, value, key_mask).flatten(2, 3).to(query.dtype)
 
-        img_out = self.to_out[0](out[:, seq_txt:, :].contiguous())
-        txt_out = self.to_add_out(out[:, :seq_txt, :].contiguous())
+        img_out = self.to_out[0](rows_for(self.to_out[0], out[:, seq_txt:, :]))
+        txt_out = self.to_add_out(rows_for(self.to_add_out, out[:, :seq_txt, :]))
         return img_out, txt_out
 
 

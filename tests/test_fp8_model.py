@@ -94,6 +94,28 @@ def test_transformer_step_has_no_host_sync(fp8_dir, variant):
             model(latents, prompt, mask, sigma, (1, 4, 4))
 
 
+def test_fp8_output_projections_take_the_attention_rows_without_a_copy(fp8_dir):
+    """FP8 `to_out` / `to_add_out` get row slices of the joint attention output, not copies: the
+    quantizer reads each sample's rows in place."""
+    model = load_pipeline(fp8_dir, device="cpu").transformer
+    attn = model.transformer_blocks[0].attn
+    seen = {}
+    hooks = [
+        linear.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args[0]))
+        for name, linear in (("img", attn.to_out[0]), ("txt", attn.to_add_out))
+    ]
+    latents = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    prompt = torch.randn(2, 5, model.config.joint_attention_dim, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(latents, prompt, torch.ones(2, 5, dtype=torch.long), torch.full((2,), 0.5), (1, 4, 4))
+    for hook in hooks:
+        hook.remove()
+    assert set(seen) == {"img", "txt"}
+    img, txt = seen["img"], seen["txt"]
+    assert img.untyped_storage().data_ptr() == txt.untyped_storage().data_ptr()  # one joint buffer
+    assert not img.is_contiguous() and not txt.is_contiguous()
+
+
 def test_guard_catches_a_sync():
     with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
         torch.ones(3).sum().item()
