@@ -260,7 +260,7 @@ class QwenImageTransformerBlock(nn.Module):
 
     def post_load_weights(self, fuse: bool = True, prefix: str = "") -> list[PathDecision]:
         """Decide once, after loading, which producer paths write FP8 directly (the DESIGN §4 gate)."""
-        device = self.img_mod[1].weight.device
+        device = self.attn.norm_q.weight.device  # a plain parameter: linears may be wrapped (LoRA)
         return [
             configure_fp8_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
             for name, (producer, consumers) in self.producer_paths().items()

@@ -12,16 +12,20 @@ from pathlib import Path
 
 import PIL.Image
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
 
 from models.components import Components, load_components
 from models.embedded import EMBEDDED_NAME, build_embedded_components
 from models.errors import InputError
+from models.lora import LoraFile, MergeReport
 from models.math import unpack_latents
 from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
 from models.text_encoder import encode_prompts
+from pipelines import lora
 from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env
 from pipelines.limits import VARIANTS, as_prompt_list, check_generation_args
+from pipelines.presets import get_preset
 from pipelines.sampling import (
     Conditioning,
     Step,
@@ -68,6 +72,8 @@ class RunInfo:
     variant: str
     fusion_summary: str
     timings: dict[str, float] = field(default_factory=dict)
+    preset: str = ""
+    loras: str = ""  # the LoRAs that ran, with scales and mode ("" without LoRA)
 
     @property
     def ms_per_step(self) -> float:
@@ -124,6 +130,9 @@ class QwenImagePipeline:
         self.last_run: RunInfo | None = None
         self.cuda_graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
         self._graphed = GraphedStep(self._eager_step)
+        self.loras: dict[str, lora.LoadedLora] = {}
+        self.lora_mode = "branch"
+        self.lora_merge: MergeReport | None = None
         self.variant = ""
         self.set_variant(variant)
 
@@ -159,6 +168,7 @@ class QwenImagePipeline:
             variant = available[-1]
         if variant not in available:
             raise InputError(f"variant {variant!r} is not available for this model; choose from {available}")
+        self.lora_merge = lora.sync_loras(self, variant)  # branch or merge LoRAs before the gate reads them
         if self.transformer.is_fp8:
             report = self.transformer.post_load_weights(fuse=variant == "fp8-fused")
             variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
@@ -166,6 +176,29 @@ class QwenImagePipeline:
             self.transformer.set_numerics(variant)
         self._graphed.graphs.clear()
         self.variant = variant
+
+    def load_lora(self, path: str | Path | LoraFile, scale: float = 1.0, name: str | None = None) -> str:
+        """Mount a LoRA file (any layout diffusers reads for Qwen-Image) at `scale`; returns its name.
+        Several LoRAs stack; the base weights are never reloaded (pipelines/lora.py)."""
+        name = lora.load_lora(self, path, scale, name)
+        self.set_variant(self.variant)
+        return name
+
+    def set_lora_scales(self, scales: dict[str, float]) -> None:
+        """Change the scales of loaded LoRAs, by name."""
+        lora.set_lora_scales(self, scales)
+        self.set_variant(self.variant)
+
+    def unload_lora(self, name: str | None = None) -> None:
+        """Remove one LoRA (all with None); the layers it touched get their original weights back."""
+        lora.unload_lora(self, name)
+        self.set_variant(self.variant)
+
+    def set_lora_mode(self, mode: str) -> None:
+        """'branch' (LoRA beside each layer; FP8 stays fused with dual output) or 'merge' (folded into the
+        weights: no extra GEMMs; FP8 weights requantized, originals kept on the host)."""
+        self.lora_mode = lora.check_lora_mode(mode)
+        self.set_variant(self.variant)
 
     def fusion_summary(self) -> str:
         """The fusion report: fused FP8 producer paths and why the others are not."""
@@ -195,14 +228,18 @@ class QwenImagePipeline:
         max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
+        preset: str | None = None,
+        lora_scales: dict[str, float] | None = None,
     ) -> list[PIL.Image.Image]:
         """Generate images; see docs/API.md. Details of the run land in `self.last_run`."""
         prompts = as_prompt_list(prompt, "prompt")
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
+        run_preset = get_preset(preset)
+        suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
         width = self.defaults.width if width is None else width
         height = self.defaults.height if height is None else height
-        steps = self.defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
-        true_cfg_scale = self.defaults.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
+        steps = suggested.num_inference_steps if num_inference_steps is None else num_inference_steps
+        true_cfg_scale = suggested.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
         check_generation_args(
             prompts,
             negatives,
@@ -215,6 +252,9 @@ class QwenImagePipeline:
             seed,
             self.size_multiple,
         )
+        if lora_scales:
+            self.set_lora_scales(lora_scales)
+        scheduler = self.components.scheduler if run_preset is None else run_preset.make_scheduler()
         seed = random.randrange(2**31) if seed is None else seed
         timer = _StageTimer(self.device)
 
@@ -224,7 +264,9 @@ class QwenImagePipeline:
             branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt))
         timer.lap("text_encoding")
 
-        latents = self.denoise(branches, width, height, steps, true_cfg_scale, seed, on_step, progress)
+        latents = self.denoise(
+            branches, width, height, steps, true_cfg_scale, seed, on_step, progress, scheduler=scheduler
+        )
         timer.lap("denoising")
         images = self.decode(latents, width, height)
         timer.lap("decoding")
@@ -236,6 +278,8 @@ class QwenImagePipeline:
             self.variant,
             self.fusion_summary(),
             timer.timings | {"total": timer.total},
+            preset=preset or "",
+            loras=lora.lora_summary(self),
         )
         return images
 
@@ -249,21 +293,23 @@ class QwenImagePipeline:
         seed: int,
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
+        scheduler: FlowMatchEulerDiscreteScheduler | None = None,
     ) -> torch.Tensor:
         """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
-        (true CFG). Returns packed latents [B, tokens, 4 * latent channels]."""
+        (true CFG); `scheduler` defaults to the checkpoint's. Returns packed latents [B, tokens, 4 * C]."""
         latent_hw = latent_size(width, height, self.vae_scale_factor)
         batch = branches[0].embeds.shape[0]
         c = self.components
+        scheduler = c.scheduler if scheduler is None else scheduler
         latents = initial_noise(batch, c.latent_channels, latent_hw, seed, self.device, self.dtype)
-        timesteps = flow_timesteps(c.scheduler, steps, latents.shape[1], self.device)
+        timesteps = flow_timesteps(scheduler, steps, latents.shape[1], self.device)
         step = self._step((1, latent_hw[0] // 2, latent_hw[1] // 2))
 
         def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             velocities = branch_velocities(step, latents, sigma, branches)
             return velocities[0] if len(velocities) == 1 else true_cfg(*velocities, true_cfg_scale)
 
-        return euler_loop(c.scheduler, timesteps, latents, velocity, on_step, progress)
+        return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress)
 
     def _eager_step(
         self,

@@ -4,6 +4,8 @@ One model per process; requests queue and run one at a time on the GPU. The gene
 the stable API name "/generate" (see ui/README.md for a gradio_client snippet).
 """
 
+from pathlib import Path
+
 import gradio as gr
 import torch
 from PIL import Image
@@ -23,6 +25,7 @@ from ui.generation import (
     preset_for,
     resolve_size,
 )
+from ui.lora_controls import load_lora_files, lora_controls, lora_details
 
 QUEUE_MAX = 64
 GALLERY_MAX_IMAGES = 4
@@ -54,6 +57,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
         randomize_seed: bool,
         num_images: float,
         variant: str,
+        lora_kwargs: dict,
         request: gr.Request,
         progress: gr.Progress = gr.Progress(),  # noqa: B008 (Gradio injects the tracker by this default)
     ) -> tuple[list[Image.Image], int, str]:
@@ -77,6 +81,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                 true_cfg_scale=float(true_cfg_scale),
                 seed=None if randomize_seed or seed is None else int(seed),
                 num_images_per_prompt=int(num_images),
+                **lora_kwargs,
             )
         except QwenImageError as e:
             raise gr.Error(str(e), print_exception=False) from e
@@ -86,7 +91,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
             torch.cuda.empty_cache()  # hand the failed run's blocks back so the next request can fit
             msg = f"Out of GPU memory at {w}x{h} x{int(num_images)}: try a smaller size or fewer images."
             raise gr.Error(msg, print_exception=False) from e
-        return images, run.seed, format_details(run)
+        return images, run.seed, format_details(run) + lora_details(run)
 
     def stop(request: gr.Request) -> None:
         """Stop this session's running generation at its next step (the Stop button, or "/stop")."""
@@ -130,6 +135,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                     label="Pipeline variant",
                     visible=len(variants) > 1,
                 )
+                lora_kwargs = lora_controls(pipe, steps, cfg)
             with gr.Column(scale=6):
                 gallery = gr.Gallery(
                     label="Images",
@@ -146,7 +152,10 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
         aspect.input(_fill_size, [aspect, width, height], [width, height], **private)
         for field in (width, height):
             field.input(lambda: CUSTOM, None, aspect, **private)
-        inputs = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
+        inputs = [
+            *(prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant),
+            lora_kwargs,
+        ]
         run = gr.on(
             [generate_btn.click, prompt.submit],
             generate,
@@ -167,9 +176,13 @@ def launch(
     variant: str = "auto",
     device: str | None = None,
     dtype: str | None = None,
+    lora_files: list[Path] | None = None,
 ) -> None:
-    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`)."""
+    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`);
+    `lora_files` are mounted at scale 0 for the LoRA sliders."""
     pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype)
+    if lora_files is not None:
+        load_lora_files(pipe, lora_files)
     build_app(pipe).launch(server_name=host, server_port=port)
 
 

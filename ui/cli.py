@@ -7,10 +7,19 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import PIL.Image
 
 from models.errors import InputError, QwenImageError
+from pipelines.presets import LORA_MODES, PRESETS, find_lora_files, get_preset, parse_lora_spec
+
+if TYPE_CHECKING:
+    from models.lora import LoraFile
+
+PRESET_HELP = "settings for a distilled LoRA (explicit --steps / --true-cfg-scale win): " + "; ".join(
+    p.describe() for p in PRESETS.values()
+)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--num-images", type=int, default=1, dest="num_images_per_prompt")
     gen.add_argument("--max-sequence-length", type=int, help="text tokens kept, 1..1024 (default 512)")
+    _add_lora_args(gen)
+    gen.add_argument(
+        "--lora-mode",
+        choices=LORA_MODES,
+        default="branch",
+        help="branch (default): each LoRA beside its layers, FP8 paths stay fused (dual output); "
+        "merge: folded into the weights, no extra GEMMs (FP8 weights requantized)",
+    )
+    gen.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
     _add_model_args(gen)
 
     info = sub.add_parser("info", help="components, dtypes, parameter counts, quantization and fusion")
@@ -55,12 +73,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-bf16",
         help="comma-separated module globs kept in BF16 (default: the DESIGN §3 fallback list)",
     )
+    _add_lora_args(quant, "bake into the BF16 weights before calibration")
+    quant.add_argument(
+        "--preset", choices=list(PRESETS), help="calibrate with a preset's steps, CFG and scheduler"
+    )
 
     ui = sub.add_parser("ui", help="the Gradio web demo")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=7860)
+    ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
     _add_model_args(ui)
     return parser
+
+
+def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None:
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE[:SCALE]",
+        help=f"LoRA safetensors file to {what} (diffusers/PEFT, kohya, ComfyUI or Lightning layout), "
+        "scale 1.0 by default; repeat to stack several",
+    )
+
+
+def _read_loras(texts: list[str]) -> list[tuple["LoraFile", float]]:
+    """Parse and read every --lora before the model loads, so a bad file fails in seconds."""
+    specs = [parse_lora_spec(text) for text in texts]
+    if not specs:
+        return []
+    from models.lora import read_lora_file
+
+    return [(read_lora_file(spec.path), spec.scale) for spec in specs]
 
 
 def _load(args: argparse.Namespace):
@@ -79,7 +123,11 @@ def image_paths(out: Path, count: int) -> list[Path]:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     image_paths(Path(args.out), 1)  # refuse a bad output name before loading anything
+    loras = _read_loras(args.lora)
     pipe = _load(args)
+    for lora_file, scale in loras:
+        pipe.load_lora(lora_file, scale)
+    pipe.set_lora_mode(args.lora_mode)
     names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
     options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     images = pipe.generate(
@@ -87,6 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         negative_prompt=args.negative_prompt,
         true_cfg_scale=args.true_cfg_scale,
         progress=True,
+        preset=args.preset,
         **options,
     )
     paths = image_paths(Path(args.out), len(images))
@@ -105,6 +154,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         f"| total {t['total']:.2f} s"
     )
     print(run.fusion_summary)
+    if run.preset:
+        print(f"preset: {get_preset(run.preset).describe()}")
+    if run.loras:
+        print(run.loras)
+    if pipe.lora_merge is not None:
+        print(pipe.lora_merge.summary())
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -124,7 +179,15 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         DEFAULT_BF16_FALLBACK if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
     )
     out = quantize_checkpoint(
-        args.model, Path(args.out), prompts, ignore, steps=args.steps, size=args.size, device=args.device
+        args.model,
+        Path(args.out),
+        prompts,
+        ignore,
+        steps=args.steps,
+        size=args.size,
+        device=args.device,
+        loras=_read_loras(args.lora),
+        preset=args.preset,
     )
     print(f"wrote {out}")
     print(f"check it with: qwen-image info --model {out}")
@@ -133,8 +196,15 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 def cmd_ui(args: argparse.Namespace) -> None:
     from ui.app import launch
 
+    lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
     launch(
-        args.model, host=args.host, port=args.port, variant=args.variant, device=args.device, dtype=args.dtype
+        args.model,
+        host=args.host,
+        port=args.port,
+        variant=args.variant,
+        device=args.device,
+        dtype=args.dtype,
+        lora_files=lora_files,
     )
 
 
