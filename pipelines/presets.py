@@ -114,9 +114,11 @@ def lora_name(path: Path, taken: set[str] | dict[str, Any]) -> str:
 
 
 def find_lora_files(directory: Path) -> list[Path]:
-    """The `*.safetensors` files of a directory, sorted; InputError when it is not a directory."""
+    """The `*.safetensors` files of a directory, sorted; InputError when there is none."""
     if not directory.is_dir():
-        raise InputError(
-            f"LoRA directory {directory} {'is not a directory' if directory.exists() else 'does not exist'}"
-        )
-    return sorted(directory.glob("*.safetensors"))
+        problem = "is not a directory" if directory.exists() else "does not exist"
+        raise InputError(f"LoRA directory {directory} {problem}")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"LoRA directory {directory} holds no *.safetensors files")
+    return files

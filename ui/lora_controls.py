@@ -11,16 +11,13 @@ from typing import Any
 
 import gradio as gr
 
-from models.errors import InputError
 from pipelines.presets import PRESETS
 
 NO_PRESET = "none"
 
 
 def load_lora_files(pipe: Any, files: Sequence[Path]) -> None:
-    """Mount every LoRA file at scale 0; InputError when there is none."""
-    if not files:
-        raise InputError("the LoRA directory holds no *.safetensors files")
+    """Mount every LoRA file at scale 0 (off until its slider moves)."""
     for path in files:
         pipe.load_lora(path, scale=0.0)
 
