@@ -140,7 +140,7 @@ def fp8_input_clipping(pipe: "QwenImagePipeline", prompt: str, **generate_kwargs
         pipe.cuda_graphs = graphs
         pipe.set_variant(variant)
     ratio = {n: float(amax[n] / (FP8_MAX * m.input_scale.float())) for n, m in linears.items()}
-    return InputClipping(ratio)
+    return InputClipping({name.removesuffix(".base_layer"): r for name, r in ratio.items()})
 
 
 def _check_loaded(pipe: "QwenImagePipeline", name: str) -> str:
