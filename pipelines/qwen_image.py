@@ -185,9 +185,9 @@ class QwenImagePipeline:
         return name
 
     def set_lora_scales(self, scales: dict[str, float]) -> None:
-        """Change the scales of loaded LoRAs, by name."""
-        lora.set_lora_scales(self, scales)
-        self.set_variant(self.variant)
+        """Change the scales of loaded LoRAs, by name (the same scales again change nothing)."""
+        if lora.set_lora_scales(self, scales):
+            self.set_variant(self.variant)
 
     def unload_lora(self, name: str | None = None) -> None:
         """Remove one LoRA (all with None); the layers it touched get their original weights back."""
