@@ -1,4 +1,5 @@
-"""Random LoRA files in the layouts users bring: diffusers/PEFT, kohya, ComfyUI, and the Lightning release.
+"""Random LoRA files in the layouts users bring (diffusers/PEFT, kohya, ComfyUI, the Lightning release), and
+the diffusers pipeline and shared-pipeline fixture the LoRA tests compare against.
 
 Each writer takes factors by diffusers module name ({module: (down [r, in], up [out, r])}) and lays them
 out as that tool does; the key layouts follow the files in the wild (e.g. the Lightning release's
@@ -6,10 +7,13 @@ out as that tool does; the key layouts follow the files in the wild (e.g. the Li
 ModelTC/Qwen-Image-Lightning's generate_with_diffusers.py reads them).
 """
 
+import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
+from diffusers import QwenImageTransformer2DModel
 from safetensors.torch import save_file
 from torch import nn
 
@@ -123,3 +127,30 @@ def write_lightning(path: Path, factors: Factors, alpha: float) -> Path:
 def metadata_config(modules: list[str], rank: int, alpha: float, **patterns: dict) -> dict:
     """A LoraConfig as diffusers' training scripts store it (`rank_pattern` / `alpha_pattern` optional)."""
     return {"r": rank, "lora_alpha": alpha, "target_modules": modules, **patterns}
+
+
+def shared_pipeline(pipe, variant: str) -> Iterator:
+    """Yield a module-wide pipeline to one test, then unload its LoRAs and restore mode and variant."""
+    yield pipe
+    pipe.unload_lora()
+    pipe.set_lora_mode("branch")
+    pipe.set_variant(variant)
+
+
+def diffusers_pipeline(
+    ours, base_state: dict[str, torch.Tensor], scheduler=None
+) -> DiffusersQwenImagePipeline:
+    """diffusers' pipeline around our components, with its own transformer holding `base_state`."""
+    c = ours.components
+    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
+    transformer = QwenImageTransformer2DModel(**config).to(ours.dtype).eval()
+    transformer.load_state_dict(base_state, strict=True)
+    theirs = DiffusersQwenImagePipeline(
+        scheduler=scheduler or copy.deepcopy(c.scheduler),
+        vae=c.vae,
+        text_encoder=c.text_encoder,
+        tokenizer=c.tokenizer,
+        transformer=transformer,
+    )
+    theirs.set_progress_bar_config(disable=True)
+    return theirs

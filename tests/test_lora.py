@@ -2,18 +2,17 @@
 `QwenImagePipeline.load_lora_weights` and into ours gives identical pixels, for every file layout, for
 stacked LoRAs with scales, with the Lightning preset's scheduler, and after unloading (the base again)."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
+from diffusers import FlowMatchEulerDiscreteScheduler
 from lora_files import (
     block_modules,
+    diffusers_pipeline,
     linear_shapes,
     metadata_config,
     random_factors,
+    shared_pipeline,
     write_comfy,
     write_diffusers_with_metadata,
     write_kohya,
@@ -39,10 +38,7 @@ def ours():
 
 @pytest.fixture
 def pipe(ours):
-    yield ours
-    ours.unload_lora()
-    ours.set_lora_mode("branch")
-    ours.set_variant("reference")
+    yield from shared_pipeline(ours, "reference")
 
 
 def _ours(pipe, **kwargs) -> np.ndarray:
@@ -51,21 +47,8 @@ def _ours(pipe, **kwargs) -> np.ndarray:
     return np.asarray(pipe.generate(PROMPT, negative_prompt=negative, seed=SEED, **args)[0])
 
 
-def _diffusers(ours, scheduler=None) -> DiffusersQwenImagePipeline:
-    """diffusers' pipeline around our components, with its own transformer holding our base weights."""
-    c = ours.components
-    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
-    transformer = QwenImageTransformer2DModel(**config).to(ours.dtype).eval()
-    transformer.load_state_dict(ours.base_state, strict=True)
-    theirs = DiffusersQwenImagePipeline(
-        scheduler=scheduler or copy.deepcopy(c.scheduler),
-        vae=c.vae,
-        text_encoder=c.text_encoder,
-        tokenizer=c.tokenizer,
-        transformer=transformer,
-    )
-    theirs.set_progress_bar_config(disable=True)
-    return theirs
+def _diffusers(ours, scheduler=None):
+    return diffusers_pipeline(ours, ours.base_state, scheduler)
 
 
 def _theirs(theirs, **kwargs) -> np.ndarray:

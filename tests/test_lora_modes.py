@@ -2,17 +2,16 @@
 unmerged branch, against diffusers' `fuse_lora`), the contract branch, and one clear error for every bad
 file or call, with nothing applied halfway."""
 
-import copy
 import math
 
 import pytest
 import torch
-from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
-from diffusers import QwenImageTransformer2DModel
 from lora_files import (
     block_modules,
+    diffusers_pipeline,
     linear_shapes,
     random_factors,
+    shared_pipeline,
     write_kohya,
     write_lightning,
     write_peft,
@@ -35,10 +34,7 @@ def base():
 
 @pytest.fixture
 def pipe(base):
-    yield base
-    base.unload_lora()
-    base.set_lora_mode("branch")
-    base.set_variant("contract")
+    yield from shared_pipeline(base, "contract")
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +99,7 @@ def test_our_merge_is_never_further_from_the_exact_sum_than_diffusers_fuse_lora(
     fp32 and rounds once, so each merged weight is the nearest bf16 to the fp32 sum."""
     pipe.load_lora(two_loras[0], scale=0.7, name="style")
     pipe.load_lora(two_loras[1], scale=1.3, name="fast")
-    c = pipe.components
-    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
-    transformer = QwenImageTransformer2DModel(**config).to(pipe.dtype).eval()
-    transformer.load_state_dict(pipe.base_state, strict=True)
-    theirs = DiffusersQwenImagePipeline(
-        copy.deepcopy(c.scheduler), c.vae, c.text_encoder, c.tokenizer, transformer
-    )
+    theirs = diffusers_pipeline(pipe, pipe.base_state)
     theirs.load_lora_weights(str(two_loras[0]), adapter_name="style")
     theirs.load_lora_weights(str(two_loras[1]), adapter_name="fast")
     theirs.set_adapters(["style", "fast"], [0.7, 1.3])
@@ -119,7 +109,7 @@ def test_our_merge_is_never_further_from_the_exact_sum_than_diffusers_fuse_lora(
     pipe.set_lora_mode("merge")
     exact = original + wrapper.delta_weight()
     ours = wrapper.base_layer.weight.float()
-    fused = transformer.get_submodule(MODULE).base_layer.weight.float()
+    fused = theirs.transformer.get_submodule(MODULE).base_layer.weight.float()
     assert ((ours - exact).abs() <= (fused - exact).abs()).all()
     assert (ours != fused).any(), "the two merges round differently (a third of all merged weights)"
 
