@@ -283,15 +283,17 @@ class LoraLinear(nn.Module):
 
     @torch.no_grad()
     def merge(self, keep_original: bool = True) -> None:
-        """Fold the adapters, at their current scales, into the base weight (no-op when already so)."""
+        """Fold the adapters, at their current scales, into the base weight (no-op when already so).
+        The weight from before the first merge is kept on the host (once) for `unmerge`."""
         key = tuple((name, self.scaling(name)) for name in self.adapters)
         if self._merged == key:
             return
-        self.unmerge()
+        self._restore()
+        self.merge_stats = None
         delta = self.delta_weight()
         base = self.base_layer
         if delta is not None:
-            if keep_original:
+            if keep_original and not self._original:
                 kept = (base.weight, base.weight_scale) if isinstance(base, Fp8Linear) else (base.weight,)
                 self._original = tuple(t.detach().to("cpu", copy=True) for t in kept)
             if isinstance(base, Fp8Linear):
@@ -302,12 +304,14 @@ class LoraLinear(nn.Module):
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Restore the weight from before `merge`, bit for bit."""
-        if self._original:
-            targets = (self.base_layer.weight, getattr(self.base_layer, "weight_scale", None))
-            for target, original in zip(targets, self._original, strict=False):
-                target.copy_(original)
+        """Restore the weight from before `merge`, bit for bit, and drop the host copy."""
+        self._restore()
         self._original, self._merged, self.merge_stats = (), None, None
+
+    def _restore(self) -> None:
+        targets = (self.base_layer.weight, getattr(self.base_layer, "weight_scale", None))
+        for target, original in zip(targets, self._original, strict=False):
+            target.copy_(original)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         result = self.base_layer(x)

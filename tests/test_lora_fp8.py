@@ -20,7 +20,7 @@ from pipelines.quantize import quantize_checkpoint
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red fox", "a blue bird"]
-ARGS = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=3, seed=11)
+ARGS = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=2, seed=11)
 
 
 @pytest.fixture(scope="module")
