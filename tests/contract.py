@@ -139,3 +139,10 @@ def canonical(t: torch.Tensor) -> torch.Tensor:
     reaches the E4M3 byte."""
     int_dtype, nan_code = _CANONICAL_NAN[t.dtype]
     return torch.where(t.isnan(), torch.tensor(nan_code, dtype=int_dtype), t.view(int_dtype))
+
+
+def assert_same_encodings(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """torch.equal on the encodings (NaN as one code), saying how many values differ when they do."""
+    got, want = canonical(got), canonical(want)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    assert torch.equal(got, want), f"{what}: {int((got != want).sum())} of {want.numel()} values differ"

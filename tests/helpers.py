@@ -1,13 +1,15 @@
-"""Shared test helpers: a host-synchronisation guard and PNG hashing."""
+"""Shared test helpers: a host-synchronisation guard, PNG hashing, where the browser tests find chromium."""
 
 import hashlib
 import io
+from pathlib import Path
 
 import PIL.Image
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = torch.device("cpu")
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's chromium, driven by Playwright in the `browser` tests
 
 
 class NoHostSync(TorchDispatchMode):

@@ -20,13 +20,6 @@ from kernels.quant import inverse_scale, static_quant_fp8_torch
 QUANT_SCALE = 0.02
 
 
-def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """torch.equal on the encodings (NaN as one code), with how many values differ when they do."""
-    got, want = contract.canonical(got), contract.canonical(want)
-    assert got.shape == want.shape, what
-    assert torch.equal(got, want), f"{what}: {int((got != want).sum())} of {want.numel()} values differ"
-
-
 def every_encoding(shape: tuple[int, ...], seed: int | None = None) -> torch.Tensor:
     """All 65536 bf16 encodings in order (each row of 128 is one sign and exponent, every mantissa), or
     shuffled with `seed`, reshaped to `shape`."""
@@ -103,8 +96,8 @@ def test_layer_norm_modulate_twin_is_the_contract(case: str) -> None:
     inv = inverse_scale(torch.tensor(QUANT_SCALE))
     y, q = layer_norm_modulate_torch(t["x"], t["shift"], t["scale"], EPS, inv)
     y_want, q_want = emulated_producer(t, contract.bf16_bits(t["x"]))
-    assert_same(y, y_want, f"{case}: y")
-    assert_same(q, q_want, f"{case}: q")
+    contract.assert_same_encodings(y, y_want, f"{case}: y")
+    contract.assert_same_encodings(q, q_want, f"{case}: q")
 
 
 @pytest.mark.parametrize("case", list(PRODUCER2_CASES))
@@ -116,18 +109,20 @@ def test_gated_residual_layer_norm_modulate_twin_is_the_contract(case: str) -> N
     bits = contract.bf16_bits
     r_want = contract.gated_residual(bits(t["residual"]), bits(t["gate"]), bits(t["x"]))
     y_want, q_want = emulated_producer(t, r_want)
-    assert_same(r, contract.as_bf16(r_want), f"{case}: r")
-    assert_same(y, y_want, f"{case}: y")
-    assert_same(q, q_want, f"{case}: q")
+    contract.assert_same_encodings(r, contract.as_bf16(r_want), f"{case}: r")
+    contract.assert_same_encodings(y, y_want, f"{case}: y")
+    contract.assert_same_encodings(q, q_want, f"{case}: q")
 
 
 def test_gelu_twin_is_the_contract() -> None:
     h = gelu_inputs()
     g_want = contract.gelu_tanh(contract.bf16_bits(h))
-    assert_same(gelu_tanh_torch(h), contract.as_bf16(g_want), "g")
+    contract.assert_same_encodings(gelu_tanh_torch(h), contract.as_bf16(g_want), "g")
     for s in INPUT_SCALES:
         q_want = contract.as_e4m3(contract.quantize(g_want, contract.inverse_scale(s)))
-        assert_same(gelu_tanh_quant_torch(h, inverse_scale(torch.tensor(s))), q_want, f"scale {s}: q")
+        contract.assert_same_encodings(
+            gelu_tanh_quant_torch(h, inverse_scale(torch.tensor(s))), q_want, f"scale {s}: q"
+        )
 
 
 def test_quantizer_twin_is_the_contract_on_all_bf16() -> None:

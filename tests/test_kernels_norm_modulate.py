@@ -153,7 +153,7 @@ def test_producers_equal_the_contract_under_interpreter_with_exact_statistics():
     want = contract.layer_norm_modulate(
         bits(x), bits(t["shift"]), bits(t["scale"]), EPS, contract.truncate_bf16
     )
-    assert torch.equal(y.view(torch.int16), contract.as_bf16(want).view(torch.int16))
+    contract.assert_same_encodings(y, contract.as_bf16(want), "producer 1 y")
 
     # producer 2: the gated residual of general rows, then the LN path on r = 0 + 1 * x = x
     args = (t["residual"], t["gate"], t["x"], t["shift"], t["scale"], EPS)
@@ -161,11 +161,11 @@ def test_producers_equal_the_contract_under_interpreter_with_exact_statistics():
     r_want = contract.gated_residual(
         bits(t["residual"]), bits(t["gate"]), bits(t["x"]), contract.truncate_bf16
     )
-    assert torch.equal(r.view(torch.int16), contract.as_bf16(r_want).view(torch.int16))
+    contract.assert_same_encodings(r, contract.as_bf16(r_want), "producer 2 r")
     zero, one = torch.zeros_like(x), torch.ones_like(t["gate"])
     r, y, _ = gated_residual_layer_norm_modulate_triton(zero, one, x, t["shift"], t["scale"], EPS)
-    assert torch.equal(r.view(torch.int16), x.view(torch.int16))
-    assert torch.equal(y.view(torch.int16), contract.as_bf16(want).view(torch.int16))
+    contract.assert_same_encodings(r, x, "producer 2 r = x")
+    contract.assert_same_encodings(y, contract.as_bf16(want), "producer 2 y")
 
 
 @needs_interpreter
