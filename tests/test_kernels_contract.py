@@ -58,6 +58,18 @@ def model_width(seed: int) -> dict[str, torch.Tensor]:
     return make_inputs(2, 256, 3072, seed=seed)
 
 
+def cancelling_shift(seed: int) -> dict[str, torch.Tensor]:
+    """One row per sample with `shift = -n` (n = bf16(x_hat)) and tiny scales: y = bf16(fp32(n * (1 + scale))
+    - n) is about n * scale, where the fp32 rounding of the product is a visible fraction of a bf16 step,
+    so a product not rounded on its own (an FMA) or rounded another way changes many values."""
+    t = modulated(make_inputs(512, 1, 128, seed=seed)["x"], seed)
+    zero = contract.bf16_bits(torch.zeros_like(t["shift"]))
+    normed = contract.layer_norm_modulate(contract.bf16_bits(t["x"]), zero, zero, EPS)
+    t["shift"] = -contract.as_bf16(normed)[:, 0]
+    t["scale"] = (t["scale"].float() * 2.0**-13).bfloat16()
+    return t
+
+
 PRODUCER1_CASES = {
     "x every encoding": lambda: modulated(every_encoding((64, 8, 128)), seed=1),
     "x mixed magnitudes": lambda: modulated(finite_mixed(seed=3), seed=4),
@@ -67,6 +79,7 @@ PRODUCER1_CASES = {
         "scale": every_encoding((512, 128), seed=8),
     },
     "model width": lambda: model_width(seed=9),
+    "shift cancels n": lambda: cancelling_shift(seed=10),
 }
 PRODUCER2_CASES = {
     "residual and x every encoding": lambda: {
