@@ -1,4 +1,6 @@
-"""LN+modulate producers: torch twins vs float64, Triton (interpreter) fused vs unfused and vs the twins."""
+"""LN+modulate producers: torch twins vs float64; Triton (interpreter) fused vs unfused bit for bit, vs
+the twins within the LN-statistics slack, and bit for bit vs tests/contract.py on rows with exact LN
+statistics. The twins against the contract bit for bit: test_kernels_contract.py."""
 
 import contract
 import pytest
