@@ -59,9 +59,9 @@ def model_width(seed: int) -> dict[str, torch.Tensor]:
 
 
 def cancelling_shift(seed: int) -> dict[str, torch.Tensor]:
-    """One row per sample with `shift = -n` (n = bf16(x_hat)) and tiny scales: y = bf16(fp32(n * (1 + scale))
-    - n) is about n * scale, where the fp32 rounding of the product is a visible fraction of a bf16 step,
-    so a product not rounded on its own (an FMA) or rounded another way changes many values."""
+    """One row per sample, `shift = -n` where n = bf16(x_hat), and tiny scales: then y is about n * scale
+    and the fp32 rounding of the product n * (1 + scale) is a visible fraction of y's bf16 step, so a
+    product that is not rounded on its own (an FMA) changes many values."""
     t = modulated(make_inputs(512, 1, 128, seed=seed)["x"], seed)
     zero = contract.bf16_bits(torch.zeros_like(t["shift"]))
     normed = contract.layer_norm_modulate(contract.bf16_bits(t["x"]), zero, zero, EPS)
