@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import PIL.Image
 import pytest
+from helpers import REPO
 
 from models.components import save_components
 from pipelines import load_pipeline
@@ -15,9 +16,8 @@ from ui.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ui.cli", *args], capture_output=True, text=True, timeout=600, check=False
-    )
+    command = [sys.executable, "-m", "ui.cli", *args]  # from the checkout, not an installed copy
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO)
 
 
 def test_generate_writes_a_png_with_no_model_given(tmp_path):
