@@ -1,13 +1,17 @@
-"""Shared test helpers: a host-synchronisation guard and PNG hashing."""
+"""Shared test helpers: a host-synchronisation guard, PNG hashing, the checkout's root, where chromium is."""
 
 import hashlib
 import io
+from pathlib import Path
 
 import PIL.Image
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = torch.device("cpu")
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's chromium, driven by Playwright in the `browser` tests
+# The checkout under test: subprocesses run from it, so they import its code, not an installed copy.
+REPO = Path(__file__).resolve().parents[1]
 
 
 class NoHostSync(TorchDispatchMode):

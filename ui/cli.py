@@ -4,6 +4,7 @@ User errors (bad arguments, bad checkpoints) print one line `error: ...` and exi
 """
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,6 +13,20 @@ from typing import TYPE_CHECKING
 import PIL.Image
 
 from models.errors import InputError, QwenImageError
+from models.geometry import size_multiple
+from models.prompt_template import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
+from pipelines.limits import (
+    DEFAULT_TRUE_CFG_SCALE,
+    MAX_IMAGES,
+    MAX_SIDE,
+    MAX_STEPS,
+    MIN_STEPS,
+    SIZE_MULTIPLE,
+    as_prompt_list,
+    check_generation_args,
+    check_size,
+    check_steps,
+)
 from pipelines.presets import LORA_MODES, PRESETS, find_lora_files, get_preset, parse_lora_spec
 
 if TYPE_CHECKING:
@@ -22,10 +37,17 @@ PRESET_HELP = "settings for a distilled LoRA (explicit --steps / --true-cfg-scal
 )
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default; options whose default depends on the model say so in their help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local diffusers-layout checkpoint dir (default: the embedded model)")
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     parser.add_argument(
         "--variant", default="auto", help="reference, contract, fp8-unfused, fp8-fused or auto"
     )
@@ -35,40 +57,65 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-image", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate images from a prompt")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+
+    gen = command("generate", "generate images from a prompt")
     gen.add_argument("prompt")
     gen.add_argument("-o", "--out", default="out.png", help="output PNG (index appended for several images)")
-    gen.add_argument("--negative-prompt", help="enables true CFG when --true-cfg-scale > 1")
-    gen.add_argument("--width", type=int)
-    gen.add_argument("--height", type=int)
-    gen.add_argument("--steps", type=int, dest="num_inference_steps")
+    gen.add_argument("--negative-prompt", help="enables true CFG when --true-cfg-scale > 1 (default: none)")
+    side = f"a multiple of {SIZE_MULTIPLE} up to {MAX_SIDE} for Qwen-Image's VAE"
+    model_default = "default: the model's, 1024 for Qwen-Image checkpoints, 256 for the embedded model"
+    gen.add_argument("--width", type=int, help=f"image width in pixels, {side} ({model_default})")
+    gen.add_argument("--height", type=int, help=f"image height in pixels, {side} ({model_default})")
     gen.add_argument(
-        "--true-cfg-scale", type=float, help="true CFG scale (default 4.0; needs a negative prompt)"
+        "--steps",
+        type=int,
+        dest="num_inference_steps",
+        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS} "
+        "(default: a --preset's, else 50, 20 for the embedded model)",
     )
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--num-images", type=int, default=1, dest="num_images_per_prompt")
-    gen.add_argument("--max-sequence-length", type=int, help="text tokens kept, 1..1024 (default 512)")
+    gen.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        help="true CFG scale; needs a negative prompt "
+        f"(default: {DEFAULT_TRUE_CFG_SCALE}, 1.0 with a --preset)",
+    )
+    gen.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
+    gen.add_argument(
+        "--num-images", type=int, default=1, dest="num_images_per_prompt", help=f"images, 1..{MAX_IMAGES}"
+    )
+    gen.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=DEFAULT_SEQUENCE_LENGTH,
+        help=f"text tokens kept, 1..{MAX_SEQUENCE_LENGTH}",
+    )
     _add_lora_args(gen)
     gen.add_argument(
         "--lora-mode",
         choices=LORA_MODES,
         default="branch",
-        help="branch (default): each LoRA beside its layers, FP8 paths stay fused (dual output); "
+        help="branch: each LoRA beside its layers, FP8 paths stay fused (dual output); "
         "merge: folded into the weights, no extra GEMMs (FP8 weights requantized)",
     )
     gen.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
     _add_model_args(gen)
 
-    info = sub.add_parser("info", help="components, dtypes, parameter counts, quantization and fusion")
+    info = command("info", "components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
 
-    quant = sub.add_parser("quantize", help="calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
+    quant = command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
     quant.add_argument("--out", required=True, help="new checkpoint directory")
     quant.add_argument("--calib-prompts", help="text file, one prompt per line (default: a built-in set)")
-    quant.add_argument("--steps", type=int, help="denoising steps per calibration prompt")
-    quant.add_argument("--size", type=int, help="calibration image side in pixels")
-    quant.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    quant.add_argument(
+        "--steps", type=int, help="denoising steps per calibration prompt (default: the model's, at most 20)"
+    )
+    quant.add_argument(
+        "--size", type=int, help="calibration image side in pixels (default: the model's default size)"
+    )
+    quant.add_argument("--device", help="cuda or cpu (default: cuda when available, else cpu)")
     quant.add_argument(
         "--keep-bf16",
         help="comma-separated module globs kept in BF16 (default: the DESIGN §3 fallback list)",
@@ -78,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", choices=list(PRESETS), help="calibrate with a preset's steps, CFG and scheduler"
     )
 
-    ui = sub.add_parser("ui", help="the Gradio web demo")
+    ui = command("ui", "the Gradio web demo")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=7860)
     ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
@@ -90,16 +137,15 @@ def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None
     parser.add_argument(
         "--lora",
         action="append",
-        default=[],
         metavar="FILE[:SCALE]",
         help=f"LoRA safetensors file to {what} (diffusers/PEFT, kohya, ComfyUI or Lightning layout), "
         "scale 1.0 by default; repeat to stack several",
     )
 
 
-def _read_loras(texts: list[str]) -> list[tuple["LoraFile", float]]:
+def _read_loras(texts: list[str] | None) -> list[tuple["LoraFile", float]]:
     """Parse and read every --lora before the model loads, so a bad file fails in seconds."""
-    specs = [parse_lora_spec(text) for text in texts]
+    specs = [parse_lora_spec(text) for text in texts or []]
     if not specs:
         return []
     from models.lora import read_lora_file
@@ -121,8 +167,32 @@ def image_paths(out: Path, count: int) -> list[Path]:
     return [out] if count == 1 else [out.with_stem(f"{out.stem}-{i}") for i in range(count)]
 
 
+def model_size_multiple(model: str | None) -> int:
+    """What image sides must be multiples of, read from the checkpoint's VAE config without loading it."""
+    return SIZE_MULTIPLE if model is None else size_multiple(Path(model))
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Every generation argument and the output name, checked before any model loads."""
+    image_paths(
+        Path(args.out), args.num_images_per_prompt if isinstance(args.num_images_per_prompt, int) else 1
+    )
+    check_generation_args(
+        as_prompt_list(args.prompt, "prompt"),
+        as_prompt_list(args.negative_prompt, "negative_prompt"),
+        args.width,
+        args.height,
+        args.num_inference_steps,
+        args.true_cfg_scale,
+        args.num_images_per_prompt,
+        args.max_sequence_length,
+        args.seed,
+        model_size_multiple(args.model),
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
-    image_paths(Path(args.out), 1)  # refuse a bad output name before loading anything
+    check_generate_args(args)
     loras = _read_loras(args.lora)
     pipe = _load(args)
     for lora_file, scale in loras:
@@ -172,6 +242,10 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from pipelines.prompts import read_prompt_file
     from pipelines.quantize import DEFAULT_BF16_FALLBACK, DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
 
+    if args.steps is not None:
+        check_steps(args.steps)
+    if args.size is not None:
+        check_size(args.size, args.size, model_size_multiple(args.model))
     prompts = DEFAULT_CALIBRATION_PROMPTS
     if args.calib_prompts:
         prompts = read_prompt_file(Path(args.calib_prompts))
@@ -216,8 +290,18 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 }
 
 
+def show_library_warnings() -> None:
+    """Our own warnings (e.g. a prompt cut at max_sequence_length) as one `warning: ...` line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    log = logging.getLogger("qwen_image")
+    log.handlers[:] = [handler]
+    log.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    show_library_warnings()
     try:
         COMMANDS[args.command](args)
     except QwenImageError as err:
