@@ -72,14 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         dest="num_inference_steps",
-        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS} "
-        "(default: a --preset's, else 50, 20 for the embedded model)",
+        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS}; a --preset sets its own "
+        "(default: 50, 20 for the embedded model)",
     )
     gen.add_argument(
         "--true-cfg-scale",
         type=float,
-        help="true CFG scale; needs a negative prompt "
-        f"(default: {DEFAULT_TRUE_CFG_SCALE}, 1.0 with a --preset)",
+        help="true CFG scale; needs a negative prompt; a --preset sets 1.0 "
+        f"(default: {DEFAULT_TRUE_CFG_SCALE})",
     )
     gen.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
     gen.add_argument(
