@@ -43,7 +43,8 @@ TARGETS = {"lightning8_s": 1.1, "lightning4_s": 0.65, "branch_over_merged": 1.10
 
 def write_random_lora(pipe: QwenImagePipeline, rank: int, alpha: float, path: Path) -> Path:
     """Lightning-layout file (`<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`, bf16): every
-    block linear, factors scaled so the LoRA moves each weight by about a tenth of its own size."""
+    block linear, factors scaled so the LoRA's delta has about a tenth of the spread of a default-
+    initialized weight (std 0.58 / sqrt(fan_in), as in bench/make_random_checkpoint.py's model)."""
     gen = torch.Generator(pipe.device).manual_seed(0)
     targets = lora_targets(pipe.transformer)
     tensors = {}
@@ -51,7 +52,7 @@ def write_random_lora(pipe: QwenImagePipeline, rank: int, alpha: float, path: Pa
         for leaf in BLOCK_LINEARS:
             name = f"transformer_blocks.{i}.{leaf}"
             layer = targets[name]
-            std = (0.1 / (layer.in_features**0.5 * (alpha / rank) * rank**0.5)) ** 0.5
+            std = (0.058 / (layer.in_features**0.5 * (alpha / rank) * rank**0.5)) ** 0.5
             down = torch.randn(rank, layer.in_features, generator=gen, device=pipe.device) * std
             up = torch.randn(layer.out_features, rank, generator=gen, device=pipe.device) * std
             tensors[f"{name}.lora_down.weight"] = down.bfloat16().cpu()

@@ -44,12 +44,12 @@ def load_lora(
     pipe: "QwenImagePipeline", source: str | Path | LoraFile, scale: float = 1.0, name: str | None = None
 ) -> str:
     """Read (unless already read), validate and mount a LoRA; returns its name (default: the file stem)."""
-    lora = source if isinstance(source, LoraFile) else read_lora_file(source)
-    name = lora_name(lora.path, pipe.loras) if name is None else name
-    if not isinstance(name, str) or not name:
+    if name is not None and (not isinstance(name, str) or not name):
         raise InputError(f"LoRA name {name!r} must be a non-empty string")
     if name in pipe.loras:
         raise InputError(f"a LoRA named {name!r} is already loaded: unload it or pick another name")
+    lora = source if isinstance(source, LoraFile) else read_lora_file(source)
+    name = lora_name(lora.path, pipe.loras) if name is None else name
     scale = check_lora_scale(scale, name)
     layers = mount_lora(pipe.transformer, name, lora, scale, pipe.dtype)
     pipe.loras[name] = LoadedLora(name, lora.path, scale, layers)

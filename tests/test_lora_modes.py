@@ -212,3 +212,13 @@ def test_bad_calls_are_refused_by_name(pipe, two_loras, tmp_path):
         pipe.set_lora_mode("fuse")
     with pytest.raises(InputError, match="unknown preset 'lightning-2'"):
         pipe.generate("a fox", preset="lightning-2")
+
+
+def test_generate_applies_lora_scales_for_its_run(pipe, two_loras):
+    """What the UI sends with each run: the scales, set (and kept) before the run starts."""
+    pipe.load_lora(two_loras[0], scale=0.0)
+    pipe.generate("a fox", width=32, height=32, num_inference_steps=2, seed=1, lora_scales={"style": 0.5})
+    assert pipe.loras["style"].scale == 0.5
+    assert pipe.last_run.loras == "LoRA (branch): style x0.5 on 28 layers"
+    with pytest.raises(InputError, match="no LoRA named 'fast'"):
+        pipe.generate("a fox", lora_scales={"fast": 1.0})
