@@ -20,8 +20,9 @@ from models.errors import InputError
 from models.math import unpack_latents
 from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
 from models.text_encoder import encode_prompts
-from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env
+from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
 from pipelines.limits import VARIANTS, as_prompt_list, check_generation_args
+from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
 from pipelines.sampling import (
     Conditioning,
     Step,
@@ -123,7 +124,8 @@ class QwenImagePipeline:
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.size_multiple)
         self.last_run: RunInfo | None = None
         self.cuda_graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
-        self._graphed = GraphedStep(self._eager_step)
+        self._graphed = GraphedStep(self._eager_step, cut_collectives=cut_collectives_by_env())
+        self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
         self.variant = ""
         self.set_variant(variant)
 
@@ -166,6 +168,18 @@ class QwenImagePipeline:
             self.transformer.set_numerics(variant)
         self._graphed.graphs.clear()
         self.variant = variant
+
+    def set_parallel(self, plan: ParallelPlan | None) -> None:
+        """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
+        calls it at the same point; captured graphs are dropped."""
+        if self.ranks is not None:
+            self.ranks.release()
+        self.ranks = None if plan is None or plan.world_size == 1 else Ranks(plan, self.transformer)
+        self._graphed.graphs.clear()
+
+    def parallel_summary(self) -> str:
+        """The parallel plan this process runs in, e.g. "CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)"."""
+        return "one process" if self.ranks is None else self.ranks.describe()
 
     def fusion_summary(self) -> str:
         """The fusion report: fused FP8 producer paths and why the others are not."""
@@ -215,7 +229,10 @@ class QwenImagePipeline:
             seed,
             self.size_multiple,
         )
-        seed = random.randrange(2**31) if seed is None else seed
+        if seed is None:
+            seed = random.randrange(2**31)
+            if self.ranks is not None:
+                seed = self.ranks.share_seed(seed)
         timer = _StageTimer(self.device)
 
         branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt)]
@@ -260,7 +277,8 @@ class QwenImagePipeline:
         step = self._step((1, latent_hw[0] // 2, latent_hw[1] // 2))
 
         def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            velocities = branch_velocities(step, latents, sigma, branches)
+            cfg = None if self.ranks is None else self.ranks.cfg
+            velocities = branch_velocities(step, latents, sigma, branches, cfg)
             return velocities[0] if len(velocities) == 1 else true_cfg(*velocities, true_cfg_scale)
 
         return euler_loop(c.scheduler, timesteps, latents, velocity, on_step, progress)
@@ -321,9 +339,18 @@ def load_pipeline(
     variant: str = "auto",
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    parallel: ParallelPlan | str | None = None,
 ) -> QwenImagePipeline:
-    """A new pipeline for `model` (None: the embedded default)."""
-    return QwenImagePipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    """A new pipeline for `model` (None: the embedded default). `parallel` ("auto" or a ParallelPlan)
+    makes this process one rank of a launched group; a plan that does not fit is refused before loading."""
+    plan = resolve_plan(parallel, model)
+    device = pick_device(device)
+    if plan is not None:
+        device = join_ranks(device)
+    pipe = QwenImagePipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    if plan is not None:
+        pipe.set_parallel(plan)
+    return pipe
 
 
 def generate(
@@ -332,10 +359,11 @@ def generate(
     variant: str = "auto",
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    parallel: ParallelPlan | str | None = None,
     **kwargs,
 ) -> list[PIL.Image.Image]:
-    """One-call generation; keeps one pipeline per (model, variant, device, dtype) for later calls."""
-    key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype))
+    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel) for later calls."""
+    key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype), parallel)
     if key not in _CACHE:
-        _CACHE[key] = load_pipeline(model, variant, device, dtype)
+        _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel)
     return _CACHE[key].generate(prompt, **kwargs)
