@@ -2,11 +2,11 @@
 head shards.
 
 A model declares a `SequencePlan`: the module whose keyword inputs split (image rows, text rows and their
-RoPE rows; the key mask stays whole) and the module whose output gathers the image rows back. `shard_sequence(model,
-group)` installs hooks from that plan, so the block code stays as it is: projections, fused FP8
-producers, q/k norm+RoPE and MLPs run on the local rows unchanged. The all-to-all that trades sequence
-shards for head shards around attention sits in `models.math.joint_attention`, which asks
-`active_shards()` whether the running forward is sharded.
+RoPE rows; the key mask stays whole) and the module whose output gathers the image rows back.
+`shard_sequence(model, group)` installs hooks from that plan, so the block code stays as it is:
+projections, fused FP8 producers, q/k norm+RoPE and MLPs run on the local rows unchanged. The
+all-to-all that trades sequence shards for head shards around attention sits in
+`models.math.joint_attention`, which asks `active_shards()` whether the running forward is sharded.
 
 The split: the text rows and the image rows are each cut into contiguous, nearly equal parts (the first
 `n % size` parts one row longer), and rank r keeps [text part r, image part r]. Splitting the text too,
@@ -195,7 +195,7 @@ def run_collective(op: Collective, what: str, size: int) -> None:
 
 
 class SequenceParallel:
-    """Hooks that run a model's forward sequence-parallel over `group` as its `sequence_parallel_plan` says."""
+    """Hooks that run a model's forward over `group` as its `sequence_parallel_plan` says."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
         plan: SequencePlan = model.sequence_parallel_plan

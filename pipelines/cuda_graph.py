@@ -37,7 +37,7 @@ def cuda_graphs_enabled_by_env() -> bool:
 
 
 def cut_collectives_by_env() -> bool:
-    """QWEN_IMAGE_GRAPH_COLLECTIVES: `segments` (default) cuts graphs at collectives, `capture` keeps them in."""
+    """QWEN_IMAGE_GRAPH_COLLECTIVES: `segments` (default) cuts graphs at collectives, `capture` keeps them."""
     mode = os.environ.get(COLLECTIVES_ENV, "segments").strip().lower()
     if mode not in ("segments", "capture"):
         raise InputError(f"{COLLECTIVES_ENV}={mode!r} must be 'segments' or 'capture'")

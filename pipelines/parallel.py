@@ -166,7 +166,8 @@ class CfgExchange:
     def gather(self, velocity: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's velocity [B, ...], in CFG-rank order (positive first), the same bytes on all ranks."""
         gathered = velocity.new_empty(self.size * velocity.shape[0], *velocity.shape[1:])
-        run_collective(lambda: all_gather(gathered, velocity.contiguous(), self.group), "CFG gather", self.size)
+        exchange = lambda: all_gather(gathered, velocity.contiguous(), self.group)  # noqa: E731
+        run_collective(exchange, "CFG gather", self.size)
         return list(gathered.chunk(self.size))
 
 

@@ -362,7 +362,7 @@ def generate(
     parallel: ParallelPlan | str | None = None,
     **kwargs,
 ) -> list[PIL.Image.Image]:
-    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel) for later calls."""
+    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel) to reuse."""
     key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype), parallel)
     if key not in _CACHE:
         _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel)
