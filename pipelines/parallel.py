@@ -15,7 +15,6 @@ ParallelError on the ranks that see it, and the launcher (`qwen-image --gpus`, t
 """
 
 import datetime
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.errors import CheckpointError, InputError
+from models.errors import InputError
 from models.sequence_parallel import SequenceParallel, all_gather, run_collective, shard_sequence
 
 TIMEOUT_ENV = "QWEN_IMAGE_COLLECTIVE_TIMEOUT"
@@ -90,16 +89,16 @@ def attention_heads(model: str | Path | None) -> int:
         from models.embedded import EMBEDDED_TRANSFORMER
 
         return EMBEDDED_TRANSFORMER.num_attention_heads
-    path = Path(model) / "transformer" / "config.json"
-    try:
-        return int(json.loads(path.read_text())["num_attention_heads"])
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: not a diffusers-layout checkpoint") from None
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path} has no usable num_attention_heads ({err})") from None
+    from models.components import check_layout
+    from models.config import QwenImageConfig
+    from models.loading import read_json
+
+    check_layout(Path(model))
+    config = QwenImageConfig.from_dict(read_json(Path(model) / "transformer" / "config.json"))
+    return config.num_attention_heads
 
 
-def resolve_plan(parallel: "ParallelPlan | str | None", model: str | Path | None) -> ParallelPlan | None:
+def resolve_plan(parallel: ParallelPlan | str | None, model: str | Path | None) -> ParallelPlan | None:
     """The plan `load_pipeline(parallel=...)` asks for, checked against the model's heads before loading:
     None for one process, "auto" for the launched world size with true CFG, or a ParallelPlan."""
     if parallel is None:

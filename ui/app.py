@@ -12,6 +12,7 @@ from models.embedded import EMBEDDED_NAME
 from models.errors import QwenImageError
 from pipelines import load_pipeline
 from pipelines.limits import MAX_STEPS, MIN_STEPS
+from pipelines.parallel import ParallelPlan
 from ui.generation import (
     CUSTOM,
     PRESETS,
@@ -23,6 +24,7 @@ from ui.generation import (
     preset_for,
     resolve_size,
 )
+from ui.ranks import serve
 
 QUEUE_MAX = 64
 GALLERY_MAX_IMAGES = 4
@@ -167,10 +169,12 @@ def launch(
     variant: str = "auto",
     device: str | None = None,
     dtype: str | None = None,
+    parallel: ParallelPlan | None = None,
 ) -> None:
-    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`)."""
-    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype)
-    build_app(pipe).launch(server_name=host, server_port=port)
+    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`); with a
+    parallel plan, rank 0 serves and the other ranks follow its jobs (ui/ranks.py)."""
+    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype, parallel=parallel)
+    serve(pipe, lambda app_pipe: build_app(app_pipe).launch(server_name=host, server_port=port))
 
 
 def _header(pipe: Pipeline) -> str:

@@ -4,13 +4,14 @@ User errors (bad arguments, bad checkpoints) print one line `error: ...` and exi
 """
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import PIL.Image
 
-from models.errors import InputError, QwenImageError
+from models.errors import InputError, ParallelError, QwenImageError
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
     parser.add_argument(
         "--variant", default="auto", help="reference, contract, fp8-unfused, fp8-fused or auto"
+    )
+
+
+def _add_gpus_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help=f"{what} on N GPUs of this machine: CFG-parallel when true CFG is on and N is even, Ulysses "
+        "sequence parallel for the rest (README: Several GPUs)",
     )
 
 
@@ -40,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-images", type=int, default=1, dest="num_images_per_prompt")
     gen.add_argument("--max-sequence-length", type=int, help="text tokens kept, 1..1024 (default 512)")
     _add_model_args(gen)
+    _add_gpus_arg(gen, "generate")
 
     info = sub.add_parser("info", help="components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
+    _add_gpus_arg(info, "also show the parallel plans")
 
     quant = sub.add_parser("quantize", help="calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
@@ -60,14 +73,72 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=7860)
     _add_model_args(ui)
+    _add_gpus_arg(ui, "serve")
     return parser
 
 
-def _load(args: argparse.Namespace):
+def is_leader_process() -> bool:
+    """Rank 0 of a launched run, or a plain process: the one that prints and writes files."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _load(args: argparse.Namespace, parallel=None):
     from pipelines import load_pipeline
 
-    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
-    return load_pipeline(args.model, variant=args.variant, device=args.device, dtype=args.dtype)
+    if is_leader_process():
+        where = "" if parallel is None else f" as {parallel.describe()}"
+        print(f"loading {args.model or 'the embedded default model'}{where} ...", file=sys.stderr)
+    return load_pipeline(
+        args.model, variant=args.variant, device=args.device, dtype=args.dtype, parallel=parallel
+    )
+
+
+def _plan(args: argparse.Namespace, true_cfg: bool):
+    """None for one process; else the plan for `--gpus N` (checked against the model's heads and the
+    visible GPUs before anything loads) or for the ranks a launcher started."""
+    from pipelines.parallel import attention_heads, launched_world_size, plan_for
+
+    world = launched_world_size()
+    if world == 1 and args.gpus == 1:
+        return None
+    if world > 1 and args.gpus not in (1, world):
+        raise InputError(f"--gpus {args.gpus}, but the launcher started {world} ranks")
+    plan = plan_for(max(world, args.gpus), attention_heads(args.model), true_cfg)
+    if world == 1:
+        _check_gpus_visible(args.gpus, args.device)
+    return plan
+
+
+def _check_gpus_visible(gpus: int, device: str | None) -> None:
+    import torch
+
+    if device is not None and device.startswith("cpu"):
+        raise InputError(
+            "--gpus starts one rank per GPU; for gloo ranks on the CPU run "
+            "`torchrun --nproc_per_node N -m ui.cli ... --device cpu`"
+        )
+    visible = torch.cuda.device_count()
+    if visible < gpus:
+        raise InputError(f"--gpus {gpus}, but {visible} CUDA GPUs are visible on this machine")
+
+
+def _launch(args: argparse.Namespace, plan) -> None:
+    """Start the ranks of `plan`, each running this same command line (ui/launch.py)."""
+    from ui.launch import launch_ranks
+
+    print(f"starting {plan.describe()}", file=sys.stderr)
+    launch_ranks(plan.world_size, [sys.executable, "-m", "ui.cli", *args.argv])
+
+
+def _is_launcher() -> bool:
+    """True in the process the user started (it launches the ranks), False in a rank."""
+    from pipelines.parallel import launched_world_size
+
+    return launched_world_size() == 1
+
+
+def _true_cfg(args: argparse.Namespace) -> bool:
+    return args.negative_prompt is not None and (args.true_cfg_scale is None or args.true_cfg_scale > 1)
 
 
 def image_paths(out: Path, count: int) -> list[Path]:
@@ -79,16 +150,22 @@ def image_paths(out: Path, count: int) -> list[Path]:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     image_paths(Path(args.out), 1)  # refuse a bad output name before loading anything
-    pipe = _load(args)
+    plan = _plan(args, _true_cfg(args))
+    if plan is not None and _is_launcher():
+        _launch(args, plan)
+        return
+    pipe = _load(args, plan)
     names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
     options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     images = pipe.generate(
         args.prompt,
         negative_prompt=args.negative_prompt,
         true_cfg_scale=args.true_cfg_scale,
-        progress=True,
+        progress=is_leader_process(),
         **options,
     )
+    if not is_leader_process():
+        return
     paths = image_paths(Path(args.out), len(images))
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     for image, path in zip(images, paths, strict=True):
@@ -105,12 +182,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
         f"| total {t['total']:.2f} s"
     )
     print(run.fusion_summary)
+    print(f"parallel: {pipe.parallel_summary()}")
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from pipelines.info import describe
+    from pipelines.info import describe, describe_plans
 
+    plans = describe_plans(args.gpus, args.model) if args.gpus > 1 else None
     print(describe(_load(args)))
+    if plans:
+        print(plans)
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
@@ -131,10 +212,20 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 
 
 def cmd_ui(args: argparse.Namespace) -> None:
+    plan = _plan(args, true_cfg=True)
+    if plan is not None and _is_launcher():
+        _launch(args, plan)
+        return
     from ui.app import launch
 
     launch(
-        args.model, host=args.host, port=args.port, variant=args.variant, device=args.device, dtype=args.dtype
+        args.model,
+        host=args.host,
+        port=args.port,
+        variant=args.variant,
+        device=args.device,
+        dtype=args.dtype,
+        parallel=plan,
     )
 
 
@@ -147,12 +238,24 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ui.launch import USER_ERROR_STATUS, RanksFailed
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         COMMANDS[args.command](args)
-    except QwenImageError as err:
+    except RanksFailed as err:  # the ranks printed a user error themselves
+        if err.status != USER_ERROR_STATUS:
+            print(f"error: {err}", file=sys.stderr)
+        return USER_ERROR_STATUS if err.status == USER_ERROR_STATUS else 1
+    except ParallelError as err:  # every rank that sees it says so
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return 1
+    except QwenImageError as err:
+        if is_leader_process():  # the other ranks fail the same way, quietly
+            print(f"error: {err}", file=sys.stderr)
+        return USER_ERROR_STATUS
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
