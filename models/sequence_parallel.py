@@ -130,10 +130,8 @@ class Shards:
         longest = max(self.image)
         if rows < longest:  # all_gather needs equal parts: pad, then drop the padding below
             local = torch.cat([local, local.new_zeros(batch, longest - rows, channels)], dim=1)
-        gathered = local.new_empty(self.size * batch, longest, channels)
-        run_collective(
-            lambda: all_gather(gathered, local.contiguous(), self.group), "image-row gather", self.size
-        )
+        local, gathered = local.contiguous(), local.new_empty(self.size * batch, longest, channels)
+        run_collective(lambda: all_gather(gathered, local, self.group), "image-row gather", self.size)
         parts = gathered.view(self.size, batch, longest, channels)
         return torch.cat([parts[r, :, : self.image[r]] for r in range(self.size)], dim=1)
 

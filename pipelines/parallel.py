@@ -164,9 +164,9 @@ class CfgExchange:
 
     def gather(self, velocity: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's velocity [B, ...], in CFG-rank order (positive first), the same bytes on all ranks."""
+        velocity = velocity.contiguous()
         gathered = velocity.new_empty(self.size * velocity.shape[0], *velocity.shape[1:])
-        exchange = lambda: all_gather(gathered, velocity.contiguous(), self.group)  # noqa: E731
-        run_collective(exchange, "CFG gather", self.size)
+        run_collective(lambda: all_gather(gathered, velocity, self.group), "CFG gather", self.size)
         return list(gathered.chunk(self.size))
 
 

@@ -60,10 +60,15 @@ RANK_SCRIPT = str(ROOT / "tests" / "parallel_rank.py")
 
 
 def rank_env(timeout_s: float = 120) -> dict[str, str]:
+    """The environment of ranks started by a test: this worktree importable, one thread each on the CPU,
+    a short collective timeout (orphans of a failed test end on their own), NVLink multicast off."""
     return os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
-        "QWEN_IMAGE_COLLECTIVE_TIMEOUT": str(timeout_s),  # orphans of a failed test end on their own
+        "QWEN_IMAGE_COLLECTIVE_TIMEOUT": str(timeout_s),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
     }
 
 

@@ -4,7 +4,8 @@ images and what it saw to OUT_DIR.
     python tests/parallel_rank.py SCENARIO OUT_DIR [FP8_DIR]     (as ranks of ui.launch or torchrun)
 
 Scenarios: `two` (CFG-2 and Ulysses-2 on BF16 and FP8, no host syncs in a sharded step, the web demo's
-leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step).
+leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step), `gpu`
+(tests/gpu/test_parallel_gpu.py: CFG-2 and Ulysses-2 on two GPUs, graphs and eager).
 """
 
 import json
@@ -22,6 +23,7 @@ from pipelines.parallel import ParallelPlan
 PROMPTS = ["a red fox", "a long prompt about a small blue bird singing on a branch at dawn"]
 SIZE = dict(width=64, height=48, num_inference_steps=2, seed=3)
 CFG_ON = dict(negative_prompt="blurry", **SIZE)
+GPU_ARGS = dict(negative_prompt=" ", width=256, height=192, num_inference_steps=10, seed=3)
 
 
 def generate_all(pipe) -> dict[str, list]:
@@ -37,15 +39,15 @@ def save(out: Path, name: str, images: list) -> None:
 def sharded_step_has_no_host_sync(pipe) -> bool:
     from helpers import NoHostSync
 
-    model = pipe.transformer
-    latents = torch.randn(2, 12, 64, dtype=torch.bfloat16)
-    prompt = torch.randn(2, 5, model.config.joint_attention_dim, dtype=torch.bfloat16)
-    mask = torch.ones(2, 5, dtype=torch.long)
+    model, device = pipe.transformer, pipe.device
+    latents = torch.randn(2, 12, 64, dtype=torch.bfloat16, device=device)
+    prompt = torch.randn(2, 5, model.config.joint_attention_dim, dtype=torch.bfloat16, device=device)
+    mask = torch.ones(2, 5, dtype=torch.long, device=device)
     mask[1, 3:] = 0
-    sigma = torch.full((2,), 0.5)
+    sigma = torch.full((2,), 0.5, device=device)
     with torch.no_grad():
         model(latents, prompt, mask, sigma, (1, 3, 4))
-        with NoHostSync():
+        with NoHostSync(device):
             model(latents, prompt, mask, sigma, (1, 3, 4))
     return True
 
@@ -118,6 +120,21 @@ def run_four(out: Path, fp8: str) -> dict:
     return {"plan": pipe.parallel_summary()}
 
 
+def run_gpu(out: Path, fp8: str) -> dict:
+    pipe = load_pipeline(fp8, device="cuda", parallel=ParallelPlan(cfg=2))
+    save(out, "cfg2", pipe.generate(PROMPTS, **GPU_ARGS))
+    pipe.set_parallel(ParallelPlan(ulysses=2))
+    save(out, "u2-fused", pipe.generate(PROMPTS, **GPU_ARGS))
+    seen = {"graphs": bool(pipe._graphed.graphs), "fusion": pipe.fusion_summary().splitlines()[0]}
+    pipe.cuda_graphs = False
+    save(out, "u2-fused-eager", pipe.generate(PROMPTS, **GPU_ARGS))
+    pipe.cuda_graphs = True
+    pipe.set_variant("fp8-unfused")
+    save(out, "u2-unfused", pipe.generate(PROMPTS, **GPU_ARGS))
+    seen["no_host_sync"] = sharded_step_has_no_host_sync(pipe)
+    return seen
+
+
 def run_die(out: Path) -> dict:
     pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2))
 
@@ -136,7 +153,8 @@ def run_die(out: Path) -> dict:
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     fp8 = sys.argv[3] if len(sys.argv) > 3 else None
-    seen = {"two": run_two, "four": run_four}[scenario](out, fp8) if scenario != "die" else run_die(out)
+    runs = {"two": run_two, "four": run_four, "gpu": run_gpu}
+    seen = runs[scenario](out, fp8) if scenario != "die" else run_die(out)
     if os.environ.get("RANK") == "0":
         (out / "seen.json").write_text(json.dumps(seen))
     return 1 if seen.get("error") else 0
