@@ -91,20 +91,21 @@ class Shards:
             buf = self.buffers[name] = like.new_empty(shape)
         return buf
 
-    def to_head_shards(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """[B, S_rank, H, D] rows of all heads -> [B, H/size, S, D] all rows of this rank's heads (one
-        all-to-all for all tensors)."""
-        batch, rows, heads, dim = tensors[0].shape
-        size, local_heads = self.size, heads // self.size
-        send = self.buffer("qkv_send", (size, rows, len(tensors), batch, local_heads, dim), tensors[0])
-        for i, t in enumerate(tensors):
+    def to_head_shards(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, S_rank, H, D] rows of all heads -> [B, H/size, S, D] all rows of this rank's heads, in one
+        all-to-all; keys and values back in the one-process row order, queries in rank order."""
+        batch, rows, heads, dim = query.shape
+        size, local_heads, total = self.size, heads // self.size, sum(self.rows)
+        send = self.buffer("qkv_send", (size, rows, 3, batch, local_heads, dim), query)
+        for i, t in enumerate((query, key, value)):
             send[:, :, i].copy_(t.unflatten(2, (size, local_heads)).permute(2, 1, 0, 3, 4))
-        recv = self.buffer("qkv_recv", (sum(self.rows), len(tensors), batch, local_heads, dim), tensors[0])
+        recv = self.buffer("qkv_recv", (total, 3, batch, local_heads, dim), query)
         self.all_to_all(recv, send.flatten(0, 1), self.rows, [rows] * size)
-        query = recv[:, 0].permute(1, 2, 0, 3)
-        keys = self.buffer("kv", (sum(self.rows), 2, batch, local_heads, dim), tensors[0])
+        keys = self.buffer("kv", (total, 2, batch, local_heads, dim), query)
         torch.cat([recv[r, 1:] for r in self.key_ranges()], out=keys)
-        return [query, keys[:, 0].permute(1, 2, 0, 3), keys[:, 1].permute(1, 2, 0, 3)]
+        return tuple(t.permute(1, 2, 0, 3) for t in (recv[:, 0], keys[:, 0], keys[:, 1]))
 
     def key_ranges(self) -> list[slice]:
         """Row ranges of the all-to-all output ([text 0, image 0, text 1, ...]) in the one-process key

@@ -154,6 +154,12 @@ def join_ranks(device: torch.device) -> torch.device:
     return device
 
 
+def leave_ranks() -> None:
+    """Leave the process group after a run that ended well (NCCL warns at exit otherwise)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @dataclass
 class CfgExchange:
     """The CFG group of this rank: rank i runs branch i, then every rank gets both velocities."""

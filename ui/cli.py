@@ -137,6 +137,13 @@ def _is_launcher() -> bool:
     return launched_world_size() == 1
 
 
+def _leave_ranks() -> None:
+    if "torch.distributed" in sys.modules:  # only a rank has joined a process group
+        from pipelines.parallel import leave_ranks
+
+        leave_ranks()
+
+
 def _true_cfg(args: argparse.Namespace) -> bool:
     return args.negative_prompt is not None and (args.true_cfg_scale is None or args.true_cfg_scale > 1)
 
@@ -245,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     try:
         COMMANDS[args.command](args)
+        _leave_ranks()
     except RanksFailed as err:  # the ranks printed a user error themselves
         if err.status != USER_ERROR_STATUS:
             print(f"error: {err}", file=sys.stderr)
