@@ -29,13 +29,17 @@ def fp8_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(fp8_dir) -> dict[str, list[Image.Image]]:
+def bf16_pipe():
+    return load_pipeline(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_process(fp8_dir, bf16_pipe) -> dict[str, list[Image.Image]]:
     """The images of one process for every comparison."""
-    pipe = load_pipeline(device="cpu")
     fp8 = load_pipeline(fp8_dir, device="cpu")
     return {
-        "bf16-cfg": pipe.generate(PROMPTS, **CFG_ON),
-        "bf16-nocfg": pipe.generate(PROMPTS, **SIZE),
+        "bf16-cfg": bf16_pipe.generate(PROMPTS, **CFG_ON),
+        "bf16-nocfg": bf16_pipe.generate(PROMPTS, **SIZE),
         "fp8-fused-cfg": fp8.generate(PROMPTS, **CFG_ON),
     }
 
@@ -95,12 +99,11 @@ def test_a_sequence_too_short_to_split_is_refused_on_every_rank(two_ranks):
     assert "1 text and 12 image tokens cannot be split over 2 ranks" in seen["one_text_token"]
 
 
-def test_web_demo_followers_stop_and_fail_with_the_leader(two_ranks):
+def test_web_demo_followers_stop_and_fail_with_the_leader(two_ranks, bf16_pipe):
     seen = json.loads((two_ranks / "seen.json").read_text())
     assert seen["stopped"] and "prompt is empty" in seen["refused"]
-    single = load_pipeline(device="cpu")
-    first = single.generate(PROMPTS[0], **CFG_ON)
-    last = single.generate(PROMPTS[1], **{**CFG_ON, "seed": seen["last_seed"]})
+    first = bf16_pipe.generate(PROMPTS[0], **CFG_ON)
+    last = bf16_pipe.generate(PROMPTS[1], **{**CFG_ON, "seed": seen["last_seed"]})
     assert png_sha256(Image.open(two_ranks / "demo-first-0.png")) == png_sha256(first[0])
     assert png_sha256(Image.open(two_ranks / "demo-last-0.png")) == png_sha256(last[0])
 
