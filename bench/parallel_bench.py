@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50, help="steps of the true-CFG images")
     parser.add_argument("--step-runs", type=int, default=20, help="steps of the CFG-off step-time runs")
-    parser.add_argument("--phase-timeout", type=float, default=240)
+    parser.add_argument("--phase-timeout", type=float, default=120)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     bench = Bench(args)
