@@ -15,6 +15,7 @@ from transformers.utils import logging as transformers_logging
 
 from models.config import QwenImageConfig
 from models.errors import CheckpointError
+from models.geometry import DEFAULT_VAE_Z_DIM, check_model_dir, vae_scale_factor
 from models.loading import check_state_dict, load_transformer, read_json, read_state_dict, save_transformer
 from models.text_encoder import load_text_encoder
 from models.tokenizer import load_tokenizer
@@ -32,8 +33,6 @@ SCHEDULER_CONFIG: dict[str, Any] = {
     "time_shift_type": "exponential",
 }
 COMPONENT_DIRS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
-DEFAULT_VAE_DOWNSAMPLE = (False, True, True)  # AutoencoderKLQwenImage's default temperal_downsample
-DEFAULT_VAE_Z_DIM = 16
 
 
 @dataclass
@@ -54,17 +53,12 @@ class Components:
     @property
     def vae_scale_factor(self) -> int:
         """Pixels per latent cell along each side: 2 per VAE downsampling stage (diffusers' rule)."""
-        return 2 ** len(self.vae.temperal_downsample)
+        return vae_scale_factor(dict(self.vae.config))
 
     @property
     def latent_channels(self) -> int:
         """Latent channels before 2x2 packing: the transformer's `in_channels // 4`, as diffusers does."""
         return self.transformer.config.in_channels // 4
-
-
-def vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    """`2 ** len(temperal_downsample)` from a VAE config dict (diffusers' default: 3 stages, 8x)."""
-    return 2 ** len(vae_config.get("temperal_downsample", DEFAULT_VAE_DOWNSAMPLE))
 
 
 def check_compatible(transformer: QwenImageConfig, vae: dict[str, Any], text_hidden: int) -> None:
@@ -103,10 +97,7 @@ def default_scheduler() -> FlowMatchEulerDiscreteScheduler:
 def check_layout(directory: Path) -> dict[str, Any]:
     """Refuse a path that is not a complete diffusers-layout Qwen-Image directory, naming what lacks;
     returns its model_index.json."""
-    if not directory.exists():
-        raise CheckpointError(f"model directory {directory} does not exist")
-    if not directory.is_dir():
-        raise CheckpointError(f"model path {directory} is a file, not a directory")
+    check_model_dir(directory)
     index = read_json(directory / "model_index.json")
     missing = [name for name in COMPONENT_DIRS if not (directory / name).is_dir()]
     if missing:

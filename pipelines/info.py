@@ -38,7 +38,8 @@ def describe(pipe: QwenImagePipeline) -> str:
         f"transformer: {_params(c.transformer)}; {cfg.num_layers} layers, width {cfg.inner_dim}, "
         f"{cfg.num_attention_heads} heads x {cfg.attention_head_dim}, text dim {cfg.joint_attention_dim}",
         f"text encoder: {type(c.text_encoder).__name__}, {_params(c.text_encoder)}",
-        f"vae: {type(c.vae).__name__}, {_params(c.vae)}",
+        f"vae: {type(c.vae).__name__}, {_params(c.vae)}; {c.latent_channels} latent channels, "
+        f"{c.vae_scale_factor}x scale (sizes in multiples of {pipe.size_multiple})",
         f"tokenizer: {type(c.tokenizer).__name__}, vocabulary {len(c.tokenizer)}",
         f"scheduler: {type(c.scheduler).__name__}",
         f"defaults: {pipe.defaults.width}x{pipe.defaults.height}, {pipe.defaults.num_inference_steps} steps",

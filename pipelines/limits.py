@@ -14,15 +14,19 @@ SIZE_MULTIPLE = 16  # the VAE's 8x scale times the 2x2 latent packing, for Qwen-
 MIN_STEPS = 2  # one step divides by zero in the scheduler's terminal-shift stretch
 MAX_STEPS = 200
 MAX_IMAGES = 16
+DEFAULT_TRUE_CFG_SCALE = 4.0
 
 
 def check_size(width: object, height: object, multiple: int = SIZE_MULTIPLE) -> None:
     """InputError unless both sides are multiples of `multiple` in [multiple, MAX_SIDE]."""
-    for name, side in (("width", width), ("height", height)):
-        if not _is_int(side) or side % multiple or not multiple <= side <= MAX_SIDE:
-            raise InputError(
-                f"{name} {side} must be a multiple of {multiple} between {multiple} and {MAX_SIDE}"
-            )
+    check_side("width", width, multiple)
+    check_side("height", height, multiple)
+
+
+def check_side(name: str, side: object, multiple: int = SIZE_MULTIPLE) -> None:
+    """InputError unless `side` is a multiple of `multiple` in [multiple, MAX_SIDE]."""
+    if not _is_int(side) or side % multiple or not multiple <= side <= MAX_SIDE:
+        raise InputError(f"{name} {side} must be a multiple of {multiple} between {multiple} and {MAX_SIDE}")
 
 
 def check_steps(steps: object) -> None:
@@ -56,16 +60,23 @@ def check_generation_args(
     seed: object,
     size_multiple: int = SIZE_MULTIPLE,
 ) -> None:
-    """Raise InputError naming the first invalid generation argument."""
+    """Raise InputError naming the first invalid generation argument. Width, height, steps and
+    true_cfg_scale may be None before a model loads (the model's defaults apply); the pipeline checks
+    them again once they are resolved."""
     if not prompts or any(not p.strip() for p in prompts):
         raise InputError("prompt is empty: describe the image to generate")
     if negatives is not None and len(negatives) not in (1, len(prompts)):
         raise InputError(
             f"{len(negatives)} negative prompts for {len(prompts)} prompts: give one or one each"
         )
-    check_size(width, height, size_multiple)
-    check_steps(steps)
-    if not _is_number(true_cfg_scale) or not math.isfinite(true_cfg_scale) or true_cfg_scale < 0:
+    for name, side in (("width", width), ("height", height)):
+        if side is not None:
+            check_side(name, side, size_multiple)
+    if steps is not None:
+        check_steps(steps)
+    if true_cfg_scale is not None and not (
+        _is_number(true_cfg_scale) and math.isfinite(true_cfg_scale) and true_cfg_scale >= 0
+    ):
         raise InputError(f"true_cfg_scale {true_cfg_scale} must be a finite number >= 0")
     if not _is_int(num_images_per_prompt) or not 1 <= num_images_per_prompt <= MAX_IMAGES:
         raise InputError(f"num_images_per_prompt {num_images_per_prompt} must be between 1 and {MAX_IMAGES}")

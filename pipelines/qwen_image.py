@@ -21,7 +21,7 @@ from models.math import unpack_latents
 from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
 from models.text_encoder import encode_prompts
 from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
-from pipelines.limits import VARIANTS, as_prompt_list, check_generation_args
+from pipelines.limits import DEFAULT_TRUE_CFG_SCALE, VARIANTS, as_prompt_list, check_generation_args
 from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
 from pipelines.sampling import (
     Conditioning,
@@ -46,7 +46,7 @@ class GenerationDefaults:
     width: int = 1024
     height: int = 1024
     num_inference_steps: int = 50
-    true_cfg_scale: float = 4.0
+    true_cfg_scale: float = DEFAULT_TRUE_CFG_SCALE
 
 
 EMBEDDED_DEFAULTS = GenerationDefaults(width=256, height=256, num_inference_steps=20)

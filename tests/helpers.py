@@ -1,4 +1,5 @@
-"""Shared test helpers: a host-synchronisation guard, PNG hashing, and ranks for the parallel tests."""
+"""Shared test helpers: a host-synchronisation guard, PNG hashing, the checkout's root, where chromium is,
+and ranks for the parallel tests."""
 
 import hashlib
 import io
@@ -13,6 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = torch.device("cpu")
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's chromium, driven by Playwright in the `browser` tests
+# The checkout under test: subprocesses run from it, so they import its code, not an installed copy.
+REPO = Path(__file__).resolve().parents[1]
 
 
 class NoHostSync(TorchDispatchMode):
@@ -55,15 +59,14 @@ def png_sha256(image: PIL.Image.Image) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
-ROOT = Path(__file__).resolve().parents[1]
-RANK_SCRIPT = str(ROOT / "tests" / "parallel_rank.py")
+RANK_SCRIPT = str(REPO / "tests" / "parallel_rank.py")
 
 
 def rank_env(timeout_s: float = 120) -> dict[str, str]:
     """The environment of ranks started by a test: this worktree importable, one thread each on the CPU,
     a short collective timeout (orphans of a failed test end on their own), NVLink multicast off."""
     return os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
         "QWEN_IMAGE_COLLECTIVE_TIMEOUT": str(timeout_s),
         "NCCL_NVLS_ENABLE": "0",
@@ -83,7 +86,7 @@ def launch(ranks: int, command: list[str], timeout: float = 300) -> subprocess.C
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env=rank_env(),
-        cwd=ROOT,
+        cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

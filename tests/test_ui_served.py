@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
+from helpers import CHROMIUM
 from PIL import Image
 
 from pipelines import load_pipeline
 from ui.app import build_app
 
-CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -74,9 +74,8 @@ def test_readme_client_call(server: tuple[str, list[int]]) -> None:
 
 @pytest.mark.browser
 def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int]], tmp_path: Path) -> None:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api  # conftest checked that it and chromium are installed
+
     url, completed = server
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)

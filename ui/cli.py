@@ -4,6 +4,7 @@ User errors (bad arguments, bad checkpoints) print one line `error: ...` and exi
 """
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -12,12 +13,33 @@ from pathlib import Path
 import PIL.Image
 
 from models.errors import InputError, ParallelError, QwenImageError
+from models.geometry import size_multiple
+from models.prompt_template import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
+from pipelines.limits import (
+    DEFAULT_TRUE_CFG_SCALE,
+    MAX_IMAGES,
+    MAX_SIDE,
+    MAX_STEPS,
+    MIN_STEPS,
+    SIZE_MULTIPLE,
+    as_prompt_list,
+    check_generation_args,
+    check_size,
+    check_steps,
+)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default; options whose default depends on the model say so in their help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local diffusers-layout checkpoint dir (default: the embedded model)")
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     parser.add_argument(
         "--variant", default="auto", help="reference, contract, fp8-unfused, fp8-fused or auto"
     )
@@ -37,39 +59,62 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-image", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate images from a prompt")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+
+    gen = command("generate", "generate images from a prompt")
     gen.add_argument("prompt")
     gen.add_argument("-o", "--out", default="out.png", help="output PNG (index appended for several images)")
-    gen.add_argument("--negative-prompt", help="enables true CFG when --true-cfg-scale > 1")
-    gen.add_argument("--width", type=int)
-    gen.add_argument("--height", type=int)
-    gen.add_argument("--steps", type=int, dest="num_inference_steps")
+    gen.add_argument("--negative-prompt", help="enables true CFG when --true-cfg-scale > 1 (default: none)")
+    side = f"a multiple of {SIZE_MULTIPLE} up to {MAX_SIDE} for Qwen-Image's VAE"
+    model_default = "default: the model's, 1024 for Qwen-Image checkpoints, 256 for the embedded model"
+    gen.add_argument("--width", type=int, help=f"image width in pixels, {side} ({model_default})")
+    gen.add_argument("--height", type=int, help=f"image height in pixels, {side} ({model_default})")
     gen.add_argument(
-        "--true-cfg-scale", type=float, help="true CFG scale (default 4.0; needs a negative prompt)"
+        "--steps",
+        type=int,
+        dest="num_inference_steps",
+        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS} (default: 50, 20 for the embedded model)",
     )
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--num-images", type=int, default=1, dest="num_images_per_prompt")
-    gen.add_argument("--max-sequence-length", type=int, help="text tokens kept, 1..1024 (default 512)")
+    gen.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        help=f"true CFG scale; needs a negative prompt (default: {DEFAULT_TRUE_CFG_SCALE})",
+    )
+    gen.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
+    gen.add_argument(
+        "--num-images", type=int, default=1, dest="num_images_per_prompt", help=f"images, 1..{MAX_IMAGES}"
+    )
+    gen.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=DEFAULT_SEQUENCE_LENGTH,
+        help=f"text tokens kept, 1..{MAX_SEQUENCE_LENGTH}",
+    )
     _add_model_args(gen)
     _add_gpus_arg(gen, "generate")
 
-    info = sub.add_parser("info", help="components, dtypes, parameter counts, quantization and fusion")
+    info = command("info", "components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
     _add_gpus_arg(info, "also show the parallel plans")
 
-    quant = sub.add_parser("quantize", help="calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
+    quant = command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
     quant.add_argument("--out", required=True, help="new checkpoint directory")
     quant.add_argument("--calib-prompts", help="text file, one prompt per line (default: a built-in set)")
-    quant.add_argument("--steps", type=int, help="denoising steps per calibration prompt")
-    quant.add_argument("--size", type=int, help="calibration image side in pixels")
-    quant.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    quant.add_argument(
+        "--steps", type=int, help="denoising steps per calibration prompt (default: the model's, at most 20)"
+    )
+    quant.add_argument(
+        "--size", type=int, help="calibration image side in pixels (default: the model's default size)"
+    )
+    quant.add_argument("--device", help="cuda or cpu (default: cuda when available, else cpu)")
     quant.add_argument(
         "--keep-bf16",
         help="comma-separated module globs kept in BF16 (default: the DESIGN §3 fallback list)",
     )
 
-    ui = sub.add_parser("ui", help="the Gradio web demo")
+    ui = command("ui", "the Gradio web demo")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=7860)
     _add_model_args(ui)
@@ -122,19 +167,19 @@ def _check_gpus_visible(gpus: int, device: str | None) -> None:
         raise InputError(f"--gpus {gpus}, but {visible} CUDA GPUs are visible on this machine")
 
 
+def _is_launcher() -> bool:
+    """True in the process the user started (it launches the ranks), False in a rank."""
+    from pipelines.parallel import launched_world_size
+
+    return launched_world_size() == 1
+
+
 def _launch(args: argparse.Namespace, plan) -> None:
     """Start the ranks of `plan`, each running this same command line (ui/launch.py)."""
     from ui.launch import launch_ranks
 
     print(f"starting {plan.describe()}", file=sys.stderr)
     launch_ranks(plan.world_size, [sys.executable, "-m", "ui.cli", *args.argv])
-
-
-def _is_launcher() -> bool:
-    """True in the process the user started (it launches the ranks), False in a rank."""
-    from pipelines.parallel import launched_world_size
-
-    return launched_world_size() == 1
 
 
 def _leave_ranks() -> None:
@@ -145,7 +190,8 @@ def _leave_ranks() -> None:
 
 
 def _true_cfg(args: argparse.Namespace) -> bool:
-    return args.negative_prompt is not None and (args.true_cfg_scale is None or args.true_cfg_scale > 1)
+    scale = DEFAULT_TRUE_CFG_SCALE if args.true_cfg_scale is None else args.true_cfg_scale
+    return args.negative_prompt is not None and scale > 1
 
 
 def image_paths(out: Path, count: int) -> list[Path]:
@@ -155,8 +201,32 @@ def image_paths(out: Path, count: int) -> list[Path]:
     return [out] if count == 1 else [out.with_stem(f"{out.stem}-{i}") for i in range(count)]
 
 
+def model_size_multiple(model: str | None) -> int:
+    """What image sides must be multiples of, read from the checkpoint's VAE config without loading it."""
+    return SIZE_MULTIPLE if model is None else size_multiple(Path(model))
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Every generation argument and the output name, checked before any model loads."""
+    image_paths(
+        Path(args.out), args.num_images_per_prompt if isinstance(args.num_images_per_prompt, int) else 1
+    )
+    check_generation_args(
+        as_prompt_list(args.prompt, "prompt"),
+        as_prompt_list(args.negative_prompt, "negative_prompt"),
+        args.width,
+        args.height,
+        args.num_inference_steps,
+        args.true_cfg_scale,
+        args.num_images_per_prompt,
+        args.max_sequence_length,
+        args.seed,
+        model_size_multiple(args.model),
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
-    image_paths(Path(args.out), 1)  # refuse a bad output name before loading anything
+    check_generate_args(args)
     plan = _plan(args, _true_cfg(args))
     if plan is not None and _is_launcher():
         _launch(args, plan)
@@ -205,6 +275,10 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from pipelines.prompts import read_prompt_file
     from pipelines.quantize import DEFAULT_BF16_FALLBACK, DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
 
+    if args.steps is not None:
+        check_steps(args.steps)
+    if args.size is not None:
+        check_size(args.size, args.size, model_size_multiple(args.model))
     prompts = DEFAULT_CALIBRATION_PROMPTS
     if args.calib_prompts:
         prompts = read_prompt_file(Path(args.calib_prompts))
@@ -244,12 +318,25 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 }
 
 
+def show_library_warnings() -> None:
+    """Our own warnings (e.g. a prompt cut at max_sequence_length) as one `warning: ...` line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    log = logging.getLogger("qwen_image")
+    log.handlers[:] = [handler]
+    log.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ui.launch import USER_ERROR_STATUS, RanksFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if is_leader_process():
+        show_library_warnings()
+    else:  # the other ranks see the same prompts: rank 0 speaks for them
+        logging.getLogger("qwen_image").setLevel(logging.ERROR)
     try:
         COMMANDS[args.command](args)
         _leave_ranks()

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import RANK_SCRIPT, ROOT, launch, png_sha256, rank_env
+from helpers import RANK_SCRIPT, REPO, launch, png_sha256, rank_env
 from parallel_rank import GPU_ARGS, PROMPTS
 from PIL import Image
 
@@ -75,7 +75,7 @@ def test_cli_gpus_2_writes_the_one_gpu_png(tmp_path, fp8_dir):
     two = subprocess.run(
         [sys.executable, "-m", "ui.cli", *args, "--gpus", "2", "-o", str(tmp_path / "two.png")],
         env=rank_env(),
-        cwd=ROOT,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
