@@ -20,6 +20,7 @@ byte-identical to one process; on GPUs the GEMMs see fewer rows, so cuBLAS may p
 """
 
 import itertools
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -180,9 +181,8 @@ def run_collective(op: Collective, what: str, size: int) -> None:
         try:
             op()
         except RuntimeError as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ParallelError(
-                f"rank {dist.get_rank()}: the {what} across {size} ranks failed ({reason}); "
+                f"rank {dist.get_rank()}: the {what} across {size} ranks failed ({first_words(err)}); "
                 "another rank died or stopped answering"
             ) from err
 
@@ -191,6 +191,12 @@ def run_collective(op: Collective, what: str, size: int) -> None:
         checked()
     else:
         cut(checked)
+
+
+def first_words(err: Exception) -> str:
+    """A backend error's gist: its first sentence without the source location ("[pair.cc:537] ...")."""
+    line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", line).split(". ")[0]
 
 
 class SequenceParallel:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.errors import InputError
-from models.sequence_parallel import Shards, cut_at_collectives, row_parts, run_collective
+from models.sequence_parallel import Shards, cut_at_collectives, first_words, row_parts, run_collective
 from pipelines import load_pipeline
 from pipelines.cuda_graph import GraphSegments
 from pipelines.parallel import ParallelPlan, plan_for, resolve_plan
@@ -245,3 +245,12 @@ def test_cuts_end_with_their_context():
 def test_a_killed_rank_is_named():
     assert str(RanksFailed(1, -9)).startswith("rank 1 was killed by signal 9")
     assert str(RanksFailed(0, 3)).startswith("rank 0 exited with status 3")
+
+
+def test_a_backend_error_is_cut_to_its_gist():
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:41689: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs."
+    )
+    assert first_words(gloo) == "Read error [127.0.0.1]:41689: Connection reset by peer"
+    assert first_words(RuntimeError("")) == "RuntimeError"
