@@ -207,7 +207,8 @@ def join_torchrun(config: Config) -> Rank:
         cuda_device = gpus[local_rank]
         torch.cuda.set_device(local_rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+    device_id = torch.device("cuda", local_rank) if backend == "nccl" else None  # NCCL need not guess it
+    dist.init_process_group(backend, timeout=datetime.timedelta(hours=2), device_id=device_id)
     return Rank(dist.get_rank(), world, local_rank, cuda_device)
 
 

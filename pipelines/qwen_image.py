@@ -23,8 +23,9 @@ from models.math import unpack_latents
 from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
 from models.text_encoder import encode_prompts
 from pipelines import lora
-from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env
+from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
 from pipelines.limits import DEFAULT_TRUE_CFG_SCALE, VARIANTS, as_prompt_list, check_generation_args
+from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
 from pipelines.presets import get_preset
 from pipelines.sampling import (
     Conditioning,
@@ -129,7 +130,8 @@ class QwenImagePipeline:
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.size_multiple)
         self.last_run: RunInfo | None = None
         self.cuda_graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
-        self._graphed = GraphedStep(self._eager_step)
+        self._graphed = GraphedStep(self._eager_step, cut_collectives=cut_collectives_by_env())
+        self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
         self.loras: dict[str, lora.LoadedLora] = {}
         self.lora_mode = "branch"
         self.lora_merge: MergeReport | None = None
@@ -200,6 +202,18 @@ class QwenImagePipeline:
         self.lora_mode = lora.check_lora_mode(mode)
         self.set_variant(self.variant)
 
+    def set_parallel(self, plan: ParallelPlan | None) -> None:
+        """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
+        calls it at the same point; captured graphs are dropped."""
+        if self.ranks is not None:
+            self.ranks.release()
+        self.ranks = None if plan is None or plan.world_size == 1 else Ranks(plan, self.transformer)
+        self._graphed.graphs.clear()
+
+    def parallel_summary(self) -> str:
+        """The parallel plan this process runs in, e.g. "CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)"."""
+        return "one process" if self.ranks is None else self.ranks.describe()
+
     def fusion_summary(self) -> str:
         """The fusion report: fused FP8 producer paths and why the others are not."""
         if not self.transformer.is_fp8:
@@ -255,7 +269,10 @@ class QwenImagePipeline:
         if lora_scales:
             self.set_lora_scales(lora_scales)
         scheduler = self.components.scheduler if run_preset is None else run_preset.make_scheduler()
-        seed = random.randrange(2**31) if seed is None else seed
+        if seed is None:
+            seed = random.randrange(2**31)
+            if self.ranks is not None:
+                seed = self.ranks.share_seed(seed)
         timer = _StageTimer(self.device)
 
         branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt)]
@@ -306,7 +323,8 @@ class QwenImagePipeline:
         step = self._step((1, latent_hw[0] // 2, latent_hw[1] // 2))
 
         def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            velocities = branch_velocities(step, latents, sigma, branches)
+            cfg = None if self.ranks is None else self.ranks.cfg
+            velocities = branch_velocities(step, latents, sigma, branches, cfg)
             return velocities[0] if len(velocities) == 1 else true_cfg(*velocities, true_cfg_scale)
 
         return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress)
@@ -367,9 +385,18 @@ def load_pipeline(
     variant: str = "auto",
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    parallel: ParallelPlan | str | None = None,
 ) -> QwenImagePipeline:
-    """A new pipeline for `model` (None: the embedded default)."""
-    return QwenImagePipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    """A new pipeline for `model` (None: the embedded default). `parallel` ("auto" or a ParallelPlan)
+    makes this process one rank of a launched group; a plan that does not fit is refused before loading."""
+    plan = resolve_plan(parallel, model)
+    device = pick_device(device)
+    if plan is not None:
+        device = join_ranks(device)
+    pipe = QwenImagePipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    if plan is not None:
+        pipe.set_parallel(plan)
+    return pipe
 
 
 def generate(
@@ -378,10 +405,11 @@ def generate(
     variant: str = "auto",
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    parallel: ParallelPlan | str | None = None,
     **kwargs,
 ) -> list[PIL.Image.Image]:
-    """One-call generation; keeps one pipeline per (model, variant, device, dtype) for later calls."""
-    key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype))
+    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel) to reuse."""
+    key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype), parallel)
     if key not in _CACHE:
-        _CACHE[key] = load_pipeline(model, variant, device, dtype)
+        _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel)
     return _CACHE[key].generate(prompt, **kwargs)

@@ -13,6 +13,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
 from models.math import pack_latents
+from pipelines.parallel import CfgExchange
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,20 @@ def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Te
 
 
 def branch_velocities(
-    step: Step, latents: torch.Tensor, sigma: torch.Tensor, branches: Sequence[Conditioning]
+    step: Step,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    branches: Sequence[Conditioning],
+    cfg: CfgExchange | None = None,
 ) -> list[torch.Tensor]:
-    """One transformer call per CFG branch (positive first), each as its own batch."""
-    return [step(latents, branch, sigma) for branch in branches]
+    """One transformer call per CFG branch (positive first), each as its own batch.
+
+    With a CFG exchange of one rank per branch, rank i runs branch i and the velocities are all-gathered:
+    the same calls and bytes as one process. A single branch (true CFG off) runs on every rank.
+    """
+    if cfg is None or len(branches) != cfg.size:
+        return [step(latents, branch, sigma) for branch in branches]
+    return cfg.gather(step(latents, branches[cfg.rank], sigma))
 
 
 def euler_loop(

@@ -14,6 +14,7 @@ from models.embedded import EMBEDDED_NAME
 from models.errors import QwenImageError
 from pipelines import load_pipeline
 from pipelines.limits import MAX_STEPS, MIN_STEPS
+from pipelines.parallel import ParallelPlan
 from ui.generation import (
     CUSTOM,
     PRESETS,
@@ -26,6 +27,7 @@ from ui.generation import (
     resolve_size,
 )
 from ui.lora_controls import load_lora_files, lora_controls, lora_details
+from ui.ranks import serve
 
 QUEUE_MAX = 64
 GALLERY_MAX_IMAGES = 4
@@ -176,14 +178,16 @@ def launch(
     variant: str = "auto",
     device: str | None = None,
     dtype: str | None = None,
+    parallel: ParallelPlan | None = None,
     lora_files: list[Path] | None = None,
 ) -> None:
-    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`);
-    `lora_files` are mounted at scale 0 for the LoRA sliders."""
-    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype)
+    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`); with a
+    parallel plan, rank 0 serves and the other ranks follow its jobs (ui/ranks.py). `lora_files` are
+    mounted at scale 0 (on every rank) for the LoRA sliders."""
+    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype, parallel=parallel)
     if lora_files is not None:
         load_lora_files(pipe, lora_files)
-    build_app(pipe).launch(server_name=host, server_port=port)
+    serve(pipe, lambda app_pipe: build_app(app_pipe).launch(server_name=host, server_port=port))
 
 
 def _header(pipe: Pipeline) -> str:

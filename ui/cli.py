@@ -5,6 +5,7 @@ User errors (bad arguments, bad checkpoints) print one line `error: ...` and exi
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import PIL.Image
 
-from models.errors import InputError, QwenImageError
+from models.errors import InputError, ParallelError, QwenImageError
 from models.geometry import size_multiple
 from models.prompt_template import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
 from pipelines.limits import (
@@ -27,7 +28,7 @@ from pipelines.limits import (
     check_size,
     check_steps,
 )
-from pipelines.presets import LORA_MODES, PRESETS, find_lora_files, get_preset, parse_lora_spec
+from pipelines.presets import LORA_MODES, PRESETS, LoraSpec, find_lora_files, get_preset, parse_lora_spec
 
 if TYPE_CHECKING:
     from models.lora import LoraFile
@@ -50,6 +51,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     parser.add_argument(
         "--variant", default="auto", help="reference, contract, fp8-unfused, fp8-fused or auto"
+    )
+
+
+def _add_gpus_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help=f"{what} on N GPUs of this machine: CFG-parallel when true CFG is on and N is even, Ulysses "
+        "sequence parallel for the rest (README: Several GPUs)",
     )
 
 
@@ -101,9 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
     _add_model_args(gen)
+    _add_gpus_arg(gen, "generate")
 
     info = command("info", "components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
+    _add_gpus_arg(info, "also show the parallel plans")
 
     quant = command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
@@ -130,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=7860)
     ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
     _add_model_args(ui)
+    _add_gpus_arg(ui, "serve")
     return parser
 
 
@@ -143,9 +157,8 @@ def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None
     )
 
 
-def _read_loras(texts: list[str] | None) -> list[tuple["LoraFile", float]]:
-    """Parse and read every --lora before the model loads, so a bad file fails in seconds."""
-    specs = [parse_lora_spec(text) for text in texts or []]
+def _read_loras(specs: list[LoraSpec]) -> list[tuple["LoraFile", float]]:
+    """Read every --lora before the model loads, so a bad file fails in seconds."""
     if not specs:
         return []
     from models.lora import read_lora_file
@@ -153,11 +166,78 @@ def _read_loras(texts: list[str] | None) -> list[tuple["LoraFile", float]]:
     return [(read_lora_file(spec.path), spec.scale) for spec in specs]
 
 
-def _load(args: argparse.Namespace):
+def is_leader_process() -> bool:
+    """Rank 0 of a launched run, or a plain process: the one that prints and writes files."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _load(args: argparse.Namespace, parallel=None):
     from pipelines import load_pipeline
 
-    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
-    return load_pipeline(args.model, variant=args.variant, device=args.device, dtype=args.dtype)
+    if is_leader_process():
+        where = "" if parallel is None else f" as {parallel.describe()}"
+        print(f"loading {args.model or 'the embedded default model'}{where} ...", file=sys.stderr)
+    return load_pipeline(
+        args.model, variant=args.variant, device=args.device, dtype=args.dtype, parallel=parallel
+    )
+
+
+def _plan(args: argparse.Namespace, true_cfg: bool):
+    """None for one process; else the plan for `--gpus N` (checked against the model's heads and the
+    visible GPUs before anything loads) or for the ranks a launcher started."""
+    from pipelines.parallel import attention_heads, launched_world_size, plan_for
+
+    world = launched_world_size()
+    if world == 1 and args.gpus == 1:
+        return None
+    if world > 1 and args.gpus not in (1, world):
+        raise InputError(f"--gpus {args.gpus}, but the launcher started {world} ranks")
+    plan = plan_for(max(world, args.gpus), attention_heads(args.model), true_cfg)
+    if world == 1:
+        _check_gpus_visible(args.gpus, args.device)
+    return plan
+
+
+def _check_gpus_visible(gpus: int, device: str | None) -> None:
+    import torch
+
+    if device is not None and device.startswith("cpu"):
+        raise InputError(
+            "--gpus starts one rank per GPU; for gloo ranks on the CPU run "
+            "`torchrun --nproc_per_node N -m ui.cli ... --device cpu`"
+        )
+    visible = torch.cuda.device_count()
+    if visible < gpus:
+        raise InputError(f"--gpus {gpus}, but {visible} CUDA GPUs are visible on this machine")
+
+
+def _is_launcher() -> bool:
+    """True in the process the user started (it launches the ranks), False in a rank."""
+    from pipelines.parallel import launched_world_size
+
+    return launched_world_size() == 1
+
+
+def _launch(args: argparse.Namespace, plan) -> None:
+    """Start the ranks of `plan`, each running this same command line (ui/launch.py)."""
+    from ui.launch import launch_ranks
+
+    print(f"starting {plan.describe()}", file=sys.stderr)
+    launch_ranks(plan.world_size, [sys.executable, "-m", "ui.cli", *args.argv])
+
+
+def _leave_ranks() -> None:
+    if "torch.distributed" in sys.modules:  # only a rank has joined a process group
+        from pipelines.parallel import leave_ranks
+
+        leave_ranks()
+
+
+def _true_cfg(args: argparse.Namespace) -> bool:
+    preset = get_preset(args.preset)
+    default = DEFAULT_TRUE_CFG_SCALE if preset is None else preset.true_cfg_scale
+    scale = default if args.true_cfg_scale is None else args.true_cfg_scale
+    return args.negative_prompt is not None and scale > 1
 
 
 def image_paths(out: Path, count: int) -> list[Path]:
@@ -193,8 +273,13 @@ def check_generate_args(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     check_generate_args(args)
-    loras = _read_loras(args.lora)
-    pipe = _load(args)
+    lora_specs = [parse_lora_spec(text) for text in args.lora or []]  # before any rank starts
+    plan = _plan(args, _true_cfg(args))
+    if plan is not None and _is_launcher():
+        _launch(args, plan)
+        return
+    loras = _read_loras(lora_specs)
+    pipe = _load(args, plan)
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
     pipe.set_lora_mode(args.lora_mode)
@@ -204,10 +289,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         args.prompt,
         negative_prompt=args.negative_prompt,
         true_cfg_scale=args.true_cfg_scale,
-        progress=True,
+        progress=is_leader_process(),
         preset=args.preset,
         **options,
     )
+    if not is_leader_process():
+        return
     paths = image_paths(Path(args.out), len(images))
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     for image, path in zip(images, paths, strict=True):
@@ -224,6 +311,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         f"| total {t['total']:.2f} s"
     )
     print(run.fusion_summary)
+    print(f"parallel: {pipe.parallel_summary()}")
     if run.preset:
         print(f"preset: {get_preset(run.preset).describe()}")
     if run.loras:
@@ -233,9 +321,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from pipelines.info import describe
+    from pipelines.info import describe, describe_plans
 
+    plans = describe_plans(args.gpus, args.model) if args.gpus > 1 else None
     print(describe(_load(args)))
+    if plans:
+        print(plans)
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
@@ -260,7 +351,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         steps=args.steps,
         size=args.size,
         device=args.device,
-        loras=_read_loras(args.lora),
+        loras=_read_loras([parse_lora_spec(text) for text in args.lora or []]),
         preset=args.preset,
     )
     print(f"wrote {out}")
@@ -268,9 +359,13 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 
 
 def cmd_ui(args: argparse.Namespace) -> None:
+    lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
+    plan = _plan(args, true_cfg=True)
+    if plan is not None and _is_launcher():
+        _launch(args, plan)
+        return
     from ui.app import launch
 
-    lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
     launch(
         args.model,
         host=args.host,
@@ -278,6 +373,7 @@ def cmd_ui(args: argparse.Namespace) -> None:
         variant=args.variant,
         device=args.device,
         dtype=args.dtype,
+        parallel=plan,
         lora_files=lora_files,
     )
 
@@ -300,13 +396,29 @@ def show_library_warnings() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ui.launch import USER_ERROR_STATUS, RanksFailed
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    show_library_warnings()
+    args.argv = argv
+    if is_leader_process():
+        show_library_warnings()
+    else:  # the other ranks see the same prompts: rank 0 speaks for them
+        logging.getLogger("qwen_image").setLevel(logging.ERROR)
     try:
         COMMANDS[args.command](args)
-    except QwenImageError as err:
+        _leave_ranks()
+    except RanksFailed as err:  # the ranks printed a user error themselves
+        if err.status != USER_ERROR_STATUS:
+            print(f"error: {err}", file=sys.stderr)
+        return USER_ERROR_STATUS if err.status == USER_ERROR_STATUS else 1
+    except ParallelError as err:  # every rank that sees it says so
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return 1
+    except QwenImageError as err:
+        if is_leader_process():  # the other ranks fail the same way, quietly
+            print(f"error: {err}", file=sys.stderr)
+        return USER_ERROR_STATUS
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
