@@ -367,13 +367,15 @@ def draw_scene(seed: int, index: int) -> Scene:
 
 
 def held_out_scenes(count: int = 100) -> list[Scene]:
-    """The first `count` scenes of the held-out stream whose object key is in the held-out bucket."""
-    scenes = []
+    """The first `count` distinct descriptions of the held-out stream whose object key is held out."""
+    scenes: list[Scene] = []
+    seen: set[Description] = set()
     index = 0
     while len(scenes) < count:
         rng = np.random.default_rng([HELD_OUT_SEED, index])
         description = sample_description(rng)
-        if description.is_held_out():
+        if description.is_held_out() and description not in seen:
+            seen.add(description)
             scenes.append(build_scene(rng, description, (HELD_OUT_SEED, index)))
         index += 1
     return scenes

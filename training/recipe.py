@@ -45,6 +45,7 @@ class Preset:
     dit_steps: int
     dit_batch: int
     dit_lr: float
+    held_out_samples: int = 100  # held-out scenes reconstructed by the VAE and generated after training
 
 
 def vae_config(base_dim: int) -> dict:
@@ -62,7 +63,7 @@ PRESETS = {
         scenes=60_000,
         vae_steps=3_000,
         vae_batch=64,
-        vae_lr=1e-3,
+        vae_lr=4e-4,
         dit_steps=8_000,
         dit_batch=256,
         dit_lr=5e-4,
@@ -74,9 +75,9 @@ PRESETS = {
         vae=vae_config(8),
         text_hidden=32,
         scenes=4_000,
-        vae_steps=300,
+        vae_steps=600,
         vae_batch=16,
-        vae_lr=2e-3,
+        vae_lr=5e-4,
         dit_steps=1_500,
         dit_batch=64,
         dit_lr=1e-3,
@@ -94,6 +95,7 @@ PRESETS = {
         dit_steps=3,
         dit_batch=4,
         dit_lr=1e-3,
+        held_out_samples=2,
     ),
 }
 

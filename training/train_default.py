@@ -6,7 +6,7 @@
     python -m training.train_default --preset smoke --out /tmp/smoke  # seconds (tests)
 
 Stages: (1) render the training scenes (eval.scenes, held-out object keys excluded) in worker processes;
-(2) train `AutoencoderKLQwenImage` on them (L1 + a small KL, decoding posterior samples); (3) encode every
+(2) train `AutoencoderKLQwenImage` on them (L1 + MSE + a small KL, decoding posterior samples); (3) encode every
 scene once: VAE posterior means, normalised with the VAE's latents_mean/std (measured here and written to
 its config, so the pipeline's decode inverts exactly this) and packed 2x2 as the pipeline packs them, and
 both captions (English, Chinese) through the frozen text encoder with `encode_prompts`, as the pipeline
@@ -30,21 +30,25 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import PIL
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from PIL import Image
 from tqdm.auto import tqdm
 
-from eval.scenes import HELD_OUT_PERCENT, draw_scene, render
-from models.components import default_scheduler
+from eval.scenes import HELD_OUT_PERCENT, LANGUAGES, draw_scene, held_out_scenes, render
+from models.components import Components, default_scheduler
 from models.embedded import cast_parameters
 from models.loading import save_transformer
 from models.math import pack_latents
 from models.text_encoder import encode_prompts
 from models.tokenizer import build_qwen2_tokenizer
+from pipelines.qwen_image import GenerationDefaults, QwenImagePipeline
 from training.recipe import (
     NEGATIVE_PROMPT,
     PRESETS,
@@ -61,8 +65,11 @@ TEXT_DROPOUT = 0.1
 VAE_KL_WEIGHT = 1e-6
 EMA_DECAY = 0.999
 WARMUP_FRACTION = 0.03
-LOG_EVERY = 25
+LOG_EVERY = 25  # steps per loss-log row (fewer for short runs: at least 20 rows)
 PROBE_WARMUP_STEPS = 3
+SAMPLE_STEPS = 20
+SAMPLE_BATCH = 100
+SAMPLE_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,10 @@ def steps_of(total: int, seconds: float | None, desc: str) -> Iterator[int]:
             bar.close()
             return
         yield step
+
+
+def log_interval(total: int) -> int:
+    return max(1, min(LOG_EVERY, total // 20))
 
 
 def lr_factor(step: int, total: int) -> float:
@@ -167,12 +178,16 @@ def to_vae_input(images: torch.Tensor) -> torch.Tensor:
 
 
 def train_vae(vae, images: torch.Tensor, settings: Settings, log: LossLog) -> dict:
-    """L1 reconstruction of posterior samples plus a small KL; returns throughput and the last loss."""
+    """L1 + MSE reconstruction of posterior samples plus a small KL; returns throughput and the last loss.
+
+    MSE next to L1 weighs the few pixels that are badly wrong (a missing shape), which L1 alone learns
+    slowly on these mostly flat images."""
     sizes, device = settings.sizes, images.device
     generator = torch.Generator(device).manual_seed(settings.seed + 1)
     vae.to(device).train().requires_grad_(True)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=sizes.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
     running = torch.zeros((), device=device)
+    every = log_interval(sizes.vae_steps)
     timer = Throughput(device, sizes.vae_batch)
     for step in steps_of(sizes.vae_steps, settings.probe_seconds, "vae"):
         for group in optimizer.param_groups:
@@ -184,15 +199,16 @@ def train_vae(vae, images: torch.Tensor, settings: Settings, log: LossLog) -> di
             reconstruction = vae.decode(posterior.sample(generator=generator)).sample
         mean, logvar = posterior.mean.float(), posterior.logvar.float()
         kl = 0.5 * (mean.square() + logvar.exp() - 1.0 - logvar).mean()
-        loss = (reconstruction.float() - x).abs().mean() + VAE_KL_WEIGHT * kl
+        error = reconstruction.float() - x
+        loss = error.abs().mean() + error.square().mean() + VAE_KL_WEIGHT * kl
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         optimizer.step()
         running += loss.detach()
         timer.tick(step)
-        if (step + 1) % LOG_EVERY == 0:
-            log.write({"stage": "vae", "step": step + 1, "loss": running.item() / LOG_EVERY, **timer.row()})
+        if (step + 1) % every == 0:
+            log.write({"stage": "vae", "step": step + 1, "loss": running.item() / every, **timer.row()})
             running.zero_()
     vae.eval().requires_grad_(False)
     return timer.summary() | {"last_loss": log.rows[-1]["loss"] if log.rows else None}
@@ -247,12 +263,17 @@ def encode_latents(vae, images: torch.Tensor, batch: int, amp: bool) -> torch.Te
 
 def normalise_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Measure per-channel mean/std, write them to the VAE config (the pipeline decodes with them), and
-    return the packed, normalised latents [N, tokens, 64] in bf16."""
-    mean = latents.mean(dim=(0, 2, 3))
-    std = latents.std(dim=(0, 2, 3))
+    return the model's latents for every image."""
+    mean, std = latents.mean(dim=(0, 2, 3)), latents.std(dim=(0, 2, 3))
     vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    return model_latents(latents, mean, std)
+
+
+def model_latents(latents: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """VAE latents [N, 16, h, w] -> what the DiT sees: normalised per channel (the inverse of the pipeline's
+    `z = latents * std + mean`) and packed 2x2, [N, h/2 * w/2, 64] in bf16."""
     shape = (1, -1, 1, 1)
-    normalised = (latents - mean.view(shape)) * (1.0 / std).view(shape)
+    normalised = (latents - mean.view(shape).to(latents)) * (1.0 / std).view(shape).to(latents)
     return pack_latents(normalised).to(torch.bfloat16)
 
 
@@ -287,8 +308,16 @@ def encode_captions(
 # ---------------------------------------------------------------- stage 4: the DiT
 
 
-def sigma_sampler(image_tokens: int):
-    """sigma = the pipeline scheduler's time shift of u ~ U(0, 1), with the pipeline's mu for this size."""
+def shifted_sigma(u: torch.Tensor, image_tokens: int) -> torch.Tensor:
+    """The pipeline scheduler's own time shift of `u`, with the mu the pipeline computes for this many
+    image tokens: sigmas drawn from uniform u follow the sampler's shifted schedule."""
+    scheduler, mu = schedule_shift(image_tokens)
+    return scheduler.time_shift(mu, 1.0, u)
+
+
+@cache
+def schedule_shift(image_tokens: int) -> tuple[FlowMatchEulerDiscreteScheduler, float]:
+    """The pipeline's scheduler and its mu for `image_tokens` (as `QwenImagePipeline.denoise` computes it)."""
     scheduler = default_scheduler()
     config = scheduler.config
     mu = calculate_shift(
@@ -298,12 +327,15 @@ def sigma_sampler(image_tokens: int):
         config.get("base_shift", 0.5),
         config.get("max_shift", 1.15),
     )
+    return scheduler, mu
 
-    def sample(batch: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-        u = torch.rand(batch, generator=generator, device=device).clamp(1e-4, 1.0)
-        return scheduler.time_shift(mu, 1.0, u)
 
-    return sample
+def flow_matching_pair(
+    x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_t = (1 - sigma) x0 + sigma noise and the velocity target noise - x0 ([B, tokens, 64], sigma [B])."""
+    s = sigma[:, None, None]
+    return (1.0 - s) * x0 + s * noise, noise - x0
 
 
 def train_dit(
@@ -320,7 +352,6 @@ def train_dit(
     side = sizes.image_size // 16
     grid = (1, side, side)
     generator = torch.Generator(device).manual_seed(settings.seed + 2)
-    sample_sigma = sigma_sampler(latents.shape[1])
     model.to(device).train().requires_grad_(True)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     params, ema_params = list(model.parameters()), list(ema.parameters())
@@ -330,6 +361,7 @@ def train_dit(
     forward = torch.compile(model) if settings.compile else model
     negative_embeds, negative_mask = negative
     running = torch.zeros((), device=device)
+    every = log_interval(sizes.dit_steps)
     timer = Throughput(device, sizes.dit_batch)
     for step in steps_of(sizes.dit_steps, settings.probe_seconds, "dit"):
         for group in optimizer.param_groups:
@@ -339,12 +371,13 @@ def train_dit(
         drop = torch.rand(sizes.dit_batch, device=device, generator=generator) < TEXT_DROPOUT
         text = torch.where(drop[:, None, None], negative_embeds, embeds[pair])
         mask = torch.where(drop[:, None], negative_mask, masks[pair])
-        sigma = sample_sigma(sizes.dit_batch, generator, device)
+        u = torch.rand(sizes.dit_batch, generator=generator, device=device).clamp(1e-4, 1.0)
+        sigma = shifted_sigma(u, latents.shape[1])
         noise = torch.randn(x0.shape, generator=generator, device=device)
-        x_t = (1.0 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+        x_t, target = flow_matching_pair(x0, noise, sigma)
         with torch.autocast(device.type, torch.bfloat16, enabled=settings.amp):
             velocity = forward(x_t, text, mask, sigma, grid)
-        loss = torch.nn.functional.mse_loss(velocity.float(), noise - x0)
+        loss = torch.nn.functional.mse_loss(velocity.float(), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -353,18 +386,106 @@ def train_dit(
         torch._foreach_lerp_(ema_params, [p.detach() for p in params], 1.0 - decay)
         running += loss.detach()
         timer.tick(step)
-        if (step + 1) % LOG_EVERY == 0:
-            log.write({"stage": "dit", "step": step + 1, "loss": running.item() / LOG_EVERY, **timer.row()})
+        if (step + 1) % every == 0:
+            log.write({"stage": "dit", "step": step + 1, "loss": running.item() / every, **timer.row()})
             running.zero_()
     dit_rows = [r for r in log.rows if r["stage"] == "dit"]
     return ema, timer.summary() | {"last_loss": dit_rows[-1]["loss"] if dit_rows else None}
 
 
+# ---------------------------------------------------------------- stage 5: held-out checks
+
+
+def score_images(images: list[np.ndarray], descriptions: list) -> dict:
+    """eval.meaning accuracy of the images, or why it is unavailable (its checker needs scikit-image)."""
+    try:
+        from eval.meaning import accuracy, check_image
+    except ImportError as err:
+        return {"unavailable": f"eval.meaning cannot be imported here: {err}"}
+    return accuracy([check_image(i, d) for i, d in zip(images, descriptions, strict=True)])
+
+
+@torch.no_grad()
+def check_reconstructions(
+    vae, held_out: list, size: int, device: torch.device, amp: bool
+) -> tuple[dict, np.ndarray]:
+    """PSNR of the VAE's reconstructions of the held-out renders and the checker on them: the ceiling the
+    DiT can reach through this decoder. Also returns a grid image (renders above reconstructions)."""
+    pixels = torch.from_numpy(np.stack([np.asarray(render(s, size)) for s in held_out])).to(device)
+    x = to_vae_input(pixels)
+    outputs = []
+    for chunk in x.split(32):
+        with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+            outputs.append(vae.decode(vae.encode(chunk).latent_dist.mode()).sample.float())
+    reconstruction = torch.cat(outputs)
+    mse = ((reconstruction - x) / 2).square().mean(dim=(1, 2, 3, 4)).clamp_min(1e-10)
+    as_uint8 = ((reconstruction[:, :, 0] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    recon = as_uint8.permute(0, 2, 3, 1).cpu().numpy()
+    stats = {
+        "images": len(held_out),
+        "psnr_db_mean": float((-10 * torch.log10(mse)).mean()),
+        "checker": score_images(list(recon), [s.description for s in held_out]),
+    }
+    shown = min(8, len(held_out))
+    grid = np.concatenate(
+        [
+            np.concatenate(list(pixels[:shown].cpu().numpy()), axis=1),
+            np.concatenate(list(recon[:shown]), axis=1),
+        ]
+    )
+    return stats, grid
+
+
+@torch.no_grad()
+def sample_held_out(
+    components: Components, held_out: list, size: int, device: torch.device
+) -> tuple[dict, dict]:
+    """The held-out captions (English and Chinese) through the real pipeline with the trained weights: 20
+    steps, true CFG 4 with the negative prompt text dropout trained. Returns scores and PNG images by name."""
+    pipe = QwenImagePipeline(
+        components,
+        "training",
+        device,
+        torch.bfloat16,
+        GenerationDefaults(size, size, SAMPLE_STEPS),
+        "reference",
+    )
+    pipe.cuda_graphs = False
+    stats, images = {}, {}
+    for language in LANGUAGES:
+        arrays = []
+        for start in range(0, len(held_out), SAMPLE_BATCH):
+            chunk = held_out[start : start + SAMPLE_BATCH]
+            generated = pipe.generate(
+                [s.captions[language] for s in chunk],
+                negative_prompt=NEGATIVE_PROMPT,
+                seed=SAMPLE_SEED + start,
+            )
+            arrays += [np.asarray(image) for image in generated]
+        stats[language] = score_images(arrays, [s.description for s in held_out])
+        images |= {f"s{i:03d}-{language}.png": pixels for i, pixels in enumerate(arrays)}
+    return stats, images
+
+
+def trained_components(tokenizer, text_encoder, transformer, vae, device: torch.device) -> Components:
+    """The trained weights as the pipeline runs them: bf16, eval mode, hooks run as after loading."""
+    model = copy.deepcopy(transformer).to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+    model.post_load_weights()
+    return Components(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=model,
+        vae=cast_parameters(copy.deepcopy(vae), torch.bfloat16, device),
+        scheduler=default_scheduler(),
+    )
+
+
 # ---------------------------------------------------------------- output
 
 
-def write_tar(vae, transformer, settings: Settings, meta: dict, log: LossLog) -> Path:
-    """VAE and DiT (bf16 safetensors + configs), the loss log and metadata in one tar under --out."""
+def write_tar(vae, transformer, settings: Settings, meta: dict, log: LossLog, pictures: dict) -> Path:
+    """VAE and DiT (bf16 safetensors + configs), the loss log, metadata and `pictures` (name -> uint8 RGB)
+    as PNGs under samples/, in one tar under --out."""
     settings.out.mkdir(parents=True, exist_ok=True)
     tar_path = settings.out / TAR_NAME
     with tempfile.TemporaryDirectory() as tmp:
@@ -374,8 +495,11 @@ def write_tar(vae, transformer, settings: Settings, meta: dict, log: LossLog) ->
         save_transformer(model, root / "transformer")
         (root / "train_meta.json").write_text(json.dumps(meta, indent=2))
         (root / "train_log.jsonl").write_text(log.path.read_text())
+        (root / "samples").mkdir()
+        for name, pixels in pictures.items():
+            Image.fromarray(pixels).save(root / "samples" / name)
         with tarfile.open(tar_path, "w") as tar:
-            for name in ("vae", "transformer", "train_meta.json", "train_log.jsonl"):
+            for name in ("vae", "transformer", "train_meta.json", "train_log.jsonl", "samples"):
                 tar.add(root / name, arcname=name)
     size = tar_path.stat().st_size
     if size > MAX_TAR_BYTES:
@@ -435,6 +559,11 @@ def run(settings: Settings) -> dict:
 
     vae_stats = train_vae(vae, images, settings, log)
     stage_done("vae_train")
+    held_out = held_out_scenes(sizes.held_out_samples)
+    vae_stats["held_out_reconstruction"], grid = check_reconstructions(
+        vae, held_out, sizes.image_size, device, settings.amp
+    )
+    stage_done("vae_check")
     encode_start = time.perf_counter()
     latents = normalise_latents(vae, encode_latents(vae, images, sizes.vae_batch * 2, settings.amp))
     synchronize(device)
@@ -455,6 +584,13 @@ def run(settings: Settings) -> dict:
 
     ema, dit_stats = train_dit(transformer, latents, embeds, masks, negative, settings, log)
     stage_done("dit_train")
+    samples: dict = {}
+    if settings.probe_seconds is None:
+        components = trained_components(tokenizer, text_encoder, ema, vae, device)
+        dit_stats["held_out_samples"], samples = sample_held_out(
+            components, held_out, sizes.image_size, device
+        )
+        stage_done("samples")
     timings["total"] = round(time.perf_counter() - start, 2)
     meta = {
         "what": "Qwen-Image architecture trained on eval.scenes drawings by training/train_default.py",
@@ -478,6 +614,12 @@ def run(settings: Settings) -> dict:
         "held_out_percent": HELD_OUT_PERCENT,
         "scenes": sizes.scenes,
         "render_scenes_per_s": sizes.scenes / max(timings["render"], 1e-9),
+        "samples": {
+            "steps": SAMPLE_STEPS,
+            "true_cfg_scale": 4.0,
+            "seed": SAMPLE_SEED,
+            "variant": "reference",
+        },
         "vae": vae_stats,
         "text": text_stats,
         "dit": dit_stats,
@@ -485,7 +627,8 @@ def run(settings: Settings) -> dict:
         "environment": environment(device),
     }
     if settings.probe_seconds is None:
-        meta["tar"] = str(write_tar(vae, ema, settings, meta, log))
+        pictures = samples | {"vae_reconstructions.png": grid}
+        meta["tar"] = str(write_tar(vae, ema, settings, meta, log, pictures))
     return meta
 
 
