@@ -5,16 +5,18 @@
     python -m training.train_default --preset cpu --out out/cpu       # the 64 px CPU de-risk
     python -m training.train_default --preset smoke --out /tmp/smoke  # seconds (tests)
 
-Stages: (1) render the training scenes (eval.scenes, held-out object keys excluded) in worker processes;
-(2) train `AutoencoderKLQwenImage` on them (L1 + MSE + a small KL, decoding posterior samples); (3) encode every
-scene once: VAE posterior means, normalised with the VAE's latents_mean/std (measured here and written to
-its config, so the pipeline's decode inverts exactly this) and packed 2x2 as the pipeline packs them, and
-both captions (English, Chinese) through the frozen text encoder with `encode_prompts`, as the pipeline
-does; (4) train the DiT on those tensors alone: x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the
-model gets sigma, sigma = the scheduler's own time shift (mu of this image size) of a uniform u, so
-training covers the sampler's shifted schedule; 10% of captions become the negative prompt " " so true
-CFG works. One tar (< 16 MiB) holds the VAE, the DiT (EMA weights, bf16), the loss log and the run's
-metadata; `training.assemble` turns it into a checkpoint directory.
+Stages: (1) render the training scenes (eval.scenes, held-out object keys excluded) in worker
+processes; (2) train `AutoencoderKLQwenImage` on them (L1 + MSE + a small KL, decoding posterior samples)
+and check its reconstructions of the held-out scenes; (3) encode every scene once: VAE posterior means,
+normalised with the VAE's latents_mean/std (measured here and written to its config, so the pipeline's
+decode inverts exactly this) and packed 2x2 as the pipeline packs them, and both captions (English,
+Chinese) through the frozen text encoder with `encode_prompts`, as the pipeline does; (4) train the DiT on
+those tensors alone: x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the model gets sigma, sigma =
+the scheduler's own time shift (mu of this image size) of a uniform u, so training covers the sampler's
+shifted schedule; 10% of captions become the negative prompt " " so true CFG works; (5) generate the
+held-out captions with the trained weights through the real pipeline and check them (eval.meaning).
+One tar (< 16 MiB) holds the VAE, the DiT (EMA weights, bf16), the loss log, the run's metadata and the
+held-out samples; `training.assemble` turns it into a checkpoint directory.
 """
 
 import argparse
