@@ -423,8 +423,12 @@ def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, 
 
 @cache
 def sign_font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
-    """Pillow's bundled font at `size` px (the same glyphs on every machine with this Pillow)."""
-    return ImageFont.load_default(size=size)
+    """Pillow's bundled font at `size` px (the same glyphs on every machine with this Pillow); a Pillow
+    without FreeType (or older than 10.1) has only its fixed-size bitmap font."""
+    try:
+        return ImageFont.load_default(size=size)
+    except (ImportError, TypeError):
+        return ImageFont.load_default()
 
 
 def draw_sign(draw: ImageDraw.ImageDraw, text: str, box: tuple[int, int, int, int]) -> None:

@@ -81,6 +81,8 @@ def test_the_assembled_checkpoint_loads_and_generates(smoke_run) -> None:
     assert embedding.shape == (VOCAB_SIZE, PRESETS["smoke"].text_hidden) and embedding.dtype == torch.bfloat16
     assert torch.equal(embedding, reference.to(torch.bfloat16))
     assert (checkpoint / "training" / "train_meta.json").is_file()
+    scores = json.loads((checkpoint / "training" / "held_out_samples.json").read_text())
+    assert sorted(scores) == ["en", "zh"] and scores["en"]["images"] == PRESETS["smoke"].held_out_samples
 
 
 def test_assemble_refuses_what_is_not_a_training_tar(tmp_path, capsys) -> None:

@@ -5,7 +5,8 @@
 The tar holds the trained VAE and DiT; this adds the frozen text encoder (rebuilt from the seed and size
 recorded in the tar, so it is the one the DiT was trained with), the Qwen2 tokenizer, the pipeline's
 scheduler and `model_index.json` (`models.components.save_components`), plus `training/` with the run's
-metadata and loss log. Everything is stored in bf16; the result loads with `pipelines.load_pipeline(DIR)`.
+metadata, loss log and the checker's scores of the held-out samples the run generated. Everything is
+stored in bf16; the result loads with `pipelines.load_pipeline(DIR)`.
 """
 
 import argparse
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLQwenImage
+from PIL import Image
 
+from eval.scenes import held_out_scenes
 from models.components import Components, default_scheduler, save_components
 from models.embedded import cast_parameters
 from models.errors import CheckpointError, InputError, QwenImageError
@@ -26,7 +29,7 @@ from models.loading import load_transformer
 from models.tokenizer import build_qwen2_tokenizer
 from training.recipe import TEXT_ENCODER_SEED, build_text_encoder
 
-MEMBERS = ("vae", "transformer", "train_meta.json", "train_log.jsonl")
+MEMBERS = ("vae", "transformer", "train_meta.json", "train_log.jsonl", "samples")
 CPU = torch.device("cpu")
 
 
@@ -37,7 +40,7 @@ def read_tar(tar_path: Path, into: Path) -> dict:
     try:
         with tarfile.open(tar_path) as tar:
             names = tar.getnames()
-            missing = [m for m in MEMBERS if m not in names]
+            missing = [m for m in MEMBERS[:4] if m not in names]
             if missing:
                 raise CheckpointError(f"{tar_path} lacks {', '.join(missing)}: not a train_default output")
             tar.extractall(
@@ -62,11 +65,10 @@ def assemble(tar_path: Path, out: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         meta = read_tar(tar_path, root)
+        hidden = meta["text_encoder"]["hidden_size"]
         components = Components(
             tokenizer=build_qwen2_tokenizer(),
-            text_encoder=cast_parameters(
-                build_text_encoder(meta["text_encoder"]["hidden_size"]), torch.bfloat16, CPU
-            ),
+            text_encoder=cast_parameters(build_text_encoder(hidden), torch.bfloat16, CPU),
             transformer=load_transformer(root / "transformer", torch.bfloat16, CPU),
             vae=AutoencoderKLQwenImage.from_pretrained(
                 root / "vae", torch_dtype=torch.bfloat16, local_files_only=True
@@ -77,7 +79,30 @@ def assemble(tar_path: Path, out: Path) -> Path:
         (out / "training").mkdir()
         for name in ("train_meta.json", "train_log.jsonl"):
             shutil.copy(root / name, out / "training" / name)
+        scores = score_samples(root / "samples")
+        if scores is not None:
+            (out / "training" / "held_out_samples.json").write_text(json.dumps(scores, indent=2))
     return out
+
+
+def score_samples(folder: Path) -> dict | None:
+    """eval.meaning accuracy of the held-out samples the run generated (`sNNN-LANG.png`), scored here
+    because the training machine may lack the checker's scikit-image; None when there are none."""
+    from eval.meaning import accuracy, check_image
+
+    files = sorted(folder.glob("s[0-9][0-9][0-9]-*.png")) if folder.is_dir() else []
+    if not files:
+        return None
+    by_language: dict[str, list[Path]] = {}
+    for path in files:
+        by_language.setdefault(path.stem.split("-")[1], []).append(path)
+    scenes = held_out_scenes(max(len(paths) for paths in by_language.values()))
+    return {
+        language: accuracy(
+            [check_image(Image.open(p), s.description) for p, s in zip(paths, scenes, strict=False)]
+        )
+        for language, paths in sorted(by_language.items())
+    }
 
 
 def weight_bytes(directory: Path) -> dict[str, int]:
@@ -102,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = weight_bytes(out)
     listing = ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in sizes.items() if size)
     print(f"wrote {out}: {sum(sizes.values()) / 1e6:.2f} MB of safetensors ({listing})")
+    scores = out / "training" / "held_out_samples.json"
+    if scores.is_file():
+        for language, acc in json.loads(scores.read_text()).items():
+            print(
+                f"held-out samples of the run, {language}: colour+position {acc['colour_position']:.1%}, "
+                f"count {acc['count']:.1%} over {acc['images']} images"
+            )
     return 0
 
 

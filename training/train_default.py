@@ -683,6 +683,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--dit-steps", type=int)
     parser.add_argument("--dit-batch", type=int)
     parser.add_argument("--dit-lr", type=float)
+    parser.add_argument(
+        "--samples",
+        type=int,
+        dest="held_out_samples",
+        help="held-out scenes checked after training (default 100)",
+    )
     parser.add_argument("--no-amp", action="store_true", help="fp32 instead of bf16 autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the DiT training forward")
     parser.add_argument(
@@ -696,7 +702,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     preset = PRESETS[args.preset]
     overrides = {
         key: getattr(args, key)
-        for key in ("scenes", "vae_steps", "vae_batch", "vae_lr", "dit_steps", "dit_batch", "dit_lr")
+        for key in (
+            *("scenes", "vae_steps", "vae_batch", "vae_lr"),
+            *("dit_steps", "dit_batch", "dit_lr", "held_out_samples"),
+        )
         if getattr(args, key) is not None
     }
     if args.probe is not None:  # the schedules keep the real step counts; time ends each stage
@@ -704,6 +713,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     sizes = replace(preset, **overrides)
     if min(sizes.scenes, sizes.vae_steps, sizes.vae_batch, sizes.dit_steps, sizes.dit_batch) < 1:
         parser.error("--scenes, step counts and batch sizes must be positive")
+    if sizes.held_out_samples < 1:
+        parser.error("--samples must be positive")
     return Settings(
         preset=args.preset,
         sizes=sizes,
