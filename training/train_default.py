@@ -187,13 +187,10 @@ def train_vae(vae, images: torch.Tensor, settings: Settings, log: LossLog) -> di
     sizes, device = settings.sizes, images.device
     generator = torch.Generator(device).manual_seed(settings.seed + 1)
     vae.to(device).train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=sizes.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    running = torch.zeros((), device=device)
-    every = log_interval(sizes.vae_steps)
-    timer = Throughput(device, sizes.vae_batch)
-    for step in steps_of(sizes.vae_steps, settings.probe_seconds, "vae"):
-        for group in optimizer.param_groups:
-            group["lr"] = sizes.vae_lr * lr_factor(step, sizes.vae_steps)
+    run = Optimisation(
+        "vae", list(vae.parameters()), sizes.vae_lr, (0.9, 0.99), sizes.vae_steps, sizes.vae_batch
+    )
+    for _ in run.steps(settings, log):
         index = torch.randint(len(images), (sizes.vae_batch,), device=device, generator=generator)
         x = to_vae_input(images[index])
         with torch.autocast(device.type, torch.bfloat16, enabled=settings.amp):
@@ -202,18 +199,60 @@ def train_vae(vae, images: torch.Tensor, settings: Settings, log: LossLog) -> di
         mean, logvar = posterior.mean.float(), posterior.logvar.float()
         kl = 0.5 * (mean.square() + logvar.exp() - 1.0 - logvar).mean()
         error = reconstruction.float() - x
-        loss = error.abs().mean() + error.square().mean() + VAE_KL_WEIGHT * kl
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        running += loss.detach()
-        timer.tick(step)
-        if (step + 1) % every == 0:
-            log.write({"stage": "vae", "step": step + 1, "loss": running.item() / every, **timer.row()})
-            running.zero_()
+        run.update(error.abs().mean() + error.square().mean() + VAE_KL_WEIGHT * kl)
     vae.eval().requires_grad_(False)
-    return timer.summary() | {"last_loss": log.rows[-1]["loss"] if log.rows else None}
+    return run.summary()
+
+
+class Optimisation:
+    """What both training stages share: AdamW with warm-up and cosine decay, clipped steps, the running
+    loss written to the log every few steps, and throughput."""
+
+    def __init__(
+        self,
+        stage: str,
+        params: list[torch.nn.Parameter],
+        lr: float,
+        betas: tuple,
+        total: int,
+        batch: int,
+        log: LossLog,
+    ) -> None:
+        self.stage, self.params, self.lr, self.total, self.log = stage, params, lr, total, log
+        device = params[0].device
+        self.optimizer = torch.optim.AdamW(
+            params, lr=lr, betas=betas, weight_decay=0.0, fused=device.type == "cuda"
+        )
+        self.running = torch.zeros((), device=device)
+        self.every = log_interval(total)
+        self.timer = Throughput(device, batch)
+        self.last_loss: float | None = None
+        self.step = 0
+
+    def steps(self, probe_seconds: float | None) -> Iterator[int]:
+        """Step indices with the learning rate set (ending early after `probe_seconds` when given)."""
+        for step in steps_of(self.total, probe_seconds, self.stage):
+            self.step = step
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr * lr_factor(step, self.total)
+            yield step
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.running += loss.detach()
+        self.timer.tick(self.step)
+        if (self.step + 1) % self.every == 0:
+            self.last_loss = self.running.item() / self.every
+            self.log.write(
+                {"stage": self.stage, "step": self.step + 1, "loss": self.last_loss, **self.timer.row()}
+            )
+            self.running.zero_()
+
+    def summary(self) -> dict:
+        return self.timer.summary() | {"last_loss": self.last_loss}
 
 
 class Throughput:
@@ -357,17 +396,10 @@ def train_dit(
     model.to(device).train().requires_grad_(True)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     params, ema_params = list(model.parameters()), list(ema.parameters())
-    optimizer = torch.optim.AdamW(
-        params, lr=sizes.dit_lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
-    )
+    run = Optimisation("dit", params, sizes.dit_lr, (0.9, 0.95), sizes.dit_steps, sizes.dit_batch, log)
     forward = torch.compile(model) if settings.compile else model
     negative_embeds, negative_mask = negative
-    running = torch.zeros((), device=device)
-    every = log_interval(sizes.dit_steps)
-    timer = Throughput(device, sizes.dit_batch)
-    for step in steps_of(sizes.dit_steps, settings.probe_seconds, "dit"):
-        for group in optimizer.param_groups:
-            group["lr"] = sizes.dit_lr * lr_factor(step, sizes.dit_steps)
+    for step in run.steps(settings.probe_seconds):
         pair = torch.randint(len(embeds), (sizes.dit_batch,), device=device, generator=generator)
         x0 = latents[pair // 2].float()
         drop = torch.rand(sizes.dit_batch, device=device, generator=generator) < TEXT_DROPOUT
@@ -379,20 +411,10 @@ def train_dit(
         x_t, target = flow_matching_pair(x0, noise, sigma)
         with torch.autocast(device.type, torch.bfloat16, enabled=settings.amp):
             velocity = forward(x_t, text, mask, sigma, grid)
-        loss = torch.nn.functional.mse_loss(velocity.float(), target)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        run.update(torch.nn.functional.mse_loss(velocity.float(), target))
         decay = min(EMA_DECAY, (1 + step) / (10 + step))
         torch._foreach_lerp_(ema_params, [p.detach() for p in params], 1.0 - decay)
-        running += loss.detach()
-        timer.tick(step)
-        if (step + 1) % every == 0:
-            log.write({"stage": "dit", "step": step + 1, "loss": running.item() / every, **timer.row()})
-            running.zero_()
-    dit_rows = [r for r in log.rows if r["stage"] == "dit"]
-    return ema, timer.summary() | {"last_loss": dit_rows[-1]["loss"] if dit_rows else None}
+    return ema, run.summary()
 
 
 # ---------------------------------------------------------------- stage 5: held-out checks
