@@ -187,10 +187,9 @@ def train_vae(vae, images: torch.Tensor, settings: Settings, log: LossLog) -> di
     sizes, device = settings.sizes, images.device
     generator = torch.Generator(device).manual_seed(settings.seed + 1)
     vae.to(device).train().requires_grad_(True)
-    run = Optimisation(
-        "vae", list(vae.parameters()), sizes.vae_lr, (0.9, 0.99), sizes.vae_steps, sizes.vae_batch
-    )
-    for _ in run.steps(settings, log):
+    params = list(vae.parameters())
+    run = Optimisation("vae", params, sizes.vae_lr, (0.9, 0.99), sizes.vae_steps, sizes.vae_batch, log)
+    for _ in run.steps(settings.probe_seconds):
         index = torch.randint(len(images), (sizes.vae_batch,), device=device, generator=generator)
         x = to_vae_input(images[index])
         with torch.autocast(device.type, torch.bfloat16, enabled=settings.amp):
