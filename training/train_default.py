@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import PIL
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from PIL import Image
 from tqdm.auto import tqdm
@@ -85,6 +85,7 @@ class Settings:
     workers: int
     amp: bool  # bf16 autocast: CUDA only (on CPU, oneDNN's bf16 conv3d crawled and once crashed at 128+ px)
     compile: bool
+    vae_from: Path | None  # a previous run's tar whose VAE is reused (the VAE stage is skipped)
     probe_seconds: float | None  # time per stage in --probe mode, else None (fixed step counts)
     out: Path
 
@@ -290,6 +291,21 @@ class Throughput:
             "steps_per_s": rate,
             "images_per_s": None if rate is None else rate * self.batch,
         }
+
+
+def load_vae_from_tar(tar_path: Path, expected: dict):
+    """The trained VAE of an earlier run's tar, in fp32 (its latent statistics are measured again); it
+    must have the preset's sizes."""
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(tar_path) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith("vae/")]
+        if not members:
+            raise SystemExit(f"error: {tar_path} holds no vae/: not a train_default output")
+        tar.extractall(tmp, members=members, filter="data")
+        vae = AutoencoderKLQwenImage.from_pretrained(Path(tmp) / "vae", torch_dtype=torch.float32)
+    found = {key: vae.config[key] for key in expected}
+    if found != expected:
+        raise SystemExit(f"error: the VAE in {tar_path} is {found}, this preset trains {expected}")
+    return vae
 
 
 @torch.no_grad()
@@ -578,11 +594,16 @@ def run(settings: Settings) -> dict:
     tokenizer = build_qwen2_tokenizer()
     text_encoder = cast_parameters(build_text_encoder(sizes.text_hidden), torch.bfloat16, device)
     contiguous_logit_rows(text_encoder)
-    vae = build_vae(sizes.vae)
+    vae = (
+        build_vae(sizes.vae) if settings.vae_from is None else load_vae_from_tar(settings.vae_from, sizes.vae)
+    )
     transformer = build_transformer(sizes.dit, settings.seed)
     stage_done("setup")
 
-    vae_stats = train_vae(vae, images, settings, log)
+    if settings.vae_from is None:
+        vae_stats = train_vae(vae, images, settings, log)
+    else:
+        vae_stats = {"from": str(settings.vae_from)}
     stage_done("vae_train")
     held_out = held_out_scenes(sizes.held_out_samples)
     vae_stats["held_out_reconstruction"], grid = check_reconstructions(
@@ -719,6 +740,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile the DiT training forward")
     parser.add_argument(
+        "--vae-from", type=Path, metavar="TAR",
+        help="reuse the VAE of an earlier run's default_model.tar (same preset) and train only the DiT",
+    )  # fmt: skip
+    parser.add_argument(
         "--probe", type=float, nargs="?", const=20.0, metavar="SECONDS",
         help="run each training stage for SECONDS (default 20) on a fraction of the scenes, print throughput "
         "and the step counts that fill --vae-seconds / --dit-seconds; writes no model",
@@ -742,6 +767,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         parser.error("--scenes, step counts and batch sizes must be positive")
     if sizes.held_out_samples < 1:
         parser.error("--samples must be positive")
+    if args.vae_from is not None and not args.vae_from.is_file():
+        parser.error(f"--vae-from {args.vae_from} is not a file")
     return Settings(
         preset=args.preset,
         sizes=sizes,
@@ -750,6 +777,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         workers=args.workers,
         amp=torch.device(args.device).type == "cuda" and not args.no_amp,
         compile=args.compile,
+        vae_from=args.vae_from,
         probe_seconds=args.probe,
         out=args.out,
     ), args
