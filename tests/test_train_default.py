@@ -7,6 +7,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
 from eval.scenes import draw_scene, render
@@ -172,3 +173,18 @@ def test_default_sizes_fit_the_budget() -> None:
     }
     assert 2 * sum(counts.values()) <= 20.5e6, counts
     assert sizes.image_size % (2 * VAE_SCALE) == 0 and sizes.vae["z_dim"] == 16
+
+
+def test_a_second_run_can_reuse_the_vae(smoke_run, tmp_path) -> None:
+    out, _ = smoke_run
+    source = out / train_default.TAR_NAME
+    argv = ["--preset", "smoke", "--out", str(tmp_path), "--workers", "1", "--device", "cpu"]
+    assert train_default.main([*argv, "--vae-from", str(source), "--dit-steps", "2"]) == 0
+    with tarfile.open(source) as a, tarfile.open(tmp_path / train_default.TAR_NAME) as b:
+        weights = "vae/diffusion_pytorch_model.safetensors"
+        first = load_safetensors(a.extractfile(weights).read())
+        second = load_safetensors(b.extractfile(weights).read())
+        meta = json.load(b.extractfile("train_meta.json"))
+        rows = [json.loads(line) for line in b.extractfile("train_log.jsonl").read().splitlines()]
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert meta["vae"]["from"] == str(source) and {r["stage"] for r in rows} == {"dit"}
