@@ -4,6 +4,10 @@ User errors (bad arguments, bad checkpoints) print one line `error: ...` and exi
 """
 
 import argparse
+import dataclasses
+import ipaddress
+import math
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,6 +15,7 @@ from pathlib import Path
 import PIL.Image
 
 from models.errors import InputError, QwenImageError
+from ui.limits import DEVICE_LIMITS, Limits
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -56,11 +61,103 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated module globs kept in BF16 (default: the DESIGN §3 fallback list)",
     )
 
-    ui = sub.add_parser("ui", help="the Gradio web demo")
-    ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=7860)
-    _add_model_args(ui)
+    _add_ui_parser(sub)
     return parser
+
+
+def _add_ui_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    cuda, cpu = DEVICE_LIMITS["cuda"], DEVICE_LIMITS["cpu"]
+    default = {f.name: f.default for f in dataclasses.fields(Limits)}
+    ui = sub.add_parser(
+        "ui",
+        help="the Gradio web demo",
+        description="Serve the Gradio web demo: one model, requests queued and run one at a time.",
+        epilog=(
+            "By default only this machine can open the page. To serve others, listen on another\n"
+            "address with accounts:  qwen-image ui --host 0.0.0.0 --auth alice:s3cret\n"
+            "(or --auth-file FILE, one USER:PASS per line). --no-auth serves without sign-in."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; any other needs an --auth "
+        "account or --no-auth)",
+    )
+    ui.add_argument("--port", type=int, default=7860, help="default 7860")
+    ui.add_argument(
+        "--auth",
+        action="append",
+        type=_account,
+        metavar="USER:PASS",
+        help="an account that may sign in; repeatable",
+    )
+    ui.add_argument(
+        "--auth-file", type=Path, metavar="FILE", help="accounts: one USER:PASS per line, # comments"
+    )
+    ui.add_argument(
+        "--no-auth", action="store_true", help="listen on a non-loopback --host without sign-in (warns)"
+    )
+    limits = ui.add_argument_group("job limits")
+    limits.add_argument(
+        "--max-work",
+        type=_positive(float),
+        metavar="MP_STEPS",
+        help="largest request, in megapixel-steps: width x height / 1e6 x steps x images, x2 with true "
+        f"CFG; larger ones are refused (default {cuda[0]:g} on CUDA, {cpu[0]:g} on CPU)",
+    )
+    limits.add_argument(
+        "--time-limit",
+        type=_positive(float),
+        metavar="SECONDS",
+        help=f"a running request is stopped after this long (default {cuda[1]:g} on CUDA, {cpu[1]:g} on CPU)",
+    )
+    limits.add_argument(
+        "--queue-size",
+        type=_positive(int),
+        metavar="N",
+        help=f'requests that may wait; more get "queue full" (default {default["queue_size"]})',
+    )
+    limits.add_argument(
+        "--jobs-per-client",
+        type=_positive(int),
+        metavar="N",
+        help="requests one browser tab or API client may have waiting or running "
+        f"(default {default['jobs_per_client']})",
+    )
+    limits.add_argument(
+        "--keep-images",
+        type=_positive(float),
+        metavar="MINUTES",
+        help="generated images are deleted from the server after this long "
+        f"(default {default['keep_images_minutes']:g})",
+    )
+    _add_model_args(ui)
+
+
+def _account(text: str) -> tuple[str, str]:
+    """USER:PASS -> (user, password); the password may contain ':'."""
+    user, sep, password = text.partition(":")
+    if not (sep and user and password):
+        raise argparse.ArgumentTypeError(f"expected USER:PASS, got {text!r}")
+    return user, password
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a finite number of `kind` above zero."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _load(args: argparse.Namespace):
@@ -130,12 +227,81 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(f"check it with: qwen-image info --model {out}")
 
 
-def cmd_ui(args: argparse.Namespace) -> None:
-    from ui.app import launch
+def read_accounts(path: Path) -> list[tuple[str, str]]:
+    """USER:PASS lines of an auth file (blank lines and # comments skipped)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"cannot read auth file {path}: {err}") from None
+    accounts = []
+    for number, line in enumerate(lines, 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                accounts.append(_account(line.strip()))
+            except argparse.ArgumentTypeError:
+                raise InputError(f"{path} line {number}: expected USER:PASS") from None
+    if not accounts:
+        raise InputError(f"auth file {path} has no USER:PASS line")
+    return accounts
 
-    launch(
-        args.model, host=args.host, port=args.port, variant=args.variant, device=args.device, dtype=args.dtype
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on `host` keeps the demo on this machine (127.0.0.0/8, ::1, or a name for them)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(address).is_loopback for address in addresses)
+
+
+def cmd_ui(args: argparse.Namespace) -> None:
+    accounts = list(args.auth or []) + (read_accounts(args.auth_file) if args.auth_file else [])
+    if args.no_auth and accounts:
+        raise InputError("--no-auth contradicts --auth/--auth-file: give one or the other")
+    local = is_loopback(args.host)
+    if not local and not accounts and not args.no_auth:
+        raise InputError(
+            f"--host {args.host} serves the demo beyond this machine: add --auth USER:PASS (or --auth-file "
+            "FILE), or --no-auth to let anyone who can reach it in"
+        )
+    if not local and args.no_auth:
+        print(
+            f"warning: serving on {args.host}:{args.port} without sign-in (--no-auth): anyone who can reach "
+            "this port can use the model and its GPU",
+            file=sys.stderr,
+        )
+    from ui.app import serve
+
+    limits = {
+        "max_work": args.max_work,
+        "time_limit_s": args.time_limit,
+        "queue_size": args.queue_size,
+        "jobs_per_client": args.jobs_per_client,
+        "keep_images_minutes": args.keep_images,
+    }
+    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+    demo, applied = serve(
+        args.model, args.host, args.port, args.variant, args.device, args.dtype, limits, accounts or None
     )
+    url = f"http://{args.host}:{demo.server_port}"
+    print(f"Qwen-Image demo on {url} (Ctrl+C stops it).")
+    if accounts:
+        print(f"Sign-in required: {len(accounts)} account{'s' if len(accounts) > 1 else ''}.")
+    if local:
+        print(
+            "Only this machine can open it. To serve others: qwen-image ui --host 0.0.0.0 --auth USER:PASS "
+            "(or --auth-file FILE); see qwen-image ui --help."
+        )
+    print(
+        f"Limits: {applied.max_work:g} megapixel-steps and {applied.time_limit_s:g} s per request, "
+        f"{applied.queue_size} waiting, {applied.jobs_per_client} per client.",
+        flush=True,
+    )
+    demo.block_thread()
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
