@@ -140,16 +140,13 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         return images, run.seed, format_details(run)
 
     def stop(request: gr.Request) -> Any:
-        """Stop this client's running generation after its current step (the Stop button, or "/stop")."""
+        """Stop this client's running generation after its current step (the Stop button, or "/stop");
+        answers once it has, with where it stopped. A request still queued is the page's to cancel."""
         jobs = runner.stop_session(request.session_hash, STOP_PRESSED)
         for job in jobs:
             job.finished.wait(STOP_WAIT_S)
         stopped = [job for job in jobs if job.stopped]
-        if stopped:
-            return stop_message(stopped[0], STOP_PRESSED)
-        if _pending_requests(demo, request.session_hash):  # still queued: the page's cancel drops it
-            return "Stopped before it started."
-        return gr.skip()  # nothing to stop: the details stay
+        return stop_message(stopped[0], STOP_PRESSED) if stopped else gr.skip()
 
     def closed(request: gr.Request) -> None:
         """The page was closed or the client went away: stop what it left running."""
@@ -223,7 +220,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             validator=validate,
             preprocess=False,  # raw values reach job_from_inputs, which checks each one
         )
-        # cancels drops a request still waiting in the queue; stop() ends a running one.
+        # Gradio's cancel drops a request still waiting in the queue (the page does not cancel a running
+        # one); stop() ends a running one and reports it.
         stop_btn.click(stop, None, details, cancels=[run], queue=False, api_name="stop")
         demo.unload(closed)
     return demo.queue(max_size=limits.queue_size, default_concurrency_limit=1)

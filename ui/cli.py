@@ -258,22 +258,30 @@ def is_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(address).is_loopback for address in addresses)
 
 
-def cmd_ui(args: argparse.Namespace) -> None:
+def ui_accounts(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The accounts `qwen-image ui` requires. A non-loopback --host needs one, or an explicit --no-auth
+    (then a warning): refused here, before anything loads."""
     accounts = list(args.auth or []) + (read_accounts(args.auth_file) if args.auth_file else [])
     if args.no_auth and accounts:
         raise InputError("--no-auth contradicts --auth/--auth-file: give one or the other")
-    local = is_loopback(args.host)
-    if not local and not accounts and not args.no_auth:
+    if is_loopback(args.host):
+        return accounts
+    if not accounts and not args.no_auth:
         raise InputError(
             f"--host {args.host} serves the demo beyond this machine: add --auth USER:PASS (or --auth-file "
             "FILE), or --no-auth to let anyone who can reach it in"
         )
-    if not local and args.no_auth:
+    if args.no_auth:
         print(
             f"warning: serving on {args.host}:{args.port} without sign-in (--no-auth): anyone who can reach "
-            "this port can use the model and its GPU",
+            "this port can use the model on this machine",
             file=sys.stderr,
         )
+    return accounts
+
+
+def cmd_ui(args: argparse.Namespace) -> None:
+    accounts = ui_accounts(args)
     from ui.app import serve
 
     limits = {
@@ -287,21 +295,29 @@ def cmd_ui(args: argparse.Namespace) -> None:
     demo, applied = serve(
         args.model, args.host, args.port, args.variant, args.device, args.dtype, limits, accounts or None
     )
-    url = f"http://{args.host}:{demo.server_port}"
-    print(f"Qwen-Image demo on {url} (Ctrl+C stops it).")
+    print(_serving_message(args.host, demo.server_port, len(accounts), applied), flush=True)
+    demo.block_thread()
+
+
+def _serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
+    """What the console says once the demo is up: where, who may sign in, how to serve others, limits."""
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    wildcard = (
+        f": every address of this machine, http://127.0.0.1:{port} here" if host in ("0.0.0.0", "::") else ""
+    )
+    lines = [f"Qwen-Image demo on {url}{wildcard} (Ctrl+C stops it)."]
     if accounts:
-        print(f"Sign-in required: {len(accounts)} account{'s' if len(accounts) > 1 else ''}.")
-    if local:
-        print(
+        lines.append(f"Sign-in required: {accounts} account{'s' if accounts > 1 else ''}.")
+    if is_loopback(host):
+        lines.append(
             "Only this machine can open it. To serve others: qwen-image ui --host 0.0.0.0 --auth USER:PASS "
             "(or --auth-file FILE); see qwen-image ui --help."
         )
-    print(
-        f"Limits: {applied.max_work:g} megapixel-steps and {applied.time_limit_s:g} s per request, "
-        f"{applied.queue_size} waiting, {applied.jobs_per_client} per client.",
-        flush=True,
+    lines.append(
+        f"Limits: {limits.max_work:g} megapixel-steps and {limits.time_limit_s:g} s per request, "
+        f"{limits.queue_size} waiting, {limits.jobs_per_client} per client."
     )
-    demo.block_thread()
+    return "\n".join(lines)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
