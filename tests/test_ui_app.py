@@ -392,7 +392,8 @@ def test_cancel_frees_the_server_within_a_step(served: tuple[FakePipe, Runner, s
     pipe, runner, url = served
     client = _client(url)
     job = client.submit("abandoned", num_inference_steps=200, api_name="/generate")
-    _wait_for(lambda: pipe.running)
+    # Running, as the client knows it: gradio_client needs the event id it stores after joining to cancel.
+    _wait_for(lambda: job.status().code in (Status.PROCESSING, Status.PROGRESS))
     before = pipe.steps_run
     job.cancel()
     assert _wait_idle(pipe, runner, within=2.0) < 2.0
@@ -402,16 +403,20 @@ def test_cancel_frees_the_server_within_a_step(served: tuple[FakePipe, Runner, s
 
 
 def test_disconnect_frees_the_server(served: tuple[FakePipe, Runner, str]) -> None:
-    """A client process killed mid-run: its heartbeat drops, Gradio's unload event stops its job."""
+    """A client process killed while its request runs (it has seen progress): its heartbeat connection
+    drops, and Gradio's unload event stops its job."""
     pipe, runner, url = served
     script = (
-        "import sys, time\nfrom gradio_client import Client\n"
+        "import sys, time\nfrom gradio_client import Client\nfrom gradio_client.utils import Status\n"
         "c = Client(sys.argv[1], verbose=False, analytics_enabled=False)\n"
-        "c.submit('gone', num_inference_steps=200, api_name='/generate')\ntime.sleep(120)\n"
+        "job = c.submit('gone', num_inference_steps=200, api_name='/generate')\n"
+        "while job.status().code is not Status.PROGRESS:\n    time.sleep(0.01)\n"
+        "print('running', flush=True)\ntime.sleep(120)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", script, url])
+    child = subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: pipe.running, timeout=30)
+        assert child.stdout.readline() == "running\n"
+        assert pipe.running
     finally:
         child.kill()
         child.wait()

@@ -83,10 +83,9 @@ def test_soak_keeps_memory_and_cache_flat(app: tuple[ServedApp, Path]) -> None:
     for i in range(200):
         client.predict(prompt_for(i), **request, api_name="/generate")
         if i % 20 == 19:
-            now = time.time()
-            files = [p for p in cache.rglob("*") if p.is_file()]
-            counts.append(len(files))
-            oldest_s = max([oldest_s, *(now - p.stat().st_mtime for p in files)])
+            ages = _file_ages(cache)
+            counts.append(len(ages))
+            oldest_s = max([oldest_s, *ages])
     gc.collect()
     growth_mb = (_rss_bytes() - rss_before) / 2**20
     print(
@@ -95,6 +94,18 @@ def test_soak_keeps_memory_and_cache_flat(app: tuple[ServedApp, Path]) -> None:
     assert growth_mb < 50
     assert oldest_s < KEEP_S + 1 + 2  # deleted after KEEP_S, checked every second; 2 s of slack
     assert max(counts) < 100  # 200 images were made
+
+
+def _file_ages(folder: Path) -> list[float]:
+    """Seconds since each file under `folder` was written (Gradio may delete one while we look)."""
+    now, ages = time.time(), []
+    for path in folder.rglob("*"):
+        try:
+            if path.is_file():
+                ages.append(now - path.stat().st_mtime)
+        except FileNotFoundError:
+            continue
+    return ages
 
 
 def _rss_bytes() -> int:
