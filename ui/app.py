@@ -63,29 +63,15 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
     keep_s = max(1, round(limits.keep_images_minutes * 60))
     delete_cache = (max(1, min(60, keep_s // 2)), keep_s)  # (every, older than) seconds
 
-    def admit(values: tuple[Any, ...], session: str | None) -> Job:
-        job = job_from_inputs(session, dict(zip(INPUT_NAMES, values, strict=True)), variants)
+    def admit(values: dict[str, Any], session: str | None) -> Job:
+        job = job_from_inputs(session, values, variants)
         check_work(job, limits)
         return job
 
-    def validate(
-        prompt: Any,
-        negative_prompt: Any,
-        aspect: Any,
-        width: Any,
-        height: Any,
-        num_inference_steps: Any,
-        true_cfg_scale: Any,
-        seed: Any,
-        randomize_seed: Any,
-        num_images: Any,
-        variant: Any,
-        request: gr.Request,
-    ) -> list[dict[str, Any]]:
+    def validate(request: gr.Request, **values: Any) -> list[dict[str, Any]]:
         """Gradio's validator: runs as a request arrives, so a refused one never takes a queue place."""
-        values = (prompt, negative_prompt, aspect, width, height, num_inference_steps, true_cfg_scale, seed)
         try:
-            admit((*values, randomize_seed, num_images, variant), request.session_hash)
+            admit(values, request.session_hash)
             pending = _pending_requests(demo, request.session_hash)
             if pending >= limits.jobs_per_client:
                 raise FieldError(
@@ -99,24 +85,13 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         return [gr.validate(True, "") for _ in INPUT_NAMES]
 
     async def generate(
-        prompt: Any,
-        negative_prompt: Any,
-        aspect: Any,
-        width: Any,
-        height: Any,
-        num_inference_steps: Any,
-        true_cfg_scale: Any,
-        seed: Any,
-        randomize_seed: Any,
-        num_images: Any,
-        variant: Any,
         request: gr.Request,
         progress: gr.Progress = gr.Progress(),  # noqa: B008 (Gradio injects the tracker by this default)
+        **values: Any,
     ) -> tuple[Any, Any, str]:
-        """Run one request; returns (images, seed used, details markdown)."""
-        values = (prompt, negative_prompt, aspect, width, height, num_inference_steps, true_cfg_scale, seed)
+        """Run one request (its values by INPUT_NAMES); returns (images, seed used, details markdown)."""
         try:
-            job = admit((*values, randomize_seed, num_images, variant), request.session_hash)
+            job = admit(values, request.session_hash)
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
 
@@ -212,8 +187,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         run = gr.on(
             triggers,
             generate,
-            inputs,
-            [gallery, seed, details],
+            inputs_kwargs=dict(zip(INPUT_NAMES, inputs, strict=True)),  # the API's parameter names
+            outputs=[gallery, seed, details],
             api_name="generate",
             show_progress_on=gallery,
             concurrency_limit=1,
