@@ -1,4 +1,4 @@
-"""Gradio-free core of the demo: presets, request checks, job limits, and the runner that runs jobs.
+"""Gradio-free core of the demo: presets, request checks (values and cost), and the runner that runs jobs.
 
 Kept apart from the layout so it can be unit-tested with a fake pipeline and no server.
 """
@@ -77,6 +77,7 @@ class FieldError(InputError):
         self.field = field
 
 
+# Why a job stopped (Job.stop_reason); the time limit's reason names the limit.
 STOP_PRESSED = "Stop was pressed"
 CANCELLED = "the client cancelled the request"
 DISCONNECTED = "the page was closed or the client disconnected"
@@ -95,7 +96,7 @@ class Stopped(Exception):
 
 
 def stop_message(job: "Job", reason: str | None) -> str:
-    """ "Stopped after k of n steps." and the reason, unless it was the user's Stop."""
+    """Where the job stopped, with the reason unless it was the user's own Stop."""
     tail = "." if reason in (None, STOP_PRESSED) else f": {reason}."
     return f"Stopped after {job.steps_done} of {job.total_steps} steps{tail}"
 
