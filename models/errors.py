@@ -11,3 +11,7 @@ class InputError(QwenImageError, ValueError):
 
 class CheckpointError(QwenImageError):
     """A checkpoint directory is missing, incomplete, or fails validation."""
+
+
+class ParallelError(QwenImageError):
+    """A collective across the ranks failed or timed out: another rank died or stopped answering."""

@@ -1,7 +1,8 @@
 """ModelOpt FP8 linears and the quantized activations that fused producers hand them (DESIGN §3).
 
-Producers and consumers meet through two things only: the `quant_key` a consumer accepts and its
-`needs_unquantized_input` capability flag, both read through `quant_consumer_spec`.
+Producers and consumers meet through one capability only: a consumer's `quant_spec()` (the `quant_key`
+it accepts, its input scale, and whether it also needs the BF16 input), read through
+`quant_consumer_spec`. Wrappers (a LoRA around an FP8 linear) delegate it and add what they need.
 """
 
 from dataclasses import dataclass
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.quant import FP8_DTYPE, inverse_scale, static_quant_fp8
+from kernels.quant import FP8_DTYPE, FP8_MAX, inverse_scale, static_quant_fp8
 
 FP8_STATIC_KEY = "fp8_e4m3fn/per-tensor/static"
+MIN_AMAX = 1e-8  # an all-zero weight still gets a positive scale
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,20 @@ class QuantizedActivation:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """What a consumer accepts: the quantization key, its input scale, and whether it also needs `y`."""
+    """What a consumer accepts: the quantization key, its input scale, and whether it also needs `y`
+    (with the reason, for the fusion report)."""
 
     quant_key: str
     input_scale: torch.Tensor
     needs_unquantized_input: bool
+    unquantized_reason: str = ""
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor E4M3 weight and its fp32 scalar scale `amax / 448` (ModelOpt's weight quantization)."""
+    weight = weight.float()
+    scale = weight.abs().amax().clamp_min(MIN_AMAX) / FP8_MAX
+    return (weight / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.reshape(())
 
 
 def scaled_mm(
@@ -96,12 +107,19 @@ class Fp8Linear(nn.Module):
         lead = q.shape[:-1]
         return out.view(*lead, self.out_features)
 
+    def quant_spec(self) -> QuantSpec:
+        """The capability the fusion gate reads: static FP8 input with this layer's scale."""
+        return QuantSpec(self.quant_key, self.input_scale, self.needs_unquantized_input)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 `weight * weight_scale` (exact: an E4M3 value times an fp32 scale fits fp32)."""
+        return self.weight.float() * self.weight_scale.float()
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn"
 
 
 def quant_consumer_spec(module: nn.Module) -> QuantSpec | None:
-    """The quantized input `module` accepts, or None when it only takes a plain tensor."""
-    if not isinstance(module, Fp8Linear):
-        return None
-    return QuantSpec(module.quant_key, module.input_scale, module.needs_unquantized_input)
+    """The quantized input `module` accepts (its `quant_spec()` capability), or None for plain tensors."""
+    spec = getattr(module, "quant_spec", None)
+    return None if spec is None else spec()

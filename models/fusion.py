@@ -2,7 +2,8 @@
 
 A producer path is fused only when the device is a validated FP8 target, every consumer accepts the
 static FP8 activation with one shared, valid scale, modulation is per sample, and any consumer that
-needs the unquantized input can get it. Every refusal is recorded with its reason.
+needs the unquantized input can get it. Every refusal is recorded with its reason, and so is a fused
+path that also writes the BF16 input (dual output), with the consumers' reason for needing it.
 """
 
 import math
@@ -30,7 +31,7 @@ class ProducerQuant:
 
 @dataclass(frozen=True)
 class PathDecision:
-    """The gate's verdict for one producer path."""
+    """The gate's verdict for one producer path: why it is unfused, or a note on how it is fused."""
 
     name: str
     fused: bool
@@ -129,7 +130,14 @@ def configure_fp8_norm_quant(
     if reason:
         return PathDecision(path_name, False, reason)
     producer.quant = ProducerQuant(spec.quant_key, spec.input_scale, inverse_scale(spec.input_scale), write_y)
-    return PathDecision(path_name, True)
+    return PathDecision(path_name, True, _dual_output_note(consumers) if write_y else "")
+
+
+def _dual_output_note(consumers: list[tuple[str, nn.Module]]) -> str:
+    """'dual output (LoRA branch needs y)': why the fused producer also writes the BF16 input."""
+    specs = [quant_consumer_spec(module) for _, module in consumers]
+    reasons = sorted({s.unquantized_reason or "a consumer" for s in specs if s.needs_unquantized_input})
+    return f"dual output ({', '.join(reasons)} needs y)"
 
 
 @dataclass(frozen=True)
@@ -154,8 +162,12 @@ class FusionReport:
 
 
 def _reasons(decisions: tuple[PathDecision, ...]) -> list[str]:
-    grouped: dict[str, list[str]] = {}
+    """One line per distinct reason (unfused) or note (fused), with its path count and an example."""
+    grouped: dict[tuple[bool, str], list[str]] = {}
     for d in decisions:
-        if not d.fused:
-            grouped.setdefault(d.reason, []).append(d.name)
-    return [f"  unfused ({len(names)}): {reason}; e.g. {names[0]}" for reason, names in grouped.items()]
+        if not d.fused or d.reason:
+            grouped.setdefault((d.fused, d.reason), []).append(d.name)
+    return [
+        f"  {'fused' if fused else 'unfused'} ({len(names)}): {reason}; e.g. {names[0]}"
+        for (fused, reason), names in grouped.items()
+    ]

@@ -60,8 +60,11 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a component directory, loaded straight onto `device`."""
+def read_state_dict(
+    directory: Path, device: torch.device | str = "cpu", origins: dict[str, Path] | None = None
+) -> dict[str, torch.Tensor]:
+    """All tensors of a component directory, loaded straight onto `device`; `origins` (when given)
+    receives the file each tensor came from, for error messages."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
         try:
@@ -72,11 +75,20 @@ def read_state_dict(directory: Path, device: torch.device | str = "cpu") -> dict
         if duplicated:
             raise CheckpointError(f"{path.name} repeats tensors of another shard: {sorted(duplicated)[:3]}")
         state.update(shard)
+        if origins is not None:
+            origins.update(dict.fromkeys(shard, path))
     return state
 
 
-def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], where: Path) -> None:
-    """Refuse missing, unexpected or wrongly shaped tensors, naming the first offenders."""
+def check_state_dict(
+    expected: dict[str, torch.Tensor],
+    found: dict[str, torch.Tensor],
+    where: Path,
+    origins: dict[str, Path] | None = None,
+) -> None:
+    """Refuse missing, unexpected or wrongly shaped tensors, naming the first offenders (and the file
+    holding a misfit tensor, when `origins` says)."""
+    origins = origins or {}
     missing = sorted(expected.keys() - found.keys())
     if missing:
         raise CheckpointError(f"{where}: {len(missing)} tensors missing, e.g. {missing[:3]}")
@@ -84,14 +96,15 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
     if unexpected:
         raise CheckpointError(f"{where}: {len(unexpected)} unexpected tensors, e.g. {unexpected[:3]}")
     for name, tensor in expected.items():
+        source = origins.get(name, where)
         if found[name].shape != tensor.shape:
             raise CheckpointError(
-                f"{where}: tensor {name} has shape {list(found[name].shape)}, expected {list(tensor.shape)}"
+                f"{source}: tensor {name} has shape {list(found[name].shape)}, expected {list(tensor.shape)}"
             )
         if not found[name].is_floating_point():
-            raise CheckpointError(f"{where}: tensor {name} has non-float dtype {found[name].dtype}")
+            raise CheckpointError(f"{source}: tensor {name} has non-float dtype {found[name].dtype}")
         if found[name].dtype == torch.float8_e4m3fn and tensor.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"{where}: tensor {name} is FP8 but its layer is not quantized")
+            raise CheckpointError(f"{source}: tensor {name} is FP8 but its layer is not quantized")
 
 
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -106,7 +119,9 @@ def load_transformer(directory: Path, dtype: torch.dtype, device: torch.device) 
     raw = read_json(directory / "config.json")
     config = QwenImageConfig.from_dict(raw)
     quant = parse_quant_config(raw, read_hf_quant_config(directory))
-    return transformer_from_state(config, read_state_dict(directory, device), quant, dtype, directory)
+    origins: dict[str, Path] = {}
+    state = read_state_dict(directory, device, origins)
+    return transformer_from_state(config, state, quant, dtype, directory, origins)
 
 
 def transformer_from_state(
@@ -115,12 +130,13 @@ def transformer_from_state(
     quant: QuantConfig | None,
     dtype: torch.dtype,
     where: Path,
+    origins: dict[str, Path] | None = None,
 ) -> QwenImageTransformer:
     """A transformer holding `state` (validated first; FP8 layers swapped in), after `post_load_weights`."""
     with torch.device("meta"):
         model = QwenImageTransformer(config)
         swap_fp8_linears(model, state, quant, where)
-    check_state_dict(model.state_dict(), state, where)
+    check_state_dict(model.state_dict(), state, where, origins)
     model.load_state_dict({k: _cast(k, v, dtype) for k, v in state.items()}, strict=True, assign=True)
     model.eval().requires_grad_(False)
     model.quant_config = quant

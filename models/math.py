@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from models.sequence_parallel import active_shards
+
 ROPE_THETA = 10000
 ROPE_TABLE_LENGTH = 4096
 
@@ -73,11 +75,30 @@ def rope_frequencies(
 def joint_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """SDPA over [B, S, H, D] inputs; key_mask [B, S] bool hides padded keys."""
+    """SDPA over [B, S, H, D] inputs; key_mask [B, S] bool hides padded keys.
+
+    In a sequence-parallel forward (models/sequence_parallel.py) the inputs are this rank's rows of all
+    heads: an all-to-all trades them for all rows of this rank's heads before SDPA, and back after it.
+    """
     mask = None if key_mask is None else key_mask[:, None, None, :]
-    q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
-    return out.permute(0, 2, 1, 3)
+    shards = active_shards()
+    if shards is None:
+        q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
+        return _sdpa(q, k, v, mask).permute(0, 2, 1, 3)
+    q, k, v = shards.to_head_shards(query, key, value)
+    return shards.to_sequence_shards(_sdpa(q, k, v, mask))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+
+
+def joint_key_mask(text_mask: torch.Tensor | None, image_rows: int) -> torch.Tensor | None:
+    """The key mask of the joint [text, image] sequence, [B, S_txt + S_img] bool, or None when no text is
+    padded (image keys are always valid)."""
+    if text_mask is None:
+        return None
+    return torch.cat([text_mask, text_mask.new_ones(text_mask.shape[0], image_rows)], dim=1)
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ that turns every loading problem into one CheckpointError.
 """
 
 import hashlib
+import logging
 import math
 from pathlib import Path
 
@@ -12,15 +13,9 @@ import torch
 from transformers import PreTrainedTokenizerBase, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from models.errors import CheckpointError, InputError
+from models.prompt_template import DEFAULT_SEQUENCE_LENGTH, DROP_TOKENS, MAX_SEQUENCE_LENGTH, PROMPT_TEMPLATE
 
-PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-DROP_TOKENS = 34  # the system part and "<|im_start|>user\n"
-MAX_SEQUENCE_LENGTH = 1024
-DEFAULT_SEQUENCE_LENGTH = 512
+LOG = logging.getLogger("qwen_image")
 VOCAB_SIZE = 152064  # Qwen2.5-VL-7B (the 3B model has 151936)
 INIT_STD = 0.02
 
@@ -43,8 +38,9 @@ def encode_prompts(
         raise InputError("at least one prompt is needed")
     if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
         raise InputError(f"max_sequence_length must be 1..{MAX_SEQUENCE_LENGTH}, got {max_sequence_length}")
+    texts = [PROMPT_TEMPLATE.format(prompt) for prompt in prompts]
     tokens = tokenizer(
-        [PROMPT_TEMPLATE.format(prompt) for prompt in prompts],
+        texts,
         max_length=MAX_SEQUENCE_LENGTH + DROP_TOKENS,
         padding=True,
         truncation=True,
@@ -57,7 +53,9 @@ def encode_prompts(
         logits_to_keep=1,
     )
     valid = tokens.attention_mask.bool()
-    rows = torch.split(output.hidden_states[-1][valid], valid.sum(dim=1).tolist(), dim=0)
+    kept = valid.sum(dim=1).tolist()
+    warn_dropped_tokens(tokenizer, texts, kept, max_sequence_length)
+    rows = torch.split(output.hidden_states[-1][valid], kept, dim=0)
     rows = [row[DROP_TOKENS:] for row in rows]
     lengths = torch.tensor([row.size(0) for row in rows], device=rows[0].device)
     longest = int(lengths.max())
@@ -68,6 +66,30 @@ def encode_prompts(
     embeds = embeds.to(dtype=dtype, device=device)[:, :max_sequence_length].contiguous()
     mask = mask[:, :max_sequence_length].contiguous()
     return embeds, None if mask.all() else mask
+
+
+def warn_dropped_tokens(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], encoded: list[int], max_sequence_length: int
+) -> None:
+    """Warn, per prompt, how many of its tokens the tokenizer's length limit or `max_sequence_length` cut off.
+
+    `encoded` counts each templated prompt's tokens after the tokenizer's truncation; only prompts that
+    reached a limit are tokenized again, without truncation, to count what was lost.
+    """
+    limit = min(MAX_SEQUENCE_LENGTH, max_sequence_length)
+    for i, (text, count) in enumerate(zip(texts, encoded, strict=True)):
+        if count - DROP_TOKENS < limit:
+            continue
+        total = len(tokenizer(text, truncation=False).input_ids) - DROP_TOKENS
+        if total <= limit:
+            continue
+        LOG.warning(
+            "prompt %d is %d tokens with the template's end: the %d past max_sequence_length %d were dropped",
+            i + 1,
+            total,
+            total - limit,
+            limit,
+        )
 
 
 def tiny_text_encoder_config(hidden_size: int = 64, num_layers: int = 2) -> Qwen2_5_VLConfig:

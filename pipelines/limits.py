@@ -1,25 +1,96 @@
-"""Argument limits shared by the pipeline, the CLI, the UI and eval; cheap to import (no torch)."""
+"""Argument limits and checks shared by the pipeline, the CLI, the UI and eval.
+
+Cheap to import (no torch), so the CLI and the UI refuse a bad call before any model loads.
+"""
+
+import math
 
 from models.errors import InputError
+from models.prompt_template import MAX_SEQUENCE_LENGTH
 
 VARIANTS = ("reference", "contract", "fp8-unfused", "fp8-fused")
 MAX_SIDE = 2048
+SIZE_MULTIPLE = 16  # the VAE's 8x scale times the 2x2 latent packing, for Qwen-Image's own VAE
 MIN_STEPS = 2  # one step divides by zero in the scheduler's terminal-shift stretch
 MAX_STEPS = 200
 MAX_IMAGES = 16
+DEFAULT_TRUE_CFG_SCALE = 4.0
 
 
-def check_size(width: object, height: object) -> None:
-    """InputError unless both sides are multiples of 16 in [16, MAX_SIDE]."""
-    for name, side in (("width", width), ("height", height)):
-        if not isinstance(side, int) or side % 16 or not 16 <= side <= MAX_SIDE:
-            raise InputError(f"{name} {side} must be a multiple of 16 between 16 and {MAX_SIDE}")
+def check_size(width: object, height: object, multiple: int = SIZE_MULTIPLE) -> None:
+    """InputError unless both sides are multiples of `multiple` in [multiple, MAX_SIDE]."""
+    check_side("width", width, multiple)
+    check_side("height", height, multiple)
+
+
+def check_side(name: str, side: object, multiple: int = SIZE_MULTIPLE) -> None:
+    """InputError unless `side` is a multiple of `multiple` in [multiple, MAX_SIDE]."""
+    if not _is_int(side) or side % multiple or not multiple <= side <= MAX_SIDE:
+        raise InputError(f"{name} {side} must be a multiple of {multiple} between {multiple} and {MAX_SIDE}")
 
 
 def check_steps(steps: object) -> None:
     """InputError unless MIN_STEPS <= steps <= MAX_STEPS."""
-    if not isinstance(steps, int) or not MIN_STEPS <= steps <= MAX_STEPS:
+    if not _is_int(steps) or not MIN_STEPS <= steps <= MAX_STEPS:
         raise InputError(
             f"num_inference_steps {steps} must be between {MIN_STEPS} and {MAX_STEPS} "
             "(a single step divides by zero in the scheduler's terminal-shift stretch)"
         )
+
+
+def as_prompt_list(value: object, name: str) -> list[str] | None:
+    """A prompt argument as a list of strings (None stays None); InputError for anything else."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not items or not all(isinstance(p, str) for p in items):
+        raise InputError(f"{name} must be a string or a non-empty list of strings")
+    return items
+
+
+def check_generation_args(
+    prompts: list[str] | None,
+    negatives: list[str] | None,
+    width: object,
+    height: object,
+    steps: object,
+    true_cfg_scale: object,
+    num_images_per_prompt: object,
+    max_sequence_length: object,
+    seed: object,
+    size_multiple: int = SIZE_MULTIPLE,
+) -> None:
+    """Raise InputError naming the first invalid generation argument. Width, height, steps and
+    true_cfg_scale may be None before a model loads (the model's defaults apply); the pipeline checks
+    them again once they are resolved."""
+    if not prompts or any(not p.strip() for p in prompts):
+        raise InputError("prompt is empty: describe the image to generate")
+    if negatives is not None and len(negatives) not in (1, len(prompts)):
+        raise InputError(
+            f"{len(negatives)} negative prompts for {len(prompts)} prompts: give one or one each"
+        )
+    for name, side in (("width", width), ("height", height)):
+        if side is not None:
+            check_side(name, side, size_multiple)
+    if steps is not None:
+        check_steps(steps)
+    if true_cfg_scale is not None and not (
+        _is_number(true_cfg_scale) and math.isfinite(true_cfg_scale) and true_cfg_scale >= 0
+    ):
+        raise InputError(f"true_cfg_scale {true_cfg_scale} must be a finite number >= 0")
+    if not _is_int(num_images_per_prompt) or not 1 <= num_images_per_prompt <= MAX_IMAGES:
+        raise InputError(f"num_images_per_prompt {num_images_per_prompt} must be between 1 and {MAX_IMAGES}")
+    if not _is_int(max_sequence_length) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
+        raise InputError(
+            f"max_sequence_length {max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}"
+        )
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise InputError(f"seed {seed} must be an integer in [0, 2**63)")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -16,12 +16,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kernels.quant import FP8_DTYPE, FP8_MAX
+from kernels.quant import FP8_MAX
 from models.components import save_components
 from models.errors import InputError
+from models.fp8 import MIN_AMAX, quantize_weight
 from models.loading import save_tensors
+from models.lora import LoraFile
 from models.modelopt import QuantConfig
 from models.transformer import QwenImageTransformer
+from pipelines.lora import bake_into_weights
+from pipelines.presets import get_preset
 from pipelines.qwen_image import QwenImagePipeline, load_pipeline
 
 DEFAULT_BF16_FALLBACK = (
@@ -47,7 +51,6 @@ DEFAULT_CALIBRATION_PROMPTS = (
 ALL_BLOCKS_FP8 = tuple(p for p in DEFAULT_BF16_FALLBACK if p != "*.img_mlp.net.2")
 SHARED_INPUT_GROUPS = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj"))
 PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
-MIN_AMAX = 1e-8
 
 
 def quantizable_linears(model: QwenImageTransformer, ignore: Sequence[str]) -> dict[str, nn.Linear]:
@@ -63,8 +66,10 @@ def calibrate(
     steps: int,
     size: int,
     seed: int,
+    preset: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Max |input| seen by each linear over all prompts and denoising steps (device tensors, no syncs)."""
+    """Max |input| seen by each linear over all prompts and denoising steps (device tensors, no syncs);
+    true CFG runs unless a preset turns it off."""
     graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # hooks must run on every step, not a replay
     try:
         with record_input_amax(linears) as amax:
@@ -76,6 +81,7 @@ def calibrate(
                     height=size,
                     num_inference_steps=steps,
                     seed=seed + i,
+                    preset=preset,
                 )
     finally:
         pipe.cuda_graphs = graphs
@@ -126,10 +132,7 @@ def fp8_state_dict(
     """The ModelOpt FP8 state dict (on the model's device): e4m3 weights, fp32 scalar scales, BF16 biases."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     for name, linear in linears.items():
-        weight = linear.weight.detach().float()
-        weight_scale = weight.abs().amax().clamp_min(MIN_AMAX) / FP8_MAX
-        state[f"{name}.weight"] = (weight / weight_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        state[f"{name}.weight_scale"] = weight_scale.reshape(())
+        state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_weight(linear.weight.detach())
         state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(())
     return state
 
@@ -168,15 +171,20 @@ def quantize_checkpoint(
     size: int | None = None,
     device: str | None = None,
     seed: int = 0,
+    loras: Sequence[tuple[str | Path | LoraFile, float]] = (),
+    preset: str | None = None,
 ) -> Path:
-    """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`."""
+    """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`;
+    `loras` (file, scale) are baked into the BF16 weights first, `preset` sets the calibration run."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"output {out} exists and is not an empty directory")
+    get_preset(preset)
     pipe = load_pipeline(model, variant="contract", device=device)
-    return quantize_pipeline(
-        pipe, out, prompts, ignore, steps, size, seed, None if model is None else Path(model)
-    )
+    for lora_file, scale in loras:
+        pipe.load_lora(lora_file, scale)
+    source = None if model is None else Path(model)
+    return quantize_pipeline(pipe, out, prompts, ignore, steps, size, seed, source, preset)
 
 
 def quantize_pipeline(
@@ -188,17 +196,24 @@ def quantize_pipeline(
     size: int | None = None,
     seed: int = 0,
     source: Path | None = None,
+    preset: str | None = None,
 ) -> Path:
-    """Calibrate a loaded BF16 pipeline and write the FP8 checkpoint; other components are copied from
+    """Calibrate a loaded BF16 pipeline and write the FP8 checkpoint; its loaded LoRAs are baked into the
+    weights first (so calibration sees the activations they cause); other components are copied from
     `source` when given, else saved from memory."""
     if not prompts:
         raise InputError("no calibration prompts")
     if pipe.transformer.is_fp8:
         raise InputError(f"{pipe.model_name} is already an FP8 checkpoint")
-    steps = steps or min(pipe.defaults.num_inference_steps, 20)
+    run_preset = get_preset(preset)
+    steps = steps or (
+        run_preset.num_inference_steps if run_preset else min(pipe.defaults.num_inference_steps, 20)
+    )
     size = size or min(pipe.defaults.width, pipe.defaults.height)
+    if pipe.loras:
+        bake_into_weights(pipe)
     linears = quantizable_linears(pipe.transformer, ignore)
-    amax = share_group_amax(calibrate(pipe, linears, prompts, steps, size, seed))
+    amax = share_group_amax(calibrate(pipe, linears, prompts, steps, size, seed, preset))
     state = fp8_state_dict(pipe.transformer, linears, amax)
     if source is None:
         save_components(pipe.components, out, skip=("transformer",))

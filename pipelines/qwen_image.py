@@ -4,32 +4,43 @@ It reproduces diffusers' `QwenImagePipeline` step for step (same seeds, schedule
 decoding), so with `variant="reference"` its pixels equal diffusers' on the same weights.
 """
 
-import math
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import PIL.Image
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-from diffusers.utils.torch_utils import randn_tensor
-from tqdm.auto import tqdm
 
 from models.components import Components, load_components
 from models.embedded import EMBEDDED_NAME, build_embedded_components
 from models.errors import InputError
-from models.math import pack_latents, unpack_latents
-from models.text_encoder import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH, encode_prompts
-from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env
-from pipelines.limits import MAX_IMAGES, VARIANTS, check_size, check_steps
+from models.lora import LoraFile, MergeReport
+from models.math import unpack_latents
+from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
+from models.text_encoder import encode_prompts
+from pipelines import lora
+from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
+from pipelines.limits import DEFAULT_TRUE_CFG_SCALE, VARIANTS, as_prompt_list, check_generation_args
+from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
+from pipelines.presets import get_preset
+from pipelines.sampling import (
+    Conditioning,
+    Step,
+    branch_velocities,
+    euler_loop,
+    flow_timesteps,
+    initial_noise,
+    latent_size,
+    true_cfg,
+)
 
 BF16_VARIANTS = VARIANTS[:2]
 FP8_VARIANTS = VARIANTS[2:]
-VAE_SCALE = 8
+DEFAULT_SAMPLE_SIZE = 128  # latent cells per side by default, as diffusers' pipeline (1024 px at 8x)
 
 
 @dataclass(frozen=True)
@@ -39,10 +50,16 @@ class GenerationDefaults:
     width: int = 1024
     height: int = 1024
     num_inference_steps: int = 50
-    true_cfg_scale: float = 4.0
+    true_cfg_scale: float = DEFAULT_TRUE_CFG_SCALE
 
 
 EMBEDDED_DEFAULTS = GenerationDefaults(width=256, height=256, num_inference_steps=20)
+
+
+def checkpoint_defaults(vae_scale_factor: int) -> GenerationDefaults:
+    """A checkpoint's defaults: diffusers' default sample size times the VAE scale, 1024 px for Qwen-Image."""
+    side = DEFAULT_SAMPLE_SIZE * vae_scale_factor
+    return GenerationDefaults(width=side, height=side)
 
 
 @dataclass
@@ -56,6 +73,8 @@ class RunInfo:
     variant: str
     fusion_summary: str
     timings: dict[str, float] = field(default_factory=dict)
+    preset: str = ""
+    loras: str = ""  # the LoRAs that ran, with scales and mode ("" without LoRA)
 
     @property
     def ms_per_step(self) -> float:
@@ -89,42 +108,6 @@ def pick_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     raise InputError(f"unsupported dtype {dtype!r}: use bf16 or fp32")
 
 
-def _as_list(value: str | list[str] | None, name: str) -> list[str] | None:
-    if value is None:
-        return None
-    items = [value] if isinstance(value, str) else list(value)
-    if not items or not all(isinstance(p, str) for p in items):
-        raise InputError(f"{name} must be a string or a non-empty list of strings")
-    return items
-
-
-def check_generation_args(
-    prompts: list[str] | None,
-    width: int,
-    height: int,
-    steps: int,
-    true_cfg_scale: float,
-    num_images_per_prompt: int,
-    max_sequence_length: int,
-    seed: int | None,
-) -> None:
-    """Raise InputError naming the first invalid argument."""
-    if not prompts or any(not p.strip() for p in prompts):
-        raise InputError("prompt is empty: describe the image to generate")
-    check_size(width, height)
-    check_steps(steps)
-    if not math.isfinite(true_cfg_scale) or true_cfg_scale < 0:
-        raise InputError(f"true_cfg_scale {true_cfg_scale} must be a finite number >= 0")
-    if not isinstance(num_images_per_prompt, int) or not 1 <= num_images_per_prompt <= MAX_IMAGES:
-        raise InputError(f"num_images_per_prompt {num_images_per_prompt} must be between 1 and {MAX_IMAGES}")
-    if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-        raise InputError(
-            f"max_sequence_length {max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}"
-        )
-    if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise InputError(f"seed {seed} must be an integer in [0, 2**63)")
-
-
 class QwenImagePipeline:
     """Qwen-Image text-to-image on one device; the variant picks numerics and FP8 fusion on shared weights."""
 
@@ -142,10 +125,16 @@ class QwenImagePipeline:
         self.device = device
         self.dtype = dtype
         self.defaults = defaults
-        self.image_processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE * 2)
+        self.vae_scale_factor = components.vae_scale_factor
+        self.size_multiple = 2 * self.vae_scale_factor  # one latent cell per side after 2x2 packing
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.size_multiple)
         self.last_run: RunInfo | None = None
         self.cuda_graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
-        self._graphed = GraphedStep(self._eager_step)
+        self._graphed = GraphedStep(self._eager_step, cut_collectives=cut_collectives_by_env())
+        self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
+        self.loras: dict[str, lora.LoadedLora] = {}
+        self.lora_mode = "branch"
+        self.lora_merge: MergeReport | None = None
         self.variant = ""
         self.set_variant(variant)
 
@@ -163,7 +152,8 @@ class QwenImagePipeline:
             components = build_embedded_components(dtype, device)
             return cls(components, EMBEDDED_NAME, device, dtype, EMBEDDED_DEFAULTS, variant)
         components = load_components(Path(directory), dtype, device)
-        return cls(components, str(directory), device, dtype, GenerationDefaults(), variant)
+        defaults = checkpoint_defaults(components.vae_scale_factor)
+        return cls(components, str(directory), device, dtype, defaults, variant)
 
     @property
     def transformer(self):
@@ -180,6 +170,7 @@ class QwenImagePipeline:
             variant = available[-1]
         if variant not in available:
             raise InputError(f"variant {variant!r} is not available for this model; choose from {available}")
+        self.lora_merge = lora.sync_loras(self, variant)  # branch or merge LoRAs before the gate reads them
         if self.transformer.is_fp8:
             report = self.transformer.post_load_weights(fuse=variant == "fp8-fused")
             variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
@@ -188,20 +179,54 @@ class QwenImagePipeline:
         self._graphed.graphs.clear()
         self.variant = variant
 
+    def load_lora(self, path: str | Path | LoraFile, scale: float = 1.0, name: str | None = None) -> str:
+        """Mount a LoRA file (any layout diffusers reads for Qwen-Image) at `scale`; returns its name.
+        Several LoRAs stack; the base weights are never reloaded (pipelines/lora.py)."""
+        name = lora.load_lora(self, path, scale, name)
+        self.set_variant(self.variant)
+        return name
+
+    def set_lora_scales(self, scales: dict[str, float]) -> None:
+        """Change the scales of loaded LoRAs, by name (the same scales again change nothing)."""
+        if lora.set_lora_scales(self, scales):
+            self.set_variant(self.variant)
+
+    def unload_lora(self, name: str | None = None) -> None:
+        """Remove one LoRA (all with None); the layers it touched get their original weights back."""
+        lora.unload_lora(self, name)
+        self.set_variant(self.variant)
+
+    def set_lora_mode(self, mode: str) -> None:
+        """'branch' (LoRA beside each layer; FP8 stays fused with dual output) or 'merge' (folded into the
+        weights: no extra GEMMs; FP8 weights requantized, originals kept on the host)."""
+        self.lora_mode = lora.check_lora_mode(mode)
+        self.set_variant(self.variant)
+
+    def set_parallel(self, plan: ParallelPlan | None) -> None:
+        """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
+        calls it at the same point; captured graphs are dropped."""
+        if self.ranks is not None:
+            self.ranks.release()
+        self.ranks = None if plan is None or plan.world_size == 1 else Ranks(plan, self.transformer)
+        self._graphed.graphs.clear()
+
+    def parallel_summary(self) -> str:
+        """The parallel plan this process runs in, e.g. "CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)"."""
+        return "one process" if self.ranks is None else self.ranks.describe()
+
     def fusion_summary(self) -> str:
         """The fusion report: fused FP8 producer paths and why the others are not."""
         if not self.transformer.is_fp8:
             return "FP8 norm+quant fusion: off (BF16 weights)"
         return self.transformer.fusion_report.summary()
 
-    def encode(
-        self, prompts: list[str], max_sequence_length: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompt embeddings [B, L, H] and padding mask (None when nothing is padded)."""
+    def encode(self, prompts: list[str], max_sequence_length: int, copies: int = 1) -> Conditioning:
+        """Prompt embeddings and padding mask, each prompt repeated `copies` times in a row."""
         c = self.components
-        return encode_prompts(
+        embeds, mask = encode_prompts(
             c.text_encoder, c.tokenizer, prompts, self.device, self.dtype, max_sequence_length
         )
+        return Conditioning(embeds, mask).repeat(copies)
 
     @torch.no_grad()
     def generate(
@@ -217,36 +242,47 @@ class QwenImagePipeline:
         max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
+        preset: str | None = None,
+        lora_scales: dict[str, float] | None = None,
     ) -> list[PIL.Image.Image]:
         """Generate images; see docs/API.md. Details of the run land in `self.last_run`."""
-        prompts = _as_list(prompt, "prompt")
-        negatives = _as_list(negative_prompt, "negative_prompt")
+        prompts = as_prompt_list(prompt, "prompt")
+        negatives = as_prompt_list(negative_prompt, "negative_prompt")
+        run_preset = get_preset(preset)
+        suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
         width = self.defaults.width if width is None else width
         height = self.defaults.height if height is None else height
-        steps = self.defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
-        true_cfg_scale = self.defaults.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
+        steps = suggested.num_inference_steps if num_inference_steps is None else num_inference_steps
+        true_cfg_scale = suggested.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
         check_generation_args(
-            prompts, width, height, steps, true_cfg_scale, num_images_per_prompt, max_sequence_length, seed
+            prompts,
+            negatives,
+            width,
+            height,
+            steps,
+            true_cfg_scale,
+            num_images_per_prompt,
+            max_sequence_length,
+            seed,
+            self.size_multiple,
         )
-        if negatives is not None and len(negatives) not in (1, len(prompts)):
-            raise InputError(
-                f"{len(negatives)} negative prompts for {len(prompts)} prompts: give one or one each"
-            )
-        seed = random.randrange(2**31) if seed is None else seed
-        do_cfg = negatives is not None and true_cfg_scale > 1
+        if lora_scales:
+            self.set_lora_scales(lora_scales)
+        scheduler = self.components.scheduler if run_preset is None else run_preset.make_scheduler()
+        if seed is None:
+            seed = random.randrange(2**31)
+            if self.ranks is not None:
+                seed = self.ranks.share_seed(seed)
         timer = _StageTimer(self.device)
 
-        embeds, mask = self._encode_repeated(prompts, num_images_per_prompt, max_sequence_length)
-        neg_embeds = neg_mask = None
-        if do_cfg:
+        branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt)]
+        if negatives is not None and true_cfg_scale > 1:
             negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
-            neg_embeds, neg_mask = self._encode_repeated(
-                negatives, num_images_per_prompt, max_sequence_length
-            )
+            branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt))
         timer.lap("text_encoding")
 
         latents = self.denoise(
-            embeds, mask, neg_embeds, neg_mask, width, height, steps, true_cfg_scale, seed, on_step, progress
+            branches, width, height, steps, true_cfg_scale, seed, on_step, progress, scheduler=scheduler
         )
         timer.lap("denoising")
         images = self.decode(latents, width, height)
@@ -259,25 +295,14 @@ class QwenImagePipeline:
             self.variant,
             self.fusion_summary(),
             timer.timings | {"total": timer.total},
+            preset=preset or "",
+            loras=lora.lora_summary(self),
         )
         return images
 
-    def _encode_repeated(
-        self, prompts: list[str], copies: int, max_sequence_length: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        embeds, mask = self.encode(prompts, max_sequence_length)
-        batch, seq, _ = embeds.shape
-        embeds = embeds.repeat(1, copies, 1).view(batch * copies, seq, -1)
-        if mask is not None:
-            mask = mask.repeat(1, copies).view(batch * copies, seq)
-        return embeds, mask
-
     def denoise(
         self,
-        embeds: torch.Tensor,
-        mask: torch.Tensor | None,
-        neg_embeds: torch.Tensor | None,
-        neg_mask: torch.Tensor | None,
+        branches: list[Conditioning],
         width: int,
         height: int,
         steps: int,
@@ -285,42 +310,24 @@ class QwenImagePipeline:
         seed: int,
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
+        scheduler: FlowMatchEulerDiscreteScheduler | None = None,
     ) -> torch.Tensor:
-        """The flow-matching Euler loop; returns packed latents [B, tokens, 64]."""
-        lat_h, lat_w = 2 * (height // (VAE_SCALE * 2)), 2 * (width // (VAE_SCALE * 2))
-        batch = embeds.shape[0]
-        generator = torch.Generator("cpu").manual_seed(seed)
-        noise = randn_tensor(
-            (batch, 1, 16, lat_h, lat_w), generator=generator, device=self.device, dtype=self.dtype
-        )
-        latents = pack_latents(noise[:, 0])
-        grid = (1, lat_h // 2, lat_w // 2)
+        """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
+        (true CFG); `scheduler` defaults to the checkpoint's. Returns packed latents [B, tokens, 4 * C]."""
+        latent_hw = latent_size(width, height, self.vae_scale_factor)
+        batch = branches[0].embeds.shape[0]
+        c = self.components
+        scheduler = c.scheduler if scheduler is None else scheduler
+        latents = initial_noise(batch, c.latent_channels, latent_hw, seed, self.device, self.dtype)
+        timesteps = flow_timesteps(scheduler, steps, latents.shape[1], self.device)
+        step = self._step((1, latent_hw[0] // 2, latent_hw[1] // 2))
 
-        scheduler = self.components.scheduler
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        mu = calculate_shift(
-            latents.shape[1],
-            scheduler.config.get("base_image_seq_len", 256),
-            scheduler.config.get("max_image_seq_len", 4096),
-            scheduler.config.get("base_shift", 0.5),
-            scheduler.config.get("max_shift", 1.15),
-        )
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        step = self._step(grid)
-        for i, t in enumerate(tqdm(timesteps, desc="denoising", disable=not progress, leave=False)):
-            sigma = t.expand(batch).to(latents.dtype) / 1000
-            velocity = step(latents, embeds, mask, sigma)
-            if neg_embeds is not None:
-                neg_velocity = step(latents, neg_embeds, neg_mask, sigma)
-                combined = neg_velocity + true_cfg_scale * (velocity - neg_velocity)
-                cond_norm = torch.norm(velocity, dim=-1, keepdim=True)
-                combined_norm = torch.norm(combined, dim=-1, keepdim=True)
-                velocity = combined * (cond_norm / combined_norm)
-            latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
-        return latents
+        def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            cfg = None if self.ranks is None else self.ranks.cfg
+            velocities = branch_velocities(step, latents, sigma, branches, cfg)
+            return velocities[0] if len(velocities) == 1 else true_cfg(*velocities, true_cfg_scale)
+
+        return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress)
 
     def _eager_step(
         self,
@@ -332,17 +339,16 @@ class QwenImagePipeline:
     ) -> torch.Tensor:
         return self.transformer(latents, embeds, mask, sigma, grid)
 
-    def _step(self, grid: tuple[int, int, int]) -> Callable[..., torch.Tensor]:
+    def _step(self, grid: tuple[int, int, int]) -> Step:
         """The transformer call for one latent grid: CUDA-graph replays on CUDA, eager elsewhere."""
         if not self.cuda_graphs:
-            return lambda *tensors: self._eager_step(*tensors, grid)
-        return lambda *tensors: self._graphed(*tensors, static=(grid,))
+            return lambda latents, c, sigma: self._eager_step(latents, c.embeds, c.mask, sigma, grid)
+        return lambda latents, c, sigma: self._graphed(latents, c.embeds, c.mask, sigma, static=(grid,))
 
     def decode(self, latents: torch.Tensor, width: int, height: int) -> list[PIL.Image.Image]:
-        """VAE-decode packed latents to PIL images (DESIGN §2 latent statistics)."""
+        """VAE-decode packed latents to PIL images (the VAE config's latent statistics)."""
         vae = self.components.vae
-        lat_h, lat_w = 2 * (height // (VAE_SCALE * 2)), 2 * (width // (VAE_SCALE * 2))
-        z = unpack_latents(latents, lat_h, lat_w).to(vae.dtype)
+        z = unpack_latents(latents, *latent_size(width, height, self.vae_scale_factor)).to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
@@ -379,9 +385,18 @@ def load_pipeline(
     variant: str = "auto",
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    parallel: ParallelPlan | str | None = None,
 ) -> QwenImagePipeline:
-    """A new pipeline for `model` (None: the embedded default)."""
-    return QwenImagePipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    """A new pipeline for `model` (None: the embedded default). `parallel` ("auto" or a ParallelPlan)
+    makes this process one rank of a launched group; a plan that does not fit is refused before loading."""
+    plan = resolve_plan(parallel, model)
+    device = pick_device(device)
+    if plan is not None:
+        device = join_ranks(device)
+    pipe = QwenImagePipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    if plan is not None:
+        pipe.set_parallel(plan)
+    return pipe
 
 
 def generate(
@@ -390,10 +405,11 @@ def generate(
     variant: str = "auto",
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    parallel: ParallelPlan | str | None = None,
     **kwargs,
 ) -> list[PIL.Image.Image]:
-    """One-call generation; keeps one pipeline per (model, variant, device, dtype) for later calls."""
-    key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype))
+    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel) to reuse."""
+    key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype), parallel)
     if key not in _CACHE:
-        _CACHE[key] = load_pipeline(model, variant, device, dtype)
+        _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel)
     return _CACHE[key].generate(prompt, **kwargs)

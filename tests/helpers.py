@@ -1,13 +1,22 @@
-"""Shared test helpers: a host-synchronisation guard and PNG hashing."""
+"""Shared test helpers: a host-synchronisation guard, PNG hashing, the checkout's root, where chromium is,
+and ranks for the parallel tests."""
 
 import hashlib
 import io
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import PIL.Image
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = torch.device("cpu")
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's chromium, driven by Playwright in the `browser` tests
+# The checkout under test: subprocesses run from it, so they import its code, not an installed copy.
+REPO = Path(__file__).resolve().parents[1]
 
 
 class NoHostSync(TorchDispatchMode):
@@ -48,3 +57,53 @@ def png_sha256(image: PIL.Image.Image) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+RANK_SCRIPT = str(REPO / "tests" / "parallel_rank.py")
+
+
+def rank_env(timeout_s: float = 120) -> dict[str, str]:
+    """The environment of ranks started by a test: this worktree importable, one thread each on the CPU,
+    a short collective timeout (orphans of a failed test end on their own), NVLink multicast off."""
+    return os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "QWEN_IMAGE_COLLECTIVE_TIMEOUT": str(timeout_s),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
+
+
+def launch(ranks: int, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `command` as `ranks` ranks through ui.launch (torch's elastic launcher) in a child process; on a
+    timeout the launcher is asked to stop its ranks (SIGTERM), then killed."""
+    code = (
+        "import sys\nfrom ui.launch import RanksFailed, launch_ranks\n"
+        f"try:\n    launch_ranks({ranks}, {command!r})\n"
+        "except RanksFailed as err:\n    print(err)\n    sys.exit(10)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=rank_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+from helpers import REPO
+
 PTX_PATTERNS = {
     "fma": r"\bfma\.rn\.f32",
     "div_rn": r"\bdiv\.rn\.f32",
@@ -81,8 +83,9 @@ def ptx_counts(kernel, args: tuple, kwargs: dict) -> dict[str, int]:
 
 def report_from_subprocess(script: str) -> dict:
     """Run `script` (a test module whose __main__ prints a JSON report) with Triton compiling, not
-    interpreting, and no GPU visible; returns the report."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    interpreting, and no GPU visible, importing this checkout's kernels; returns the report."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=300, check=False
     )

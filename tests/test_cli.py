@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import PIL.Image
 import pytest
+from helpers import REPO
 
 from models.components import save_components
 from pipelines import load_pipeline
@@ -15,9 +16,8 @@ from ui.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ui.cli", *args], capture_output=True, text=True, timeout=600, check=False
-    )
+    command = [sys.executable, "-m", "ui.cli", *args]  # from the checkout, not an installed copy
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO)
 
 
 def test_generate_writes_a_png_with_no_model_given(tmp_path):
@@ -100,3 +100,79 @@ def test_unreadable_calibration_prompts_give_one_line_error(tmp_path, capsys):
     prompts.write_bytes(b"\xff\xfe not utf-8 \x80")
     assert main(["quantize", "--out", str(tmp_path / "q"), "--calib-prompts", str(prompts)]) == 2
     assert "cannot read prompt file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seed", "-3"], "seed -3 must be an integer in [0, 2**63)"),
+        (["--true-cfg-scale", "nan"], "true_cfg_scale nan must be a finite number >= 0"),
+        (["--num-images", "17"], "num_images_per_prompt 17 must be between 1 and 16"),
+        (["--max-sequence-length", "0"], "max_sequence_length 0 must be between 1 and 1024"),
+        (["--width", "40"], "width 40 must be a multiple of 16 between 16 and 2048"),
+    ],
+)
+def test_generation_arguments_fail_before_any_model_loads(args, message, tmp_path, monkeypatch, capsys):
+    """The checks run before loading: loading would fail the test."""
+    monkeypatch.setattr("ui.cli._load", lambda _args: pytest.fail("the model loaded before the checks"))
+    assert main(["generate", "a fox", "-o", str(tmp_path / "a.png"), *args]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_bad_size_is_refused_in_under_a_second_with_the_checkpoints_own_multiple(saved_model, tmp_path):
+    """Sides are checked against the checkpoint's VAE scale (read from vae/config.json, nothing loaded)."""
+    config_path = saved_model / "vae" / "config.json"
+    config = json.loads(config_path.read_text())
+    assert len(config["temperal_downsample"]) == 3  # 8x: sides are multiples of 16
+    result = run_cli("generate", "a fox", "--model", str(saved_model), "--width", "40", "-o", "x.png")
+    assert result.returncode == 2 and result.stderr.strip().endswith(
+        "width 40 must be a multiple of 16 between 16 and 2048"
+    )
+
+
+def test_help_shows_every_default():
+    for command, expected in {
+        "generate": [
+            "(default: out.png)",
+            "(default: 512)",
+            "(default: 4.0)",
+            "(default: bf16)",
+            "1024 for Qwen-Image",
+        ],
+        "quantize": ["(default: the embedded model)", "at most 20"],
+    }.items():
+        help_text = run_cli(command, "--help").stdout
+        flat = " ".join(help_text.split())
+        for text in expected:
+            assert text in flat, (command, text)
+
+
+def test_a_prompt_cut_at_max_sequence_length_warns_how_many_tokens_were_dropped(tmp_path):
+    prompt = " ".join(["fox"] * 40)
+    result = run_cli(
+        "generate",
+        prompt,
+        "-o",
+        str(tmp_path / "a.png"),
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--steps",
+        "2",
+        "--max-sequence-length",
+        "16",
+    )
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    # 40 words + the template's 5 closing tokens = 45 kept tokens before the cut; 16 stay.
+    expected = (
+        "prompt 1 is 45 tokens with the template's end: the 29 past max_sequence_length 16 were dropped"
+    )
+    assert warnings == [f"warning: {expected}"]
+
+
+def test_loading_a_checkpoint_prints_no_library_progress_bars(saved_model):
+    result = run_cli("info", "--model", str(saved_model))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [f"loading {saved_model} ..."], result.stderr

@@ -10,7 +10,7 @@ def test_graph_cache_keeps_the_most_recent_shapes(monkeypatch):
     captures = []
 
     class FakeCapture:
-        def __init__(self, step, inputs):
+        def __init__(self, step, inputs, cut_collectives):
             captures.append(inputs[0].shape[0])
             self.step = step
 
@@ -27,7 +27,7 @@ def test_graph_cache_keeps_the_most_recent_shapes(monkeypatch):
 
 def test_static_arguments_are_part_of_the_key_and_reach_the_step(monkeypatch):
     class FakeCapture:
-        def __init__(self, step, inputs):
+        def __init__(self, step, inputs, cut_collectives):
             self.step = step
 
         def __call__(self, inputs):

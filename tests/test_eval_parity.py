@@ -199,4 +199,12 @@ def test_fp8_unfused_vs_fused_is_identical(prompts: Path, tmp_path: Path) -> Non
         "fp8-unfused",
         "fp8-fused",
     ]
-    assert "FP8 norm+quant fusion" in report["variants"]["b"]["workers"][0]["fusion_summary"]
+    # two producers (attention and MLP input) for each of the image and text streams, in every block
+    layers = json.loads((checkpoint / "transformer" / "config.json").read_text(encoding="utf-8"))[
+        "num_layers"
+    ]
+    paths = 2 * 2 * layers
+    unfused, fused = (report["variants"][slot]["workers"][0]["fusion_summary"].splitlines() for slot in "ab")
+    assert fused[0] == f"FP8 norm+quant fusion: {paths}/{paths} block paths"
+    assert unfused[0] == f"FP8 norm+quant fusion: 0/{paths} block paths"
+    assert unfused[1].startswith(f"  unfused ({paths}): fusion switched off (unfused path forced)")

@@ -26,9 +26,10 @@ def test_worker_env_leaves_torchrun_and_pins_the_gpu(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     env = runner.worker_env("3")
     assert "WORLD_SIZE" not in env and "TORCHELASTIC_RUN_ID" not in env and env["CUDA_VISIBLE_DEVICES"] == "3"
-    assert "CUDA_VISIBLE_DEVICES" not in runner.worker_env(None) or runner.worker_env(
-        None
-    ) == runner.worker_env(None)
+    assert "CUDA_VISIBLE_DEVICES" not in runner.worker_env(None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
+    assert runner.worker_env(None)["CUDA_VISIBLE_DEVICES"] == "1,2"  # no GPU of its own: the parent's stand
+    assert runner.worker_env("2")["CUDA_VISIBLE_DEVICES"] == "2"
 
 
 def test_a_dead_worker_is_reported_as_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:

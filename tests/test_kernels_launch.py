@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO
 from ptx_probe import binary_key, ptx_counts, record_launches, report_from_subprocess
 from test_kernels_quant import needs_interpreter
 
@@ -140,7 +141,7 @@ assert kernels.static_quant_fp8_triton(x, inv) is None and kernels.gelu_tanh_tri
 y, q = kernels.layer_norm_modulate(x, m, m, 1e-6, inv)
 assert torch.equal(q.view(torch.uint8), kernels.static_quant_fp8_torch(y, inv).view(torch.uint8))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

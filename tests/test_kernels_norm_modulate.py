@@ -1,5 +1,8 @@
-"""LN+modulate producers: torch twins vs float64, Triton (interpreter) fused vs unfused and vs the twins."""
+"""LN+modulate producers: torch twins vs float64; Triton (interpreter) fused vs unfused bit for bit, vs
+the twins within the LN-statistics slack, and bit for bit vs tests/contract.py on rows with exact LN
+statistics. The twins against the contract bit for bit: test_kernels_contract.py."""
 
+import contract
 import pytest
 import torch
 from steps import nudge_bf16, ordered_codes, step_distance
@@ -125,6 +128,46 @@ def test_producer2_fused_equals_unfused_and_twin(shape):
     assert bool(explained_by_ln_statistics(y_fused, r_fused, t["shift"], t["scale"], interpreter=True).all())
     q_ref = static_quant_fp8_torch(y_fused, inv)
     assert int(step_distance(q_fused, q_ref)[interpreter_exact_range(y_fused, inv, q_ref)].max()) <= 1
+
+
+def exact_statistics_rows(batch: int, seq: int, width: int, seed: int) -> torch.Tensor:
+    """bf16 rows whose LN statistics are the same in every sum order: `x = 2^k * (m + d)` with `m` a
+    multiple of 1/4 up to 8, `d` integers up to 40 in +/- pairs (row sum 0), width a power of two. Every
+    partial sum of x and of (x - mean)^2 is an fp32 number, and mean = 2^k m, var are exact."""
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(-40, 41, (batch, seq, width // 2), generator=g).float()
+    deviations = torch.cat([half, -half], -1)
+    deviations = deviations.gather(-1, torch.argsort(torch.rand(deviations.shape, generator=g), -1))
+    offset = torch.randint(-32, 33, (batch, seq, 1), generator=g) / 4
+    power = 2.0 ** torch.randint(-4, 5, (batch, seq, 1), generator=g)
+    return ((offset + deviations) * power).bfloat16()
+
+
+@needs_interpreter
+def test_producers_equal_the_contract_under_interpreter_with_exact_statistics():
+    """The kernels' y and r byte for byte against tests/contract.py with truncation as the bf16 rounding
+    (what the interpreter does for normal values): rows whose LN sums are order-independent leave no
+    other freedom, so every rounding step of the kernel is checked (a dropped `bf16(x_hat)` fails)."""
+    x = exact_statistics_rows(2, 4, 1024, seed=20)
+    t = make_inputs(2, 4, 1024, seed=21)
+    bits = contract.bf16_bits
+    y, _ = layer_norm_modulate_triton(x, t["shift"], t["scale"], EPS)
+    want = contract.layer_norm_modulate(
+        bits(x), bits(t["shift"]), bits(t["scale"]), EPS, contract.truncate_bf16
+    )
+    contract.assert_same_encodings(y, contract.as_bf16(want), "producer 1 y")
+
+    # producer 2: the gated residual of general rows, then the LN path on r = 0 + 1 * x = x
+    args = (t["residual"], t["gate"], t["x"], t["shift"], t["scale"], EPS)
+    r, _, _ = gated_residual_layer_norm_modulate_triton(*args)
+    r_want = contract.gated_residual(
+        bits(t["residual"]), bits(t["gate"]), bits(t["x"]), contract.truncate_bf16
+    )
+    contract.assert_same_encodings(r, contract.as_bf16(r_want), "producer 2 r")
+    zero, one = torch.zeros_like(x), torch.ones_like(t["gate"])
+    r, y, _ = gated_residual_layer_norm_modulate_triton(zero, one, x, t["shift"], t["scale"], EPS)
+    contract.assert_same_encodings(r, x, "producer 2 r = x")
+    contract.assert_same_encodings(y, contract.as_bf16(want), "producer 2 y")
 
 
 @needs_interpreter

@@ -95,7 +95,6 @@ def test_batch_call_like_diffusers(tokenizer: Qwen2Tokenizer) -> None:
 
 def test_build_is_cached(tokenizer: Qwen2Tokenizer) -> None:
     assert build_qwen2_tokenizer() is tokenizer
-    assert load_tokenizer(None) is tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +160,10 @@ def test_folder_without_pad_token_raises(saved: Path, tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
 
 
-def test_missing_folder_falls_back_to_embedded(tokenizer: Qwen2Tokenizer, tmp_path: Path) -> None:
-    assert load_tokenizer(tmp_path / "absent") is tokenizer
+def test_missing_folder_raises(tmp_path: Path) -> None:
+    """The built-in tokenizer serves the embedded default only; a checkpoint must bring its own."""
+    with pytest.raises(CheckpointError, match="tokenizer folder not found"):
+        load_tokenizer(tmp_path / "absent")
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ class FakePipe:
 
     model_name = "fake"
     device = "cpu"
+    size_multiple = 16
     defaults = SimpleNamespace(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
 
     def __init__(self, delay: float = 0.0) -> None:
@@ -90,6 +91,10 @@ class FakePipe:
         return [Image.new("RGB", (w, h), color)] * kw["num_images_per_prompt"]
 
 
+def _job_of(values: dict[str, Any], session: str = "s") -> Job:
+    return job_from_inputs(session, values, VARIANTS, FakePipe.size_multiple)
+
+
 def _inputs(**changes: Any) -> dict[str, Any]:
     """A valid /generate request as raw JSON values, with `changes`."""
     values = {
@@ -115,24 +120,24 @@ def test_presets() -> None:
 
 
 def test_job_from_inputs_reads_a_valid_request() -> None:
-    job = job_from_inputs("s", _inputs(width=96.0, negative_prompt="blurry"), VARIANTS)
+    job = _job_of(_inputs(width=96.0, negative_prompt="blurry"))
     assert (job.session, job.variant) == ("s", "contract")
     assert job.kwargs == {
         "prompt": "a red apple", "negative_prompt": "blurry", "width": 96, "height": 32,
         "num_inference_steps": 3, "true_cfg_scale": 4.0, "seed": 7, "num_images_per_prompt": 1,
     }  # fmt: skip
     assert type(job.kwargs["width"]) is int
-    preset = job_from_inputs("s", _inputs(aspect="16:9", width=None, negative_prompt=""), VARIANTS)
+    preset = _job_of(_inputs(aspect="16:9", width=None, negative_prompt=""))
     assert (preset.kwargs["width"], preset.kwargs["height"], preset.kwargs["negative_prompt"]) == (
         1664,
         928,
         None,
     )
-    seeds = {job_from_inputs("s", _inputs(randomize_seed=True), VARIANTS).kwargs["seed"] for _ in range(5)}
+    seeds = {_job_of(_inputs(randomize_seed=True)).kwargs["seed"] for _ in range(5)}
     assert len(seeds) > 1 and all(
         0 <= s < 2**31 for s in seeds
     )  # picked per request, so a stop can report it
-    assert job_from_inputs("s", _inputs(seed=None), VARIANTS).kwargs["seed"] is not None
+    assert _job_of(_inputs(seed=None)).kwargs["seed"] is not None
 
 
 @pytest.mark.parametrize(
@@ -162,7 +167,7 @@ def test_job_from_inputs_reads_a_valid_request() -> None:
 )
 def test_job_from_inputs_names_the_bad_value(changes: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(FieldError, match=re.escape(message)) as err:
-        job_from_inputs("s", _inputs(**changes), VARIANTS)
+        _job_of(_inputs(**changes))
     assert err.value.field == field
     assert isinstance(err.value, InputError)  # the CLI and the page show it as one line
 
@@ -186,21 +191,21 @@ def test_cost_cap_counts_pixels_steps_images_and_cfg() -> None:
     assert work_of(1000, 1000, 10, 2, true_cfg=True) == 40.0
     limits = Limits(max_work=40.0, time_limit_s=10)
     request = _inputs(width=1008, height=992, num_inference_steps=10, num_images=4)
-    at_cap = job_from_inputs("s", request, VARIANTS)
+    at_cap = _job_of(request)
     assert not at_cap.true_cfg and at_cap.work == pytest.approx(39.99744)  # 1008x992 is 0.999936 MP
     check_work(at_cap, limits)
-    over = job_from_inputs("s", request | {"negative_prompt": "blurry"}, VARIANTS)
+    over = _job_of(request | {"negative_prompt": "blurry"})
     assert over.true_cfg and over.work == pytest.approx(2 * at_cap.work)
     with pytest.raises(
         FieldError, match=r"79\.99 megapixel-steps .*4 images × 2 for true CFG.*at most 40 per request"
     ):
         check_work(over, limits)
-    no_cfg = job_from_inputs("s", request | {"negative_prompt": "blurry", "true_cfg_scale": 1.0}, VARIANTS)
+    no_cfg = _job_of(request | {"negative_prompt": "blurry", "true_cfg_scale": 1.0})
     check_work(no_cfg, limits)  # a negative prompt at scale 1 runs no CFG, so it costs no more
 
 
 def _job(session: str, steps: int) -> Job:
-    return job_from_inputs(session, _inputs(num_inference_steps=steps), VARIANTS)
+    return _job_of(_inputs(num_inference_steps=steps), session)
 
 
 def test_runner_switches_variant_and_counts_steps() -> None:

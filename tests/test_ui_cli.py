@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -25,16 +24,16 @@ from ui.limits import DEVICE_LIMITS, Limits
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Replaces ui.app.serve (model load + server) with a recorder; the CLI's policy runs for real."""
+    """Replaces ui.app.launch (model load + server) with a recorder; the CLI's policy runs for real."""
     calls: list[dict[str, Any]] = []
 
-    def fake_serve(*args: Any) -> tuple[SimpleNamespace, Limits]:
-        _, host, port, _, _, _, limits, auth = args
+    def fake_launch(
+        model: Any, *, host: str, port: int, limits: dict, auth: Any, on_start: Any, **_: Any
+    ) -> None:
         calls.append({"host": host, "port": port, "limits": limits, "auth": auth})
-        demo = SimpleNamespace(server_port=port, block_thread=lambda: None)
-        return demo, Limits.for_device("cpu", **limits)
+        on_start(port, Limits.for_device("cpu", **limits))
 
-    monkeypatch.setattr(ui.app, "serve", fake_serve)
+    monkeypatch.setattr(ui.app, "launch", fake_launch)
     return calls
 
 
@@ -46,12 +45,13 @@ def test_help_states_the_limits_and_their_defaults(capsys: pytest.CaptureFixture
     (cuda_work, cuda_s), (cpu_work, cpu_s) = DEVICE_LIMITS["cuda"], DEVICE_LIMITS["cpu"]
     for part in (
         "--max-work MP_STEPS",
-        f"(default {cuda_work:g} on CUDA, {cpu_work:g} on CPU)",
-        f"(default {cuda_s:g} on CUDA, {cpu_s:g} on CPU)",
-        '"queue full" (default 64)',
-        "waiting or running (default 1)",
-        "this long (default 30)",
+        f"(default: {cuda_work:g} on CUDA, {cpu_work:g} on CPU)",
+        f"(default: {cuda_s:g} on CUDA, {cpu_s:g} on CPU)",
+        '"queue full" (default: 64)',
+        "waiting or running (default: 1)",
+        "this long (default: 30)",
         "--auth USER:PASS",
+        "(default: 127.0.0.1)",
         "--auth-file FILE",
         "--no-auth",
         "qwen-image ui --host 0.0.0.0 --auth alice:s3cret",

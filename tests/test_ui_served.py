@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import ValidationError
+from helpers import CHROMIUM
 from PIL import Image
 
 from pipelines import load_pipeline
@@ -20,7 +21,6 @@ from ui.app import build_app
 from ui.generation import Runner
 from ui.limits import Limits
 
-CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -81,7 +81,8 @@ def test_readme_client_call(server: tuple[str, list[int], Runner]) -> None:
 
 @pytest.mark.browser
 def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Runner], tmp_path: Path) -> None:
-    sync_api = _playwright()
+    from playwright import sync_api  # conftest checked that it and chromium are installed
+
     url, completed, _ = server
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -145,7 +146,8 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Run
 
 @pytest.mark.browser
 def test_closing_the_tab_stops_its_generation(server: tuple[str, list[int], Runner]) -> None:
-    sync_api = _playwright()
+    from playwright import sync_api
+
     url, completed, runner = server
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -161,12 +163,6 @@ def test_closing_the_tab_stops_its_generation(server: tuple[str, list[int], Runn
             time.sleep(0.02)
         browser.close()
     assert 199 not in completed
-
-
-def _playwright() -> Any:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)")
-    return pytest.importorskip("playwright.sync_api")
 
 
 def _fill(page: Any, **fields: str | int) -> None:

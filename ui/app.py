@@ -8,6 +8,7 @@ client, or the time limit. The generate event has the stable API name "/generate
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -18,6 +19,7 @@ from models.embedded import EMBEDDED_NAME
 from models.errors import InputError, QwenImageError
 from pipelines import load_pipeline
 from pipelines.limits import MAX_STEPS, MIN_STEPS
+from pipelines.parallel import ParallelPlan
 from ui.generation import (
     CANCELLED,
     CUSTOM,
@@ -39,7 +41,10 @@ from ui.generation import (
     stop_message,
 )
 from ui.limits import Limits
+from ui.lora_controls import load_lora_files, lora_controls, lora_details
+from ui.ranks import serve
 
+LORA_KWARGS = "lora_kwargs"  # the preset and LoRA controls' generate() arguments, beside INPUT_NAMES
 MAX_UPLOAD = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger
 STOP_WAIT_S = 120.0  # Stop answers once the running step ends; a step never takes this long
 EXAMPLES = [
@@ -64,7 +69,9 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
     delete_cache = (max(1, min(60, keep_s // 2)), keep_s)  # (every, older than) seconds
 
     def admit(values: dict[str, Any], session: str | None) -> Job:
-        job = job_from_inputs(session, values, variants)
+        """The checked job for one request's values (INPUT_NAMES, and the preset and LoRA controls' state)."""
+        job = job_from_inputs(session, values, variants, pipe.size_multiple)
+        job.kwargs.update(values.get(LORA_KWARGS) or {})
         check_work(job, limits)
         return job
 
@@ -81,8 +88,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     "wait for it or press Stop.",
                 )
         except FieldError as err:
-            return [gr.validate(name != err.field, str(err) * (name == err.field)) for name in INPUT_NAMES]
-        return [gr.validate(True, "") for _ in INPUT_NAMES]
+            return [gr.validate(name != err.field, str(err) * (name == err.field)) for name in inputs]
+        return [gr.validate(True, "") for _ in inputs]
 
     async def generate(
         request: gr.Request,
@@ -112,7 +119,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             k = job.kwargs
             msg = f"Out of GPU memory at {k['width']}x{k['height']} x{k['num_images_per_prompt']}: "
             raise gr.Error(msg + "try a smaller size or fewer images.", print_exception=False) from None
-        return images, run.seed, format_details(run)
+        return images, run.seed, format_details(run) + lora_details(run)
 
     def stop(request: gr.Request) -> Any:
         """Stop this client's running generation after its current step (the Stop button, or "/stop");
@@ -165,6 +172,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     label="Pipeline variant",
                     visible=len(variants) > 1,
                 )
+                lora_kwargs = lora_controls(pipe, steps, cfg)
             with gr.Column(scale=6):
                 gallery = gr.Gallery(
                     label="Images",
@@ -183,11 +191,13 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             field.input(lambda: CUSTOM, None, aspect, **private)
         triggers = [generate_btn.click, prompt.submit]
         gr.on(triggers, lambda: "", None, details, **private)  # a new request's details replace the last
-        inputs = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
+        fields = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
+        # By name: INPUT_NAMES are the API's parameters; the controls' state is not one (a gr.State).
+        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: lora_kwargs}
         run = gr.on(
             triggers,
             generate,
-            inputs_kwargs=dict(zip(INPUT_NAMES, inputs, strict=True)),  # the API's parameter names
+            inputs_kwargs=inputs,
             outputs=[gallery, seed, details],
             api_name="generate",
             show_progress_on=gallery,
@@ -221,37 +231,49 @@ def _pending_requests(demo: gr.Blocks, session: str | None) -> int:
     return len(demo._queue.pending_event_ids_session.get(session, ()))
 
 
-def serve(
+def launch(
     model: str | None,
     host: str,
     port: int,
     variant: str = "auto",
     device: str | None = None,
     dtype: str | None = None,
+    parallel: ParallelPlan | None = None,
+    lora_files: list[Path] | None = None,
     limits: dict[str, Any] | None = None,
     auth: list[tuple[str, str]] | None = None,
-) -> tuple[gr.Blocks, Limits]:
-    """Load the model once and start serving the demo (for `qwen-image ui`); returns the running app
-    and the limits it applies.
+    on_start: Callable[[int, Limits], None] | None = None,
+) -> None:
+    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`).
 
-    `limits`: Limits fields to override on the device's defaults; `auth`: (user, password) accounts.
-    Gradio's share link stays off whatever the environment says (GRADIO_SHARE), and so does its MCP
-    server; uploads are refused (the page takes none). `.block_thread()` on the app waits.
+    With a parallel plan, rank 0 serves and the other ranks follow its jobs (ui/ranks.py). `lora_files`
+    are mounted at scale 0 (on every rank) for the LoRA sliders. `limits`: Limits fields to override on
+    the device's defaults; `auth`: (user, password) accounts; `on_start(port, limits)` runs once the page
+    is up. Gradio's share link stays off whatever the environment says (GRADIO_SHARE), and so does its
+    MCP server; uploads are refused (the page takes none).
     """
-    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype)
+    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype, parallel=parallel)
+    if lora_files is not None:
+        load_lora_files(pipe, lora_files)
     applied = Limits.for_device(torch.device(pipe.device).type, **(limits or {}))
-    demo = build_app(pipe, applied)
-    demo.launch(
-        server_name=host,
-        server_port=port,
-        auth=auth or None,
-        share=False,
-        mcp_server=False,
-        max_file_size=MAX_UPLOAD,
-        quiet=True,
-        prevent_thread_lock=True,
-    )
-    return demo, applied
+
+    def run_app(app_pipe: Pipeline) -> None:
+        demo = build_app(app_pipe, applied)
+        demo.launch(
+            server_name=host,
+            server_port=port,
+            auth=auth or None,
+            share=False,
+            mcp_server=False,
+            max_file_size=MAX_UPLOAD,
+            quiet=True,
+            prevent_thread_lock=True,
+        )
+        if on_start is not None:
+            on_start(demo.server_port, applied)
+        demo.block_thread()
+
+    serve(pipe, run_app)
 
 
 def _header(pipe: Pipeline, limits: Limits) -> str:

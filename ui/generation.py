@@ -13,8 +13,8 @@ from typing import Any, Protocol
 from PIL import Image
 
 from models.errors import InputError
-from models.text_encoder import DEFAULT_SEQUENCE_LENGTH
-from pipelines.qwen_image import check_generation_args
+from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
+from pipelines.limits import check_generation_args
 from ui.limits import Limits, work_of
 
 CUSTOM = "custom"
@@ -59,6 +59,7 @@ class Pipeline(Protocol):
     variant: str
     model_name: str
     device: Any
+    size_multiple: int  # what image sides must be multiples of
     defaults: Any  # GenerationDefaults
     last_run: Any  # RunInfo
 
@@ -191,7 +192,9 @@ class Runner:
             job.finished.set()
 
 
-def job_from_inputs(session: str | None, values: Mapping[str, Any], variants: Sequence[str]) -> Job:
+def job_from_inputs(
+    session: str | None, values: Mapping[str, Any], variants: Sequence[str], size_multiple: int
+) -> Job:
     """Check every value of a /generate request (from the page or any API client) and build its Job.
 
     Raw JSON values arrive here (NaN, infinity, strings in number fields...); each bad one raises a
@@ -217,9 +220,19 @@ def job_from_inputs(session: str | None, values: Mapping[str, Any], variants: Se
     variant = values["variant"]
     if variant not in variants:
         raise FieldError("variant", f"variant {variant!r} is not served here: choose {', '.join(variants)}")
+    negatives = None if negative_prompt is None else [negative_prompt]
     try:
         check_generation_args(
-            [prompt], width, height, steps, true_cfg_scale, images, DEFAULT_SEQUENCE_LENGTH, seed
+            [prompt],
+            negatives,
+            width,
+            height,
+            steps,
+            true_cfg_scale,
+            images,
+            DEFAULT_SEQUENCE_LENGTH,
+            seed,
+            size_multiple,
         )
     except InputError as err:
         name = str(err).split()[0]

@@ -1,0 +1,480 @@
+"""LoRA adapters by module swap (PEFT's `base_layer`), for BF16 and ModelOpt FP8 linears.
+
+`LoraLinear` takes the place of a Linear or an `Fp8Linear` in the transformer and holds named adapters:
+down factor A [r, in], up factor B [out, r], PEFT's `lora_alpha` and a user scale. It runs one of three ways:
+
+- reference branch: `result = base(x)`, then per adapter `result = result + B(A(x)) * scaling`, op for op
+  as PEFT's `lora.Linear.forward` (with `scaling = scale * alpha / r`, PEFT's `set_scale`), so the
+  `reference` variant is pixel-identical to diffusers + PEFT;
+- contract branch: every adapter with a non-zero scale in one pair of GEMMs (the factors concatenated,
+  each scaling folded into its up factor), the second accumulating into the base output;
+- merged: the adapters folded into the base weight (BF16: one fp32 sum, rounded once; FP8: dequantize,
+  add, requantize with a new per-tensor weight scale, the calibrated input scale kept). The original
+  weight waits on the host, so unmerging restores it bit for bit.
+
+Around an FP8 consumer the branch reads the BF16 input: `quant_spec()` delegates to the base layer and
+declares that it needs the unquantized input, so the fusion gate keeps the producer fused with dual
+output (`q` for the FP8 GEMM, `y` for the branch). Unfused, the base quantizes `x` itself and the branch
+reads the same `x`: fused and unfused stay byte-identical.
+
+Files are read in every layout diffusers' Qwen-Image LoRA loader reads (its own conversion maps the keys),
+validated completely, and only then mounted: a bad file changes nothing.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from kernels.quant import FP8_MAX
+from kernels.seam import Numerics
+from models.errors import CheckpointError, InputError
+from models.fp8 import Fp8Linear, QuantizedActivation, QuantSpec, quant_consumer_spec, quantize_weight
+
+DOWN, UP = ".lora_A.weight", ".lora_B.weight"
+TRANSFORMER_PREFIX = "transformer."
+LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors header key for the LoraConfig
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """One adapter of one linear: down A [r, in], up B [out, r], and PEFT's alpha (and rsLoRA flag)."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    alpha: float
+    use_rslora: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    def scaling(self, scale: float) -> float:
+        """PEFT's `set_scale`: `scale * lora_alpha / r` (`/ sqrt(r)` with rsLoRA), in that order."""
+        return scale * self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """A LoRA file read and converted to diffusers' names: factors by transformer module name."""
+
+    path: Path
+    factors: dict[str, LoraFactors]
+
+
+def read_lora_file(path: str | Path) -> LoraFile:
+    """Read a LoRA safetensors file in any layout diffusers' Qwen-Image loader reads (diffusers/PEFT
+    `lora_A`/`lora_B`, kohya `lora_unet_...`, ComfyUI `diffusion_model.`, `lora_down`/`lora_up`/`alpha`,
+    the Lightning release files); CheckpointError naming the file and key for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"LoRA file {path} {'is not a file' if path.exists() else 'does not exist'}")
+    try:
+        raw = load_file(path)
+        with safe_open(path, framework="pt") as handle:
+            header = handle.metadata() or {}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"LoRA file {path} is not a safetensors file ({err})") from err
+    if not raw:
+        raise CheckpointError(f"LoRA file {path} holds no tensors")
+    for key, tensor in raw.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"LoRA file {path}: tensor {key} has NaN or inf values")
+    pairs = _pair_factors(_to_diffusers_keys(raw, path), path)
+    return LoraFile(path, _with_alphas(pairs, _adapter_metadata(header, path), path))
+
+
+def _to_diffusers_keys(raw: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """diffusers' own Qwen-Image conversion (it folds kohya alphas into the factors, as diffusers loads
+    them), then the names of our transformer's modules (without the `transformer.` prefix)."""
+    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
+
+    from models.components import quiet_loading
+
+    try:
+        with quiet_loading():
+            state = QwenImageLoraLoaderMixin.lora_state_dict(dict(raw))
+    except (ValueError, KeyError, IndexError, RuntimeError) as err:
+        message = str(err).splitlines()[0][:300]
+        raise CheckpointError(
+            f"LoRA file {path}: diffusers' Qwen-Image conversion refuses it: {message}"
+        ) from err
+    return {key.removeprefix(TRANSFORMER_PREFIX): value for key, value in state.items()}
+
+
+def _pair_factors(state: dict[str, torch.Tensor], path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (A, B)} from `<module>.lora_A.weight` / `.lora_B.weight` keys, each pair checked."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        if key.endswith((DOWN, UP)):
+            module, suffix = key[: -len(DOWN)], DOWN if key.endswith(DOWN) else UP
+            parts.setdefault(module, {})[suffix] = tensor
+            continue
+        what = "not a lora_A/lora_B factor"
+        if "lora_magnitude_vector" in key or ".bias" in key:
+            what = "DoRA magnitudes and LoRA biases are not supported"
+        raise CheckpointError(f"LoRA file {path}: tensor {key} is not supported ({what})")
+    pairs = {}
+    for module, found in parts.items():
+        for suffix in (DOWN, UP):
+            if suffix not in found:
+                raise CheckpointError(f"LoRA file {path}: {module}{suffix} is missing (its pair is there)")
+        down, up = found[DOWN], found[UP]
+        if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
+            raise CheckpointError(
+                f"LoRA file {path}: {module}{DOWN} {list(down.shape)} and {module}{UP} {list(up.shape)} "
+                "are not a rank-r pair [r, in] and [out, r]"
+            )
+        pairs[module] = (down, up)
+    return pairs
+
+
+def _adapter_metadata(header: dict[str, str], path: Path) -> dict[str, Any] | None:
+    """The LoraConfig diffusers stores in the safetensors header (its `transformer.` entries), if any."""
+    raw = header.get(LORA_ADAPTER_METADATA_KEY)
+    if not raw:
+        return None
+    try:
+        metadata = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"LoRA file {path}: {LORA_ADAPTER_METADATA_KEY} is not valid JSON") from err
+    prefix = TRANSFORMER_PREFIX
+    config = {k.removeprefix(prefix): v for k, v in metadata.items() if k.startswith(prefix)}
+    return config or None
+
+
+def _with_alphas(
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], metadata: dict[str, Any] | None, path: Path
+) -> dict[str, LoraFactors]:
+    """Each pair with PEFT's alpha for its module, as diffusers configures the adapter.
+
+    Without metadata diffusers sets alpha = r for every module (scale 1: kohya alphas are already folded
+    into the factors). With metadata, PEFT's LoraConfig and its rank/alpha patterns decide.
+    """
+    if metadata is None:
+        return {module: LoraFactors(down, up, down.shape[0]) for module, (down, up) in pairs.items()}
+    try:
+        from peft import LoraConfig
+        from peft.utils.other import get_pattern_key
+    except ImportError as err:
+        raise CheckpointError(
+            f"LoRA file {path} carries diffusers' LoraConfig metadata: reading it needs `pip install peft`"
+        ) from err
+    try:
+        config = LoraConfig(**metadata)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"LoRA file {path}: its adapter metadata is not a LoraConfig: {err}") from err
+    if config.use_dora or config.lora_bias:
+        raise CheckpointError(f"LoRA file {path}: DoRA and LoRA bias adapters are not supported")
+    factors = {}
+    for module, (down, up) in pairs.items():
+        ranks, alphas = config.rank_pattern, config.alpha_pattern
+        rank = ranks.get(get_pattern_key(ranks.keys(), module), config.r)
+        alpha = alphas.get(get_pattern_key(alphas.keys(), module), config.lora_alpha)
+        if rank != down.shape[0]:
+            raise CheckpointError(
+                f"LoRA file {path}: its metadata gives {module} rank {rank}, but {module}{DOWN} has rank "
+                f"{down.shape[0]}"
+            )
+        factors[module] = LoraFactors(down, up, alpha, bool(config.use_rslora))
+    return factors
+
+
+@dataclass(frozen=True)
+class Fp8MergeStats:
+    """What requantizing one FP8 weight with a LoRA folded in did."""
+
+    weights: int
+    clipped: int  # |w / new_scale| beyond 448 before the clamp
+    max_abs_error: float  # max |dequantized new weight - (old weight + delta)|
+    scale_ratio: float  # new weight_scale / old weight_scale
+
+
+class LoraLinear(nn.Module):
+    """A Linear or `Fp8Linear` (`base_layer`) with named LoRA adapters applied beside it or merged into it."""
+
+    def __init__(self, base_layer: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.adapters: dict[str, LoraFactors] = {}  # on the base's device, in the activation dtype
+        self.scales: dict[str, float] = {}
+        self.numerics = Numerics.REFERENCE
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # contract branch factors
+        self._merged: tuple[tuple[str, float], ...] | None = None  # the scalings folded into the weight
+        self._original: tuple[torch.Tensor, ...] = ()  # host copy of the weight (and FP8 scale)
+        self.merge_stats: Fp8MergeStats | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    @property
+    def reads_row_slices(self) -> bool:
+        return getattr(self.base_layer, "reads_row_slices", False)
+
+    @property
+    def merged(self) -> bool:
+        return self._merged is not None
+
+    @property
+    def weight_changed(self) -> bool:
+        """Whether merging changed the base weight (some adapter has a non-zero scaling)."""
+        return self._merged is not None and any(s != 0 for _, s in self._merged)
+
+    def scaling(self, name: str) -> float:
+        return self.adapters[name].scaling(self.scales[name])
+
+    def branch_active(self) -> bool:
+        """Whether the forward adds a LoRA branch (and so reads the unquantized input)."""
+        if self.merged or not self.adapters:
+            return False
+        return self.numerics is Numerics.REFERENCE or self._stacked is not None
+
+    def quant_spec(self) -> QuantSpec | None:
+        """The base layer's quantized input, plus `y` while a branch runs beside it."""
+        spec = quant_consumer_spec(self.base_layer)
+        if spec is None or not self.branch_active():
+            return spec
+        return replace(spec, needs_unquantized_input=True, unquantized_reason="LoRA branch")
+
+    def add_adapter(self, name: str, factors: LoraFactors, scale: float) -> None:
+        self.adapters[name] = factors
+        self.scales[name] = scale
+        self.refresh()
+
+    def remove_adapter(self, name: str) -> None:
+        del self.adapters[name], self.scales[name]
+        self.refresh()
+
+    def set_scale(self, name: str, scale: float) -> None:
+        self.scales[name] = scale
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild the contract branch's stacked factors: [A_1; A_2; ...] and [s_1 B_1, s_2 B_2, ...]."""
+        live = [(f, self.scaling(n)) for n, f in self.adapters.items() if self.scaling(n) != 0]
+        if not live:
+            self._stacked = None
+            return
+        down = torch.cat([f.down for f, _ in live])
+        up = torch.cat([(f.up.float() * s).to(f.up.dtype) for f, s in live], dim=1)
+        self._stacked = (down, up)
+
+    def delta_weight(self) -> torch.Tensor | None:
+        """fp32 `sum(scaling * B @ A)` over the adapters with a non-zero scaling (None when there is none)."""
+        delta = None
+        for name, f in self.adapters.items():
+            s = self.scaling(name)
+            if s != 0:
+                term = (f.up.float() @ f.down.float()) * s
+                delta = term if delta is None else delta + term
+        return delta
+
+    @torch.no_grad()
+    def merge(self, keep_original: bool = True) -> None:
+        """Fold the adapters, at their current scales, into the base weight (no-op when already so).
+        The weight from before the first merge is kept on the host (once) for `unmerge`."""
+        key = tuple((name, self.scaling(name)) for name in self.adapters)
+        if self._merged == key:
+            return
+        self._restore()
+        self.merge_stats = None
+        delta = self.delta_weight()
+        base = self.base_layer
+        if delta is not None:
+            if keep_original and not self._original:
+                kept = (base.weight, base.weight_scale) if isinstance(base, Fp8Linear) else (base.weight,)
+                self._original = tuple(t.detach().to("cpu", copy=True) for t in kept)
+            if isinstance(base, Fp8Linear):
+                self.merge_stats = _merge_fp8(base, delta)
+            else:
+                base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
+        self._merged = key
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Restore the weight from before `merge`, bit for bit, and drop the host copy."""
+        self._restore()
+        self._original, self._merged, self.merge_stats = (), None, None
+
+    def _restore(self) -> None:
+        targets = (self.base_layer.weight, getattr(self.base_layer, "weight_scale", None))
+        for target, original in zip(targets, self._original, strict=False):
+            target.copy_(original)
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        result = self.base_layer(x)
+        if not self.branch_active():
+            return result
+        if isinstance(x, QuantizedActivation):
+            if x.unquantized is None:
+                raise RuntimeError(
+                    "the LoRA branch needs the unquantized input; the producer did not write it"
+                )
+            x = x.unquantized
+        if self.numerics is Numerics.REFERENCE:
+            result_dtype = result.dtype
+            for name, f in self.adapters.items():
+                x = x if x.dtype == f.down.dtype else x.to(f.down.dtype)
+                result = result + F.linear(F.linear(x, f.down), f.up) * self.scaling(name)
+            return result.to(result_dtype)
+        down, up = self._stacked
+        hidden = F.linear(x, down)
+        result.view(-1, self.out_features).addmm_(hidden.reshape(-1, down.shape[0]), up.t())
+        return result
+
+    def extra_repr(self) -> str:
+        adapters = ", ".join(f"{n} (r={f.rank}, x{self.scales[n]:g})" for n, f in self.adapters.items())
+        return f"adapters: {adapters}; {'merged' if self.merged else 'branch'}"
+
+
+def _merge_fp8(base: Fp8Linear, delta: torch.Tensor) -> Fp8MergeStats:
+    """Dequantize, add, requantize with a new per-tensor scale (`amax / 448`); input scale untouched."""
+    merged = base.dequantized_weight() + delta
+    q, scale = quantize_weight(merged)
+    stats = Fp8MergeStats(
+        weights=merged.numel(),
+        clipped=int(((merged / scale).abs() > FP8_MAX).sum()),
+        max_abs_error=float((q.float() * scale - merged).abs().max()),
+        scale_ratio=float(scale / base.weight_scale.float()),
+    )
+    base.weight.copy_(q)
+    base.weight_scale.copy_(scale.reshape(base.weight_scale.shape))
+    return stats
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    """The mounted LoRA wrappers of `model`, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def lora_targets(model: nn.Module) -> dict[str, nn.Module]:
+    """Every linear a LoRA may target, by module name (a wrapper stands for its base layer)."""
+    targets: dict[str, nn.Module] = {}
+    inside: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if inside and name.startswith(inside):
+            continue
+        if isinstance(module, LoraLinear):
+            targets[name], inside = module, (*inside, f"{name}.")
+        elif isinstance(module, (nn.Linear, Fp8Linear)):
+            targets[name] = module
+    return targets
+
+
+def check_lora_fits(model: nn.Module, lora: LoraFile) -> dict[str, nn.Module]:
+    """The target of every factor pair; CheckpointError naming the first key without a layer or of the
+    wrong shape."""
+    targets = lora_targets(model)
+    found = {}
+    for name, f in lora.factors.items():
+        target = targets.get(name)
+        if target is None:
+            raise CheckpointError(
+                f"LoRA file {lora.path}: {name}{DOWN} matches no linear layer of the transformer"
+            )
+        if f.down.shape[1] != target.in_features or f.up.shape[0] != target.out_features:
+            raise CheckpointError(
+                f"LoRA file {lora.path}: {name} factors {list(f.down.shape)} and {list(f.up.shape)} do not "
+                f"fit the layer's {target.in_features} inputs and {target.out_features} outputs"
+            )
+        found[name] = target
+    return found
+
+
+def mount_lora(model: nn.Module, name: str, lora: LoraFile, scale: float, dtype: torch.dtype) -> int:
+    """Add adapter `name` to every layer `lora` targets (wrapping the layer first where needed); returns
+    the number of layers. Everything is validated and copied to the device before the first layer changes."""
+    targets = check_lora_fits(model, lora)
+    placed = {}
+    for module_name, f in lora.factors.items():
+        target = targets[module_name]
+        device = (target.base_layer if isinstance(target, LoraLinear) else target).weight.device
+        placed[module_name] = replace(f, down=f.down.to(device, dtype), up=f.up.to(device, dtype))
+    for module_name, f in placed.items():
+        target = targets[module_name]
+        if not isinstance(target, LoraLinear):
+            target = LoraLinear(target)
+            _set_module(model, module_name, target)
+        target.add_adapter(name, f, scale)
+    return len(placed)
+
+
+def unmount_lora(model: nn.Module, name: str) -> None:
+    """Remove adapter `name`; a layer left without adapters gets its base layer back (weights restored)."""
+    for module_name, wrapper in lora_layers(model).items():
+        if name in wrapper.adapters:
+            wrapper.unmerge()
+            wrapper.remove_adapter(name)
+            if not wrapper.adapters:
+                _set_module(model, module_name, wrapper.base_layer)
+
+
+def set_lora_scale(model: nn.Module, name: str, scale: float) -> None:
+    for wrapper in lora_layers(model).values():
+        if name in wrapper.adapters:
+            wrapper.set_scale(name, scale)
+
+
+@dataclass
+class MergeReport:
+    """The layers whose weights hold merged LoRAs, and what requantizing the FP8 ones did."""
+
+    bf16_layers: int = 0
+    fp8: dict[str, Fp8MergeStats] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if not self.fp8:
+            return f"LoRA merged into {self.bf16_layers} BF16 linears"
+        weights = sum(s.weights for s in self.fp8.values())
+        clipped = sum(s.clipped for s in self.fp8.values())
+        worst = max(self.fp8.items(), key=lambda item: item[1].max_abs_error)
+        return (
+            f"LoRA merged into {self.bf16_layers} BF16 and {len(self.fp8)} FP8 linears; FP8 weights "
+            f"requantized with new per-tensor scales (x{min(s.scale_ratio for s in self.fp8.values()):.3g} "
+            f"to x{max(s.scale_ratio for s in self.fp8.values()):.3g}), input scales kept: {clipped} of "
+            f"{weights} weights clipped at ±448, max |requantization error| {worst[1].max_abs_error:.3g} "
+            f"({worst[0]})"
+        )
+
+
+def configure_loras(model: nn.Module, merge: bool, numerics: Numerics) -> MergeReport | None:
+    """Put every LoRA layer in branch (with `numerics`) or merged mode; the merge report when merged."""
+    layers = lora_layers(model)
+    report = MergeReport() if merge and layers else None
+    for name, wrapper in layers.items():
+        wrapper.numerics = numerics
+        if not merge:
+            wrapper.unmerge()
+            continue
+        wrapper.merge()
+        if wrapper.merge_stats is not None:
+            report.fp8[name] = wrapper.merge_stats
+        elif wrapper.weight_changed:
+            report.bf16_layers += 1
+    return report
+
+
+def bake_loras(model: nn.Module) -> int:
+    """Merge every LoRA into its base weight for good and unwrap the layers; returns how many."""
+    layers = lora_layers(model)
+    for name, wrapper in layers.items():
+        wrapper.merge(keep_original=False)
+        _set_module(model, name, wrapper.base_layer)
+    return len(layers)
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    (model.get_submodule(parent) if parent else model).register_module(child, module)

@@ -1,0 +1,167 @@
+"""One rank of the gloo tests (tests/test_parallel_gloo.py): generates with several plans, rank 0 writes the
+images and what it saw to OUT_DIR.
+
+    python tests/parallel_rank.py SCENARIO OUT_DIR [FP8_DIR]     (as ranks of ui.launch or torchrun)
+
+Scenarios: `two` (CFG-2 and Ulysses-2 on BF16 and FP8, no host syncs in a sharded step, the web demo's
+leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step), `gpu`
+(tests/gpu/test_parallel_gpu.py: CFG-2 and Ulysses-2 on two GPUs, graphs and eager).
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from models.errors import InputError, ParallelError
+from pipelines import load_pipeline
+from pipelines.parallel import ParallelPlan
+
+PROMPTS = ["a red fox", "a long prompt about a small blue bird singing on a branch at dawn"]
+SIZE = dict(width=64, height=48, num_inference_steps=2, seed=3)
+CFG_ON = dict(negative_prompt="blurry", **SIZE)
+GPU_ARGS = dict(negative_prompt=" ", width=256, height=192, num_inference_steps=10, seed=3)
+
+
+def generate_all(pipe) -> dict[str, list]:
+    """The images every scenario compares: true CFG on and off, two prompts of different lengths (padded)."""
+    return {"cfg": pipe.generate(PROMPTS, **CFG_ON), "nocfg": pipe.generate(PROMPTS, **SIZE)}
+
+
+def save(out: Path, name: str, images: list) -> None:
+    for i, image in enumerate(images):
+        image.save(out / f"{name}-{i}.png")
+
+
+def sharded_step_has_no_host_sync(pipe) -> bool:
+    from helpers import NoHostSync
+
+    model, device = pipe.transformer, pipe.device
+    latents = torch.randn(2, 12, 64, dtype=torch.bfloat16, device=device)
+    prompt = torch.randn(2, 5, model.config.joint_attention_dim, dtype=torch.bfloat16, device=device)
+    mask = torch.ones(2, 5, dtype=torch.long, device=device)
+    mask[1, 3:] = 0
+    sigma = torch.full((2,), 0.5, device=device)
+    with torch.no_grad():
+        model(latents, prompt, mask, sigma, (1, 3, 4))
+        with NoHostSync(device):
+            model(latents, prompt, mask, sigma, (1, 3, 4))
+    return True
+
+
+def web_demo_jobs(pipe, out: Path) -> dict:
+    """Rank 0 leads four jobs as the demo's Runner would (one stopped, one refused); the others follow."""
+    from ui.generation import STOP_PRESSED, Job, Runner, Stopped
+    from ui.ranks import Leader, follow
+
+    if not pipe.ranks.is_leader:
+        follow(pipe)
+        return {}
+    leader = Leader(pipe)
+    runner = Runner(leader, time_limit_s=600)
+    seen = {}
+
+    def job(prompt: str, **kwargs) -> Job:
+        return Job("session", pipe.variant, {"prompt": prompt, **kwargs})
+
+    def stop_at_first_step(i: int, total: int) -> None:
+        runner.stop_session("session", STOP_PRESSED)
+
+    images, _ = runner.run(job(PROMPTS[0], **CFG_ON), lambda i, n: None)
+    save(out, "demo-first", images)
+    try:
+        runner.run(job(PROMPTS[0], **CFG_ON), stop_at_first_step)
+    except Stopped:
+        seen["stopped"] = True
+    try:
+        runner.run(job(" ", **CFG_ON), lambda i, n: None)
+    except InputError as err:
+        seen["refused"] = str(err)
+    random_seed = {**CFG_ON, "seed": None}  # every rank must draw rank 0's seed
+    images, run = runner.run(job(PROMPTS[1], **random_seed), lambda i, n: None)
+    save(out, "demo-last", images)
+    seen["last_seed"] = run.seed
+    leader.close()
+    return seen
+
+
+def run_two(out: Path, fp8: str) -> dict:
+    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2))
+    for name, images in generate_all(pipe).items():
+        save(out, f"bf16-cfg2-{name}", images)
+    seen = web_demo_jobs(pipe, out)
+    pipe.set_parallel(ParallelPlan(ulysses=2))
+    for name, images in generate_all(pipe).items():
+        save(out, f"bf16-u2-{name}", images)
+    seen["no_host_sync"] = sharded_step_has_no_host_sync(pipe)
+    try:
+        pipe.generate(PROMPTS[0], max_sequence_length=1, **SIZE)
+    except InputError as err:  # on every rank alike, before any collective
+        seen["one_text_token"] = str(err)
+
+    fp8_pipe = load_pipeline(fp8, device="cpu", parallel=ParallelPlan(ulysses=2))
+    for variant in ("fp8-fused", "fp8-unfused"):
+        fp8_pipe.set_variant(variant)
+        save(out, f"{variant}-u2-cfg", fp8_pipe.generate(PROMPTS, **CFG_ON))
+    fp8_pipe.set_parallel(ParallelPlan(cfg=2))
+    fp8_pipe.set_variant("fp8-fused")
+    save(out, "fp8-fused-cfg2-cfg", fp8_pipe.generate(PROMPTS, **CFG_ON))
+    return seen
+
+
+def run_four(out: Path, fp8: str) -> dict:
+    pipe = load_pipeline(device="cpu", parallel="auto")
+    for name, images in generate_all(pipe).items():
+        save(out, f"bf16-c2u2-{name}", images)
+    fp8_pipe = load_pipeline(fp8, device="cpu", parallel="auto")
+    for variant in ("fp8-fused", "fp8-unfused"):
+        fp8_pipe.set_variant(variant)
+        save(out, f"{variant}-c2u2-cfg", fp8_pipe.generate(PROMPTS, **CFG_ON))
+    return {"plan": pipe.parallel_summary()}
+
+
+def run_gpu(out: Path, fp8: str) -> dict:
+    pipe = load_pipeline(fp8, device="cuda", parallel=ParallelPlan(cfg=2))
+    save(out, "cfg2", pipe.generate(PROMPTS, **GPU_ARGS))
+    pipe.set_parallel(ParallelPlan(ulysses=2))
+    save(out, "u2-fused", pipe.generate(PROMPTS, **GPU_ARGS))
+    seen = {"graphs": bool(pipe._graphed.graphs), "fusion": pipe.fusion_summary().splitlines()[0]}
+    pipe.cuda_graphs = False
+    save(out, "u2-fused-eager", pipe.generate(PROMPTS, **GPU_ARGS))
+    pipe.cuda_graphs = True
+    pipe.set_variant("fp8-unfused")
+    save(out, "u2-unfused", pipe.generate(PROMPTS, **GPU_ARGS))
+    seen["no_host_sync"] = sharded_step_has_no_host_sync(pipe)
+    return seen
+
+
+def run_die(out: Path) -> dict:
+    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2))
+
+    def die_after_first_step(i: int, total: int) -> None:
+        if pipe.ranks.rank == 1:
+            os._exit(3)
+
+    start = time.monotonic()
+    try:
+        pipe.generate(PROMPTS, on_step=die_after_first_step, **{**CFG_ON, "num_inference_steps": 4})
+    except ParallelError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def main() -> int:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    fp8 = sys.argv[3] if len(sys.argv) > 3 else None
+    runs = {"two": run_two, "four": run_four, "gpu": run_gpu}
+    seen = runs[scenario](out, fp8) if scenario != "die" else run_die(out)
+    if os.environ.get("RANK") == "0":
+        (out / "seen.json").write_text(json.dumps(seen))
+    return 1 if seen.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Presets and LoRA scales in the demo: the controls, and the `generate()` arguments they make.
+
+Self-contained: the layout (ui/app.py) places `lora_controls(...)` and passes the state it returns to
+`generate()` as keyword arguments. LoRAs are mounted once at start-up at scale 0 (off), so switching one
+on or off at run time never reloads weights.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from pipelines.presets import PRESETS
+
+NO_PRESET = "none"
+
+
+def load_lora_files(pipe: Any, files: Sequence[Path]) -> None:
+    """Mount every LoRA file at scale 0 (off until its slider moves)."""
+    for path in files:
+        pipe.load_lora(path, scale=0.0)
+
+
+def run_kwargs(names: Sequence[str], preset: str, scales: Sequence[float]) -> dict[str, Any]:
+    """`generate()` arguments for the control values: the preset (none: the model's own scheduler and
+    defaults) and the scale of each loaded LoRA."""
+    kwargs: dict[str, Any] = {"preset": None if preset == NO_PRESET else preset}
+    if names:
+        kwargs["lora_scales"] = {name: float(scale) for name, scale in zip(names, scales, strict=True)}
+    return kwargs
+
+
+def preset_settings(preset: str, steps: float, cfg: float) -> tuple[float, float]:
+    """The steps and true-CFG scale a preset sets (unchanged for none)."""
+    chosen = PRESETS.get(preset)
+    return (steps, cfg) if chosen is None else (chosen.num_inference_steps, chosen.true_cfg_scale)
+
+
+def lora_controls(pipe: Any, steps: gr.Slider, cfg: gr.Slider) -> gr.State:
+    """A preset choice and one scale slider per loaded LoRA (call inside the Blocks layout); returns the
+    State holding the `generate()` arguments they make. Picking a preset also sets the steps and CFG."""
+    loras = getattr(pipe, "loras", {})  # a pipeline without LoRA support offers the presets only
+    names = list(loras)
+    state = gr.State(run_kwargs(names, NO_PRESET, [loras[name].scale for name in names]))
+    with gr.Accordion("Preset and LoRA", open=bool(names)):
+        preset = gr.Dropdown(
+            [("none (the model's scheduler and defaults)", NO_PRESET)]
+            + [(p.describe(), p.name) for p in PRESETS.values()],
+            value=NO_PRESET,
+            label="Preset",
+            elem_id="preset",
+        )
+        sliders = [
+            gr.Slider(-2.0, 2.0, loras[name].scale, step=0.05, label=f"LoRA {name} (0 = off)")
+            for name in names
+        ]
+    private = {"queue": False, "api_visibility": "private"}
+    preset.input(preset_settings, [preset, steps, cfg], [steps, cfg], **private)
+    for control in (preset, *sliders):
+        control.change(lambda p, *s: run_kwargs(names, p, s), [preset, *sliders], state, **private)
+    return state
+
+
+def lora_details(run: Any) -> str:
+    """Markdown lines for the details panel: the preset and the LoRAs that ran ('' without them)."""
+    preset, loras = getattr(run, "preset", ""), getattr(run, "loras", "")
+    lines = [f"**Preset:** {preset}" if preset else "", f"**{loras}**" if loras else ""]
+    return "".join(f"\n{line}  " for line in lines if line)
