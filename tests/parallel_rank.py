@@ -54,31 +54,34 @@ def sharded_step_has_no_host_sync(pipe) -> bool:
 
 def web_demo_jobs(pipe, out: Path) -> dict:
     """Rank 0 leads four jobs as the demo's Runner would (one stopped, one refused); the others follow."""
-    from ui.generation import Cancelled, Runner
+    from ui.generation import STOP_PRESSED, Job, Runner, Stopped
     from ui.ranks import Leader, follow
 
     if not pipe.ranks.is_leader:
         follow(pipe)
         return {}
     leader = Leader(pipe)
-    runner = Runner(leader)
+    runner = Runner(leader, time_limit_s=600)
     seen = {}
 
-    def stop_at_first_step(i: int, total: int) -> None:
-        runner.stop("session")
+    def job(prompt: str, **kwargs) -> Job:
+        return Job("session", pipe.variant, {"prompt": prompt, **kwargs})
 
-    images, _ = runner.run("session", pipe.variant, lambda i, n: None, prompt=PROMPTS[0], **CFG_ON)
+    def stop_at_first_step(i: int, total: int) -> None:
+        runner.stop_session("session", STOP_PRESSED)
+
+    images, _ = runner.run(job(PROMPTS[0], **CFG_ON), lambda i, n: None)
     save(out, "demo-first", images)
     try:
-        runner.run("session", pipe.variant, stop_at_first_step, prompt=PROMPTS[0], **CFG_ON)
-    except Cancelled:
+        runner.run(job(PROMPTS[0], **CFG_ON), stop_at_first_step)
+    except Stopped:
         seen["stopped"] = True
     try:
-        runner.run("session", pipe.variant, lambda i, n: None, prompt=" ", **CFG_ON)
+        runner.run(job(" ", **CFG_ON), lambda i, n: None)
     except InputError as err:
         seen["refused"] = str(err)
     random_seed = {**CFG_ON, "seed": None}  # every rank must draw rank 0's seed
-    images, run = runner.run("session", pipe.variant, lambda i, n: None, prompt=PROMPTS[1], **random_seed)
+    images, run = runner.run(job(PROMPTS[1], **random_seed), lambda i, n: None)
     save(out, "demo-last", images)
     seen["last_seed"] = run.seed
     leader.close()

@@ -1,21 +1,25 @@
 """The real app (embedded default model) served on 127.0.0.1: ui/README.md's gradio_client call, and
-Debian chromium driving the page through Playwright (generate, errors, Stop, screenshots).
+Debian chromium driving the page through Playwright (generate, errors, the cost cap, Stop, a closed tab).
 """
 
 import os
+import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gradio_client import Client
-from gradio_client.exceptions import AppError
+from gradio_client.exceptions import ValidationError
 from helpers import CHROMIUM
 from PIL import Image
 
 from pipelines import load_pipeline
 from ui.app import build_app
+from ui.generation import Runner
+from ui.limits import Limits
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -29,8 +33,9 @@ SIZE = 64  # tiny sizes and few steps keep the whole file well under a minute on
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, list[int]]]:
-    """URL of the served app, and the step counts of the generations that ran to the end."""
+def server() -> Iterator[tuple[str, list[int], Runner]]:
+    """URL of the served app (the CPU's default limits), the step counts of the generations that ran to
+    the end, and its runner."""
     pipe = load_pipeline()
     completed: list[int] = []
     generate = pipe.generate
@@ -41,15 +46,17 @@ def server() -> Iterator[tuple[str, list[int]]]:
         return images
 
     pipe.generate = recording_generate  # type: ignore[method-assign]
-    demo = build_app(pipe)
+    limits = Limits.for_device("cpu")
+    runner = Runner(pipe, limits.time_limit_s)
+    demo = build_app(pipe, limits, runner)
     _, url, _ = demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
     try:
-        yield url, completed
+        yield url, completed, runner
     finally:
         demo.close()
 
 
-def test_readme_client_call(server: tuple[str, list[int]]) -> None:
+def test_readme_client_call(server: tuple[str, list[int], Runner]) -> None:
     client = Client(server[0], verbose=False, analytics_enabled=False)
     images, seed, details = client.predict(
         prompt="A red apple on a wooden table, soft window light",
@@ -68,15 +75,15 @@ def test_readme_client_call(server: tuple[str, list[int]]) -> None:
     assert [Image.open(i["image"]).size for i in images] == [(SIZE, SIZE // 2)] * 2
     assert seed == 42
     assert all(part in details for part in ("`42`", "2 steps", "`reference`", "decoding"))
-    with pytest.raises(AppError, match="must be a multiple of 16"):
+    with pytest.raises(ValidationError, match="must be a multiple of 16"):
         client.predict("x", aspect="custom", width=SIZE + 1, height=SIZE, api_name="/generate")
 
 
 @pytest.mark.browser
-def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int]], tmp_path: Path) -> None:
+def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Runner], tmp_path: Path) -> None:
     from playwright import sync_api  # conftest checked that it and chromium are installed
 
-    url, completed = server
+    url, completed, _ = server
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 1000})
@@ -112,19 +119,50 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int]], tm
         expect(page.get_by_text(f"width {SIZE + 2} must be a multiple of 16")).to_be_visible(timeout=30_000)
         _screenshot(page, tmp_path / "ui_error.png")
 
-        # Stop aborts a long run (200 steps at 256x256: about a minute); the next request then completes.
+        # A request over the cost cap is refused at the prompt, saying the limit (1:1 at 20 steps is 35).
+        page.get_by_text("1:1 · 1328×1328").click()
+        _fill(page, steps=20)
+        page.locator("#generate").click()
+        expect(page.get_by_text("this server allows at most 32 per request")).to_be_visible(timeout=30_000)
+
+        # Stop ends a long run (200 steps at 256x256: about a minute) and says where: the previous run's
+        # details are gone, nothing shows "Error"; the next request then completes.
         _fill(page, width=256, height=256, steps=200)
         page.locator("#generate").click()
         progress = page.get_by_role("progressbar", name="Denoising")
         expect(progress).to_be_visible(timeout=30_000)
         page.locator("#stop").click()
-        expect(progress).to_be_hidden()  # a click while the run is still pending would be ignored
+        expect(page.locator("#details")).to_have_text(re.compile(r"^\s*Stopped after \d+ of 200 steps\.\s*$"))
+        expect(progress).to_be_hidden()
+        expect(page.get_by_text("Error", exact=True)).to_have_count(0)
+        _screenshot(page, tmp_path / "ui_stopped.png")
         _fill(page, width=SIZE, height=SIZE, steps=3)
         page.locator("#generate").click()
         expect(page.locator("#details")).to_contain_text("3 steps", timeout=60_000)
         assert 200 not in completed
         browser.close()
     assert outside == []  # the page loads nothing from outside 127.0.0.1
+
+
+@pytest.mark.browser
+def test_closing_the_tab_stops_its_generation(server: tuple[str, list[int], Runner]) -> None:
+    from playwright import sync_api
+
+    url, completed, runner = server
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.goto(url)
+        _fill(page, prompt="A lighthouse in a storm", width=256, height=256, steps=199)
+        page.locator("#generate").click()
+        sync_api.expect(page.get_by_role("progressbar", name="Denoising")).to_be_visible(timeout=30_000)
+        page.close()
+        closed = time.monotonic()
+        while runner.jobs():
+            assert time.monotonic() - closed < 2.0, "the generation kept running after its tab closed"
+            time.sleep(0.02)
+        browser.close()
+    assert 199 not in completed
 
 
 def _fill(page: Any, **fields: str | int) -> None:

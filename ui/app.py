@@ -1,36 +1,52 @@
 """Gradio demo: prompt in, images out, with per-stage timings and the fused FP8 paths that ran.
 
-One model per process; requests queue and run one at a time on the GPU. The generate event has
-the stable API name "/generate" (see ui/README.md for a gradio_client snippet).
+One model per process; requests queue (bounded, one per browser tab or API client by default) and run
+one at a time. Every request is checked when it arrives, before it queues (its values and its cost
+against the cap); a running one stops within one denoising step on Stop, a cancelled or disconnected
+client, or the time limit. The generate event has the stable API name "/generate" (ui/README.md).
 """
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 import torch
 from PIL import Image
 
 from models.embedded import EMBEDDED_NAME
-from models.errors import QwenImageError
+from models.errors import InputError, QwenImageError
 from pipelines import load_pipeline
 from pipelines.limits import MAX_STEPS, MIN_STEPS
 from pipelines.parallel import ParallelPlan
 from ui.generation import (
+    CANCELLED,
     CUSTOM,
+    DISCONNECTED,
+    INPUT_NAMES,
+    MAX_IMAGES,
     PRESETS,
+    STOP_PRESSED,
     VARIANT_LABELS,
-    Cancelled,
+    FieldError,
+    Job,
     Pipeline,
     Runner,
+    Stopped,
+    check_work,
     format_details,
+    job_from_inputs,
     preset_for,
-    resolve_size,
+    stop_message,
 )
+from ui.limits import Limits
 from ui.lora_controls import load_lora_files, lora_controls, lora_details
 from ui.ranks import serve
 
-QUEUE_MAX = 64
-GALLERY_MAX_IMAGES = 4
+LORA_KWARGS = "lora_kwargs"  # the preset and LoRA controls' generate() arguments, beside INPUT_NAMES
+MAX_UPLOAD = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger
+STOP_WAIT_S = 120.0  # Stop answers once the running step ends; a step never takes this long
 EXAMPLES = [
     "A red apple on a wooden table, soft window light",
     "A foggy mountain lake at sunrise with a small rowing boat",
@@ -40,67 +56,86 @@ EXAMPLES = [
 ]
 
 
-def build_app(pipe: Pipeline) -> gr.Blocks:
-    """The demo around an already loaded pipeline (variants switch in place on its weights)."""
-    runner = Runner(pipe)
-    defaults = pipe.defaults
-    default_aspect = preset_for(defaults.width, defaults.height)
-    variants = pipe.available_variants()
+def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | None = None) -> gr.Blocks:
+    """The demo around an already loaded pipeline (variants switch in place on its weights).
 
-    def generate(
-        prompt: str,
-        negative_prompt: str,
-        aspect: str,
-        width: float | None,
-        height: float | None,
-        num_inference_steps: float,
-        true_cfg_scale: float,
-        seed: float | None,
-        randomize_seed: bool,
-        num_images: float,
-        variant: str,
-        lora_kwargs: dict,
+    `limits` default to the pipeline's device type (Limits.for_device); `runner` to one Runner on `pipe`.
+    """
+    limits = limits or Limits.for_device(torch.device(pipe.device).type)
+    runner = runner or Runner(pipe, limits.time_limit_s)
+    defaults = pipe.defaults
+    variants = pipe.available_variants()
+    keep_s = max(1, round(limits.keep_images_minutes * 60))
+    delete_cache = (max(1, min(60, keep_s // 2)), keep_s)  # (every, older than) seconds
+
+    def admit(values: dict[str, Any], session: str | None) -> Job:
+        """The checked job for one request's values (INPUT_NAMES, and the preset and LoRA controls' state)."""
+        job = job_from_inputs(session, values, variants, pipe.size_multiple)
+        job.kwargs.update(values.get(LORA_KWARGS) or {})
+        check_work(job, limits)
+        return job
+
+    def validate(request: gr.Request, **values: Any) -> list[dict[str, Any]]:
+        """Gradio's validator: runs as a request arrives, so a refused one never takes a queue place."""
+        try:
+            admit(values, request.session_hash)
+            pending = _pending_requests(demo, request.session_hash)
+            if pending >= limits.jobs_per_client:
+                raise FieldError(
+                    "prompt",
+                    f"You already have {pending} request{'s' if pending > 1 else ''} waiting or running, "
+                    f"and this server takes {limits.jobs_per_client} per browser tab or API client: "
+                    "wait for it or press Stop.",
+                )
+        except FieldError as err:
+            return [gr.validate(name != err.field, str(err) * (name == err.field)) for name in inputs]
+        return [gr.validate(True, "") for _ in inputs]
+
+    async def generate(
         request: gr.Request,
         progress: gr.Progress = gr.Progress(),  # noqa: B008 (Gradio injects the tracker by this default)
-    ) -> tuple[list[Image.Image], int, str]:
-        """Run one request; returns (images, seed used, details markdown)."""
-        w, h = resolve_size(aspect, width, height)
+        **values: Any,
+    ) -> tuple[Any, Any, str]:
+        """Run one request (its values by INPUT_NAMES); returns (images, seed used, details markdown)."""
+        try:
+            job = admit(values, request.session_hash)
+        except InputError as err:
+            raise gr.Error(str(err), print_exception=False) from None
 
         def on_step(step: int, total: int) -> None:
             progress((step, total), desc="Decoding" if step == total else "Denoising", unit="steps")
 
         progress(0, desc="Encoding the prompt")
         try:
-            images, run = runner.run(
-                request.session_hash,
-                variant,
-                on_step,
-                prompt=prompt,
-                negative_prompt=negative_prompt or None,
-                width=w,
-                height=h,
-                num_inference_steps=int(num_inference_steps),
-                true_cfg_scale=float(true_cfg_scale),
-                seed=None if randomize_seed or seed is None else int(seed),
-                num_images_per_prompt=int(num_images),
-                **lora_kwargs,
-            )
-        except QwenImageError as e:
-            raise gr.Error(str(e), print_exception=False) from e
-        except Cancelled as e:
-            raise gr.Error("Stopped.", print_exception=False) from e
-        except torch.OutOfMemoryError as e:
+            images, run = await _run(runner, job, on_step)
+        except Stopped as stopped:
+            if stopped.by_user:  # a result, not an error: the page shows it in the details
+                return [], job.kwargs["seed"], str(stopped)
+            raise gr.Error(str(stopped), print_exception=False) from None
+        except QwenImageError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        except torch.OutOfMemoryError:
             torch.cuda.empty_cache()  # hand the failed run's blocks back so the next request can fit
-            msg = f"Out of GPU memory at {w}x{h} x{int(num_images)}: try a smaller size or fewer images."
-            raise gr.Error(msg, print_exception=False) from e
+            k = job.kwargs
+            msg = f"Out of GPU memory at {k['width']}x{k['height']} x{k['num_images_per_prompt']}: "
+            raise gr.Error(msg + "try a smaller size or fewer images.", print_exception=False) from None
         return images, run.seed, format_details(run) + lora_details(run)
 
-    def stop(request: gr.Request) -> None:
-        """Stop this session's running generation at its next step (the Stop button, or "/stop")."""
-        runner.stop(request.session_hash)
+    def stop(request: gr.Request) -> Any:
+        """Stop this client's running generation after its current step (the Stop button, or "/stop");
+        answers once it has, with where it stopped. A request still queued is the page's to cancel."""
+        jobs = runner.stop_session(request.session_hash, STOP_PRESSED)
+        for job in jobs:
+            job.finished.wait(STOP_WAIT_S)
+        stopped = [job for job in jobs if job.stopped]
+        return stop_message(stopped[0], STOP_PRESSED) if stopped else gr.skip()
 
-    with gr.Blocks(title="Qwen-Image", analytics_enabled=False) as demo:
-        gr.Markdown(_header(pipe))
+    def closed(request: gr.Request) -> None:
+        """The page was closed or the client went away: stop what it left running."""
+        runner.stop_session(request.session_hash, DISCONNECTED)
+
+    with gr.Blocks(title="Qwen-Image", analytics_enabled=False, delete_cache=delete_cache) as demo:
+        gr.Markdown(_header(pipe, limits))
         with gr.Row():
             with gr.Column(scale=5):
                 prompt = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt")
@@ -110,7 +145,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                 aspect = gr.Radio(
                     [(f"{name} · {w}×{h}", name) for name, (w, h) in PRESETS.items()] + [("custom", CUSTOM)],
-                    value=default_aspect,
+                    value=preset_for(defaults.width, defaults.height),
                     label="Aspect ratio",
                     elem_id="aspect",
                 )
@@ -130,7 +165,7 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
                 with gr.Row():
                     seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="seed")
                     randomize = gr.Checkbox(True, label="Randomize seed")
-                    num_images = gr.Slider(1, GALLERY_MAX_IMAGES, 1, step=1, label="Images")
+                    num_images = gr.Slider(1, MAX_IMAGES, 1, step=1, label="Images")
                 variant = gr.Dropdown(
                     [(VARIANT_LABELS.get(v, v), v) for v in variants],
                     value=pipe.variant,
@@ -154,21 +189,46 @@ def build_app(pipe: Pipeline) -> gr.Blocks:
         aspect.input(_fill_size, [aspect, width, height], [width, height], **private)
         for field in (width, height):
             field.input(lambda: CUSTOM, None, aspect, **private)
-        inputs = [
-            *(prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant),
-            lora_kwargs,
-        ]
+        triggers = [generate_btn.click, prompt.submit]
+        gr.on(triggers, lambda: "", None, details, **private)  # a new request's details replace the last
+        fields = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
+        # By name: INPUT_NAMES are the API's parameters; the controls' state is not one (a gr.State).
+        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: lora_kwargs}
         run = gr.on(
-            [generate_btn.click, prompt.submit],
+            triggers,
             generate,
-            inputs,
-            [gallery, seed, details],
+            inputs_kwargs=inputs,
+            outputs=[gallery, seed, details],
             api_name="generate",
             show_progress_on=gallery,
             concurrency_limit=1,
+            validator=validate,
+            preprocess=False,  # raw values reach job_from_inputs, which checks each one
         )
-        stop_btn.click(stop, None, None, cancels=[run], queue=False, api_name="stop")
-    return demo.queue(max_size=QUEUE_MAX)
+        # Gradio's cancel drops a request still waiting in the queue (the page does not cancel a running
+        # one); stop() ends a running one and reports it.
+        stop_btn.click(stop, None, details, cancels=[run], queue=False, api_name="stop")
+        demo.unload(closed)
+    return demo.queue(max_size=limits.queue_size, default_concurrency_limit=1)
+
+
+async def _run(
+    runner: Runner, job: Job, on_step: Callable[[int, int], None]
+) -> tuple[list[Image.Image], Any]:
+    """`runner.run` in a worker thread. Gradio cancels this task on a client's cancel: the job stops,
+    and the task ends only once its thread has (within one step), so the next job never overlaps it."""
+    try:
+        return await asyncio.to_thread(runner.run, job, on_step)
+    except asyncio.CancelledError:
+        job.stop(CANCELLED)
+        await asyncio.to_thread(job.finished.wait)
+        raise
+
+
+def _pending_requests(demo: gr.Blocks, session: str | None) -> int:
+    """Requests of `session` waiting in Gradio's queue or running. Gradio keeps this per session for its
+    own bookkeeping but offers no per-session limit, so the validator reads it."""
+    return len(demo._queue.pending_event_ids_session.get(session, ()))
 
 
 def launch(
@@ -180,19 +240,45 @@ def launch(
     dtype: str | None = None,
     parallel: ParallelPlan | None = None,
     lora_files: list[Path] | None = None,
+    limits: dict[str, Any] | None = None,
+    auth: list[tuple[str, str]] | None = None,
+    on_start: Callable[[int, Limits], None] | None = None,
 ) -> None:
-    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`); with a
-    parallel plan, rank 0 serves and the other ranks follow its jobs (ui/ranks.py). `lora_files` are
-    mounted at scale 0 (on every rank) for the LoRA sliders."""
+    """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`).
+
+    With a parallel plan, rank 0 serves and the other ranks follow its jobs (ui/ranks.py). `lora_files`
+    are mounted at scale 0 (on every rank) for the LoRA sliders. `limits`: Limits fields to override on
+    the device's defaults; `auth`: (user, password) accounts; `on_start(port, limits)` runs once the page
+    is up. Gradio's share link stays off whatever the environment says (GRADIO_SHARE), and so does its
+    MCP server; uploads are refused (the page takes none).
+    """
     pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype, parallel=parallel)
     if lora_files is not None:
         load_lora_files(pipe, lora_files)
-    serve(pipe, lambda app_pipe: build_app(app_pipe).launch(server_name=host, server_port=port))
+    applied = Limits.for_device(torch.device(pipe.device).type, **(limits or {}))
+
+    def run_app(app_pipe: Pipeline) -> None:
+        demo = build_app(app_pipe, applied)
+        demo.launch(
+            server_name=host,
+            server_port=port,
+            auth=auth or None,
+            share=False,
+            mcp_server=False,
+            max_file_size=MAX_UPLOAD,
+            quiet=True,
+            prevent_thread_lock=True,
+        )
+        if on_start is not None:
+            on_start(demo.server_port, applied)
+        demo.block_thread()
+
+    serve(pipe, run_app)
 
 
-def _header(pipe: Pipeline) -> str:
+def _header(pipe: Pipeline, limits: Limits) -> str:
     note = " (built-in tiny random weights: its images are noise)" if pipe.model_name == EMBEDDED_NAME else ""
-    return f"# Qwen-Image\nModel `{pipe.model_name}`{note} on `{pipe.device}`."
+    return f"# Qwen-Image\nModel `{pipe.model_name}`{note} on `{pipe.device}`.  \n{limits.describe()}"
 
 
 def _fill_size(aspect: str, width: float | None, height: float | None) -> tuple[float | None, float | None]:

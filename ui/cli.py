@@ -4,8 +4,12 @@ User errors (bad arguments, bad checkpoints) print one line `error: ...` and exi
 """
 
 import argparse
+import dataclasses
+import ipaddress
 import logging
+import math
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +33,7 @@ from pipelines.limits import (
     check_steps,
 )
 from pipelines.presets import LORA_MODES, PRESETS, LoraSpec, find_lora_files, get_preset, parse_lora_spec
+from ui.limits import DEVICE_LIMITS, Limits
 
 if TYPE_CHECKING:
     from models.lora import LoraFile
@@ -138,13 +143,102 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", choices=list(PRESETS), help="calibrate with a preset's steps, CFG and scheduler"
     )
 
-    ui = command("ui", "the Gradio web demo")
-    ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=7860)
+    ui = command("ui", "the Gradio web demo: one model, requests queued and run one at a time")
+    ui.epilog = (
+        "By default only this machine can open the page. To serve others, listen on another address with "
+        "accounts: qwen-image ui --host 0.0.0.0 --auth alice:s3cret (or --auth-file FILE, one USER:PASS per "
+        "line). --no-auth serves without sign-in."
+    )
+    _add_ui_args(ui)
     ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
     _add_model_args(ui)
     _add_gpus_arg(ui, "serve")
     return parser
+
+
+def _add_ui_args(ui: argparse.ArgumentParser) -> None:
+    """Where `qwen-image ui` listens, who may sign in, and the job limits (their defaults by device)."""
+    cuda, cpu = DEVICE_LIMITS["cuda"], DEVICE_LIMITS["cpu"]
+    default = {f.name: f.default for f in dataclasses.fields(Limits)}
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: 127.0.0.1 is this machine only; any other needs an --auth account "
+        "or --no-auth",
+    )
+    ui.add_argument("--port", type=int, default=7860, help="port to listen on")
+    ui.add_argument(
+        "--auth",
+        action="append",
+        type=_account,
+        metavar="USER:PASS",
+        help="an account that may sign in; repeatable",
+    )
+    ui.add_argument(
+        "--auth-file", type=Path, metavar="FILE", help="accounts: one USER:PASS per line, # comments"
+    )
+    ui.add_argument(
+        "--no-auth", action="store_true", help="listen on a non-loopback --host without sign-in (warns)"
+    )
+    limits = ui.add_argument_group("job limits")
+    limits.add_argument(
+        "--max-work",
+        type=_positive(float),
+        metavar="MP_STEPS",
+        help="largest request, in megapixel-steps: width x height / 1e6 x steps x images, x2 with true "
+        f"CFG; larger ones are refused (default: {cuda[0]:g} on CUDA, {cpu[0]:g} on CPU)",
+    )
+    limits.add_argument(
+        "--time-limit",
+        type=_positive(float),
+        metavar="SECONDS",
+        help="a running request is stopped after this long "
+        f"(default: {cuda[1]:g} on CUDA, {cpu[1]:g} on CPU)",
+    )
+    limits.add_argument(
+        "--queue-size",
+        type=_positive(int),
+        metavar="N",
+        help=f'requests that may wait; more get "queue full" (default: {default["queue_size"]})',
+    )
+    limits.add_argument(
+        "--jobs-per-client",
+        type=_positive(int),
+        metavar="N",
+        help="requests one browser tab or API client may have waiting or running "
+        f"(default: {default['jobs_per_client']})",
+    )
+    limits.add_argument(
+        "--keep-images",
+        type=_positive(float),
+        metavar="MINUTES",
+        help="generated images are deleted from the server after this long "
+        f"(default: {default['keep_images_minutes']:g})",
+    )
+
+
+def _account(text: str) -> tuple[str, str]:
+    """USER:PASS -> (user, password); the password may contain ':'."""
+    user, sep, password = text.partition(":")
+    if not (sep and user and password):
+        raise argparse.ArgumentTypeError(f"expected USER:PASS, got {text!r}")
+    return user, password
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a finite number of `kind` above zero."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None:
@@ -358,7 +452,61 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(f"check it with: qwen-image info --model {out}")
 
 
+def read_accounts(path: Path) -> list[tuple[str, str]]:
+    """USER:PASS lines of an auth file (blank lines and # comments skipped)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"cannot read auth file {path}: {err}") from None
+    accounts = []
+    for number, line in enumerate(lines, 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                accounts.append(_account(line.strip()))
+            except argparse.ArgumentTypeError:
+                raise InputError(f"{path} line {number}: expected USER:PASS") from None
+    if not accounts:
+        raise InputError(f"auth file {path} has no USER:PASS line")
+    return accounts
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on `host` keeps the demo on this machine (127.0.0.0/8, ::1, or a name for them)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(address).is_loopback for address in addresses)
+
+
+def ui_accounts(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The accounts `qwen-image ui` requires. A non-loopback --host needs one, or an explicit --no-auth
+    (then a warning): refused here, before anything loads."""
+    accounts = list(args.auth or []) + (read_accounts(args.auth_file) if args.auth_file else [])
+    if args.no_auth and accounts:
+        raise InputError("--no-auth contradicts --auth/--auth-file: give one or the other")
+    if is_loopback(args.host):
+        return accounts
+    if not accounts and not args.no_auth:
+        raise InputError(
+            f"--host {args.host} serves the demo beyond this machine: add --auth USER:PASS (or --auth-file "
+            "FILE), or --no-auth to let anyone who can reach it in"
+        )
+    if args.no_auth and is_leader_process():
+        print(
+            f"warning: serving on {args.host}:{args.port} without sign-in (--no-auth): anyone who can reach "
+            "this port can use the model on this machine",
+            file=sys.stderr,
+        )
+    return accounts
+
+
 def cmd_ui(args: argparse.Namespace) -> None:
+    accounts = ui_accounts(args)  # an open address is refused before anything loads or any rank starts
     lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
     plan = _plan(args, true_cfg=True)
     if plan is not None and _is_launcher():
@@ -366,6 +514,15 @@ def cmd_ui(args: argparse.Namespace) -> None:
         return
     from ui.app import launch
 
+    if is_leader_process():
+        print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+    limits = {
+        "max_work": args.max_work,
+        "time_limit_s": args.time_limit,
+        "queue_size": args.queue_size,
+        "jobs_per_client": args.jobs_per_client,
+        "keep_images_minutes": args.keep_images,
+    }
     launch(
         args.model,
         host=args.host,
@@ -375,7 +532,33 @@ def cmd_ui(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         parallel=plan,
         lora_files=lora_files,
+        limits=limits,
+        auth=accounts or None,
+        on_start=lambda port, applied: print(
+            _serving_message(args.host, port, len(accounts), applied), flush=True
+        ),
     )
+
+
+def _serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
+    """What the console says once the demo is up: where, who may sign in, how to serve others, limits."""
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    wildcard = (
+        f": every address of this machine, http://127.0.0.1:{port} here" if host in ("0.0.0.0", "::") else ""
+    )
+    lines = [f"Qwen-Image demo on {url}{wildcard} (Ctrl+C stops it)."]
+    if accounts:
+        lines.append(f"Sign-in required: {accounts} account{'s' if accounts > 1 else ''}.")
+    if is_loopback(host):
+        lines.append(
+            "Only this machine can open it. To serve others: qwen-image ui --host 0.0.0.0 --auth USER:PASS "
+            "(or --auth-file FILE); see qwen-image ui --help."
+        )
+    lines.append(
+        f"Limits: {limits.max_work:g} megapixel-steps and {limits.time_limit_s:g} s per request, "
+        f"{limits.queue_size} waiting, {limits.jobs_per_client} per client."
+    )
+    return "\n".join(lines)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {

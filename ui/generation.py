@@ -1,13 +1,21 @@
-"""Gradio-free core of the demo: aspect presets, the one-at-a-time runner, and the run details text.
+"""Gradio-free core of the demo: presets, request checks (values and cost), and the runner that runs jobs.
 
 Kept apart from the layout so it can be unit-tested with a fake pipeline and no server.
 """
 
+import math
+import random
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from PIL import Image
+
+from models.errors import InputError
+from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
+from pipelines.limits import check_generation_args
+from ui.limits import Limits, work_of
 
 CUSTOM = "custom"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
@@ -27,6 +35,22 @@ VARIANT_LABELS = {
     "reference": "BF16 (diffusers reference)",
 }
 STAGES = ("text_encoding", "denoising", "decoding", "total")
+MAX_IMAGES = 4  # per request: what the gallery shows at once
+MAX_PROMPT_CHARS = 20_000  # far beyond the 512 tokens the text encoder keeps; bounds tokenizer work
+# The /generate API's parameters in order: the page's inputs.
+INPUT_NAMES = (
+    "prompt",
+    "negative_prompt",
+    "aspect",
+    "width",
+    "height",
+    "num_inference_steps",
+    "true_cfg_scale",
+    "seed",
+    "randomize_seed",
+    "num_images",
+    "variant",
+)
 
 
 class Pipeline(Protocol):
@@ -35,6 +59,7 @@ class Pipeline(Protocol):
     variant: str
     model_name: str
     device: Any
+    size_multiple: int  # what image sides must be multiples of
     defaults: Any  # GenerationDefaults
     last_run: Any  # RunInfo
 
@@ -45,15 +70,200 @@ class Pipeline(Protocol):
     def generate(self, prompt: str, **kwargs: Any) -> list[Image.Image]: ...
 
 
-class Cancelled(Exception):
-    """Raised from the step callback when the user pressed Stop; the pipeline aborts on it."""
+class FieldError(InputError):
+    """A request value is invalid; `field` names the input (one of INPUT_NAMES) it concerns."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
-def resolve_size(aspect: str, width: float | None, height: float | None) -> tuple[int | None, int | None]:
-    """(width, height) for a preset name, else the custom fields (the pipeline validates them)."""
+# Why a job stopped (Job.stop_reason); the time limit's reason names the limit.
+STOP_PRESSED = "Stop was pressed"
+CANCELLED = "the client cancelled the request"
+DISCONNECTED = "the page was closed or the client disconnected"
+
+
+class Stopped(Exception):
+    """Raised from the step callback when a job's stop flag is set; the pipeline aborts on it."""
+
+    def __init__(self, job: "Job") -> None:
+        self.reason = job.stop_reason
+        super().__init__(stop_message(job, self.reason))
+
+    @property
+    def by_user(self) -> bool:
+        return self.reason == STOP_PRESSED
+
+
+def stop_message(job: "Job", reason: str | None) -> str:
+    """Where the job stopped, with the reason unless it was the user's own Stop."""
+    tail = "." if reason in (None, STOP_PRESSED) else f": {reason}."
+    return f"Stopped after {job.steps_done} of {job.total_steps} steps{tail}"
+
+
+class Job:
+    """One request: its client session, variant and `generate` kwargs, its own stop flag and step count."""
+
+    def __init__(self, session: str | None, variant: str, kwargs: dict[str, Any]) -> None:
+        self.session = session
+        self.variant = variant
+        self.kwargs = kwargs
+        self.steps_done = 0
+        self.stop_reason: str | None = None
+        self.stopped = False  # it ended on its stop flag
+        self.finished = threading.Event()  # set when the runner is done with it, however it ended
+
+    @property
+    def total_steps(self) -> int:
+        return self.kwargs["num_inference_steps"]
+
+    @property
+    def true_cfg(self) -> bool:
+        """Whether the pipeline runs true CFG for it (a negative prompt and a scale above 1)."""
+        return self.kwargs["negative_prompt"] is not None and self.kwargs["true_cfg_scale"] > 1
+
+    @property
+    def work(self) -> float:
+        k = self.kwargs
+        return work_of(k["width"], k["height"], self.total_steps, k["num_images_per_prompt"], self.true_cfg)
+
+    def stop(self, reason: str) -> None:
+        """Ask the job to stop after its current step (or before it starts); the first reason stays."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def raise_if_stopped(self) -> None:
+        if self.stop_reason is not None:
+            self.stopped = True
+            raise Stopped(self)
+
+
+class Runner:
+    """Runs one job at a time on the process's single pipeline: the one place a generation runs.
+
+    Each job carries its own stop flag, checked after every denoising step, so Stop, a cancelled or
+    disconnected client and the time limit all end it within one step; the lock keeps a stopping job
+    from overlapping the next one.
+    """
+
+    def __init__(self, pipe: Pipeline, time_limit_s: float) -> None:
+        self._pipe = pipe
+        self._time_limit_s = time_limit_s
+        self._device_lock = threading.Lock()
+        self._jobs_lock = threading.Lock()
+        self._jobs: list[Job] = []  # waiting for the device or running
+
+    def jobs(self) -> list[Job]:
+        """Jobs waiting for the device or running now (empty when the server is idle)."""
+        with self._jobs_lock:
+            return list(self._jobs)
+
+    def stop_session(self, session: str | None, reason: str) -> list[Job]:
+        """Stop every job of `session`; returns them (empty when it has none)."""
+        jobs = [job for job in self.jobs() if job.session == session]
+        for job in jobs:
+            job.stop(reason)
+        return jobs
+
+    def run(self, job: Job, on_step: Callable[[int, int], None]) -> tuple[list[Image.Image], Any]:
+        """Generate `job` (switching the variant in place on the same weights); returns (images, RunInfo)."""
+        with self._jobs_lock:
+            self._jobs.append(job)
+        try:
+            with self._device_lock:
+                job.raise_if_stopped()
+                deadline = time.monotonic() + self._time_limit_s
+
+                def step(i: int, total: int) -> None:
+                    job.steps_done = i
+                    if time.monotonic() > deadline:
+                        job.stop(f"this server stops a request after {self._time_limit_s:g} s")
+                    job.raise_if_stopped()
+                    on_step(i, total)
+
+                if job.variant != self._pipe.variant:
+                    self._pipe.set_variant(job.variant)
+                images = self._pipe.generate(on_step=step, **job.kwargs)
+                return images, self._pipe.last_run
+        finally:
+            with self._jobs_lock:
+                self._jobs.remove(job)
+            job.finished.set()
+
+
+def job_from_inputs(
+    session: str | None, values: Mapping[str, Any], variants: Sequence[str], size_multiple: int
+) -> Job:
+    """Check every value of a /generate request (from the page or any API client) and build its Job.
+
+    Raw JSON values arrive here (NaN, infinity, strings in number fields...); each bad one raises a
+    FieldError naming its input. Ranges are the pipeline's own checks.
+    """
+    prompt = _text("prompt", values["prompt"])
+    negative_prompt = _text("negative_prompt", values["negative_prompt"]) or None
+    aspect = values["aspect"]
     if aspect in PRESETS:
-        return PRESETS[aspect]
-    return _as_int(width), _as_int(height)
+        width, height = PRESETS[aspect]
+    elif aspect == CUSTOM:
+        width, height = _whole("width", values["width"]), _whole("height", values["height"])
+    else:
+        choices = ", ".join([*PRESETS, CUSTOM])
+        raise FieldError("aspect", f"aspect {aspect!r} must be one of {choices}")
+    steps = _whole("num_inference_steps", values["num_inference_steps"])
+    true_cfg_scale = _number("true_cfg_scale", values["true_cfg_scale"])
+    randomize = _flag("randomize_seed", values["randomize_seed"])
+    seed = _random_seed() if randomize or values["seed"] is None else _whole("seed", values["seed"])
+    images = _whole("num_images", values["num_images"])
+    if not 1 <= images <= MAX_IMAGES:
+        raise FieldError("num_images", f"num_images {images} must be between 1 and {MAX_IMAGES}")
+    variant = values["variant"]
+    if variant not in variants:
+        raise FieldError("variant", f"variant {variant!r} is not served here: choose {', '.join(variants)}")
+    negatives = None if negative_prompt is None else [negative_prompt]
+    try:
+        check_generation_args(
+            [prompt],
+            negatives,
+            width,
+            height,
+            steps,
+            true_cfg_scale,
+            images,
+            DEFAULT_SEQUENCE_LENGTH,
+            seed,
+            size_multiple,
+        )
+    except InputError as err:
+        name = str(err).split()[0]
+        field = "num_images" if name == "num_images_per_prompt" else name
+        raise FieldError(field if field in INPUT_NAMES else "prompt", str(err)) from None
+    kwargs = {
+        "prompt": prompt,
+        "negative_prompt": negative_prompt,
+        "width": width,
+        "height": height,
+        "num_inference_steps": steps,
+        "true_cfg_scale": true_cfg_scale,
+        "seed": seed,
+        "num_images_per_prompt": images,
+    }
+    return Job(session, variant, kwargs)
+
+
+def check_work(job: Job, limits: Limits) -> None:
+    """FieldError when the job costs more than the server allows per request (shown at the prompt)."""
+    if job.work <= limits.max_work:
+        return
+    k = job.kwargs
+    images = k["num_images_per_prompt"]
+    size = f"{k['width']}×{k['height']} × {job.total_steps} steps × {images} image{'s' * (images > 1)}"
+    cfg = " × 2 for true CFG" if job.true_cfg else ""
+    raise FieldError(
+        "prompt",
+        f"This request is {job.work:.4g} megapixel-steps ({size}{cfg}); this server allows at most "
+        f"{limits.max_work:g} per request: use fewer steps, images or pixels.",
+    )
 
 
 def preset_for(width: int, height: int) -> str:
@@ -61,52 +271,40 @@ def preset_for(width: int, height: int) -> str:
     return next((name for name, size in PRESETS.items() if size == (width, height)), CUSTOM)
 
 
-def _as_int(value: float | None) -> int | None:
-    return None if value is None else round(value)
+def _random_seed() -> int:
+    """Picked here rather than by the pipeline so that a stopped request can still report its seed."""
+    return random.randrange(2**31)
 
 
-class Runner:
-    """Runs one generation at a time (one GPU) on the process's single pipeline.
+def _text(field: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise FieldError(field, f"{field} must be text, not {type(value).__name__}")
+    if len(value) > MAX_PROMPT_CHARS:
+        raise FieldError(field, f"{field} has {len(value)} characters: at most {MAX_PROMPT_CHARS}")
+    return value
 
-    Gradio's cancel only abandons the request; the worker thread keeps going. So Stop also sets a
-    flag for the session's job (running, or waiting for the GPU), and the step callback raises
-    `Cancelled` on it. The lock keeps a cancelled-but-still-running job from overlapping the next one.
-    """
 
-    def __init__(self, pipe: Pipeline) -> None:
-        self._pipe = pipe
-        self._lock = threading.Lock()
-        self._stops: dict[str, threading.Event] = {}  # session -> its latest job's stop flag
+def _number(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FieldError(field, f"{field} must be a number, not {value!r}")
+    if not math.isfinite(value):
+        raise FieldError(field, f"{field} must be a finite number, not {value}")
+    return value
 
-    def stop(self, session: str) -> bool:
-        """Ask the job of `session` to stop at its next step; False when it has none."""
-        stopped = self._stops.get(session)
-        if stopped is not None:
-            stopped.set()
-        return stopped is not None
 
-    def run(
-        self, session: str, variant: str, on_step: Callable[[int, int], None], **kwargs: Any
-    ) -> tuple[list[Image.Image], Any]:
-        """Generate with `variant` (switched in place on the same weights); returns (images, RunInfo)."""
-        stopped = self._stops[session] = threading.Event()
+def _whole(field: str, value: Any) -> int:
+    number = _number(field, value)
+    if number != int(number):
+        raise FieldError(field, f"{field} {number} must be a whole number")
+    return int(number)
 
-        def step(i: int, total: int) -> None:
-            if stopped.is_set():
-                raise Cancelled("stopped by the user")
-            on_step(i, total)
 
-        try:
-            with self._lock:
-                if stopped.is_set():
-                    raise Cancelled("stopped by the user")
-                if variant != self._pipe.variant:
-                    self._pipe.set_variant(variant)
-                images = self._pipe.generate(on_step=step, **kwargs)
-                return images, self._pipe.last_run
-        finally:
-            if self._stops.get(session) is stopped:
-                del self._stops[session]
+def _flag(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise FieldError(field, f"{field} must be true or false, not {value!r}")
+    return value
 
 
 def format_details(run: Any) -> str:

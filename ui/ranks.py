@@ -13,7 +13,7 @@ from typing import Any
 from PIL import Image
 
 from models.errors import QwenImageError
-from ui.generation import Cancelled, Pipeline
+from ui.generation import Pipeline
 
 
 def serve(pipe: Any, run_app: Callable[[Pipeline], None]) -> None:
@@ -64,13 +64,17 @@ class Leader:
         self._pipe.ranks.share(None)
 
 
+class StoppedOnLeader(Exception):
+    """Rank 0 ended the job after this step (Stop, a cancel, a lost client, the time limit or an error)."""
+
+
 def follow(pipe: Any) -> None:
     """Run rank 0's jobs until it quits; a job's error or stop was already reported by rank 0."""
     ranks = pipe.ranks
 
     def step(i: int, total: int) -> None:
         if ranks.share_flag(False):
-            raise Cancelled("stopped on rank 0")
+            raise StoppedOnLeader()
 
     while (job := ranks.share(None)) is not None:
         variant = job.pop("variant")
@@ -78,5 +82,5 @@ def follow(pipe: Any) -> None:
             if variant != pipe.variant:
                 pipe.set_variant(variant)
             pipe.generate(on_step=step, **job)
-        except (QwenImageError, Cancelled):
+        except (QwenImageError, StoppedOnLeader):
             continue

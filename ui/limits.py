@@ -1,0 +1,58 @@
+"""Job limits of the web demo and their per-device defaults; cheap to import (`qwen-image ui --help`)."""
+
+import dataclasses
+import math
+from typing import Any
+
+from models.errors import InputError
+
+# Default (max_work in megapixel-steps, time_limit_s) per device type. CUDA: about 2 minutes of FP8
+# fused on an H200 (about 0.11 s per megapixel-step at 1328x1328, BENCHMARKS.md); 1328x1328 x 50 steps x
+# 4 images with true CFG is 705. CPU serves the embedded model (a full-size one is impractical there):
+# 512x512 x 30 steps with true CFG is 16.
+DEVICE_LIMITS: dict[str, tuple[float, float]] = {"cuda": (1000.0, 300.0), "cpu": (32.0, 120.0)}
+
+
+def work_of(width: int, height: int, steps: int, images: int, true_cfg: bool) -> float:
+    """A request's cost in megapixel-steps (true CFG runs the transformer twice per step)."""
+    return width * height / 1e6 * steps * images * (2 if true_cfg else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may cost, how long it may run, how many may wait, how long images stay."""
+
+    max_work: float  # megapixel-steps: width x height / 1e6 x steps x images, x2 with true CFG
+    time_limit_s: float  # a running request is stopped after this long (its queue wait not counted)
+    queue_size: int = 64  # requests waiting at once; more are refused with "queue full"
+    jobs_per_client: int = 1  # requests one browser tab or API client may have waiting or running
+    keep_images_minutes: float = 30  # generated images are deleted from the server after this long
+
+    def __post_init__(self) -> None:
+        for name in ("max_work", "time_limit_s", "keep_images_minutes"):
+            value = getattr(self, name)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and value > 0):
+                raise InputError(f"{name} {value!r} must be a positive number")
+        for name in ("queue_size", "jobs_per_client"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} {value!r} must be a whole number >= 1")
+
+    @classmethod
+    def for_device(cls, device_type: str, **overrides: Any) -> "Limits":
+        """DEVICE_LIMITS for `device_type` ("cuda", "cpu", ...; others as CPU), then non-None overrides."""
+        max_work, time_limit_s = DEVICE_LIMITS.get(device_type, DEVICE_LIMITS["cpu"])
+        chosen = {name: value for name, value in overrides.items() if value is not None}
+        return cls(**({"max_work": max_work, "time_limit_s": time_limit_s} | chosen))
+
+    def describe(self) -> str:
+        """The limits as one Markdown paragraph for the page."""
+        example = work_of(1328, 1328, 50, 1, true_cfg=True)
+        return (
+            f"**Limits:** at most **{self.max_work:g} megapixel-steps** per request (width × height / 10⁶ "
+            f"× steps × images, ×2 with true CFG: 1328×1328 at 50 steps with CFG is {example:.0f}) and "
+            f"**{self.time_limit_s:g} s** of running time; {self.queue_size} requests may wait, "
+            f"{self.jobs_per_client} per browser tab or API client. Images are deleted from the server "
+            f"after {self.keep_images_minutes:g} min."
+        )
