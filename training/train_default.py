@@ -603,6 +603,7 @@ def run(settings: Settings) -> dict:
     if settings.vae_from is None:
         vae_stats = train_vae(vae, images, settings, log)
     else:
+        vae.to(device).eval().requires_grad_(False)
         vae_stats = {"from": str(settings.vae_from)}
     stage_done("vae_train")
     held_out = held_out_scenes(sizes.held_out_samples)
