@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 from diffusers.utils import logging as diffusers_logging
+from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
 from models.config import QwenImageConfig
@@ -94,12 +95,12 @@ def default_scheduler() -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
 
 
-def check_layout(directory: Path) -> dict[str, Any]:
-    """Refuse a path that is not a complete diffusers-layout Qwen-Image directory, naming what lacks;
-    returns its model_index.json."""
+def check_layout(directory: Path, components: tuple[str, ...] = COMPONENT_DIRS) -> dict[str, Any]:
+    """Refuse a path that is not a complete diffusers-layout Qwen-Image directory (the folders of
+    `components`), naming what lacks; returns its model_index.json."""
     check_model_dir(directory)
     index = read_json(directory / "model_index.json")
-    missing = [name for name in COMPONENT_DIRS if not (directory / name).is_dir()]
+    missing = [name for name in components if not (directory / name).is_dir()]
     if missing:
         raise CheckpointError(f"{directory} is incomplete: missing {', '.join(missing)}/")
     return index
@@ -164,13 +165,22 @@ def load_scheduler(directory: Path) -> FlowMatchEulerDiscreteScheduler:
         raise CheckpointError(f"cannot load scheduler from {directory}: {err}") from err
 
 
-def load_components(directory: Path, dtype: torch.dtype, device: torch.device) -> Components:
-    """Load a diffusers-layout checkpoint directory, validating every component (configs first)."""
-    index = check_layout(directory)
+def load_components(
+    directory: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Components:
+    """Load a diffusers-layout checkpoint directory, validating every component (configs first);
+    `tokenizer` given stands in for a `tokenizer/` folder the directory then need not have."""
+    needed = COMPONENT_DIRS if tokenizer is None else tuple(c for c in COMPONENT_DIRS if c != "tokenizer")
+    index = check_layout(directory, needed)
     check_configs(directory)
     with quiet_loading():
+        if tokenizer is None:
+            tokenizer = load_tokenizer(directory / "tokenizer", index.get("tokenizer"))
         return Components(
-            tokenizer=load_tokenizer(directory / "tokenizer", index.get("tokenizer")),
+            tokenizer=tokenizer,
             text_encoder=load_text_encoder(directory / "text_encoder", dtype, device),
             transformer=load_transformer(directory / "transformer", dtype, device),
             vae=load_vae(directory / "vae", dtype, device),

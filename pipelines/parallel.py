@@ -85,15 +85,16 @@ def _fits(world_size: int, heads: int, true_cfg: bool) -> bool:
 
 def attention_heads(model: str | Path | None) -> int:
     """The attention heads of a checkpoint's transformer (its config.json only), or of the embedded model."""
-    if model is None:
-        from models.embedded import EMBEDDED_TRANSFORMER
-
-        return EMBEDDED_TRANSFORMER.num_attention_heads
     from models.components import check_layout
     from models.config import QwenImageConfig
     from models.loading import read_json
 
-    check_layout(Path(model))
+    if model is None:
+        from models.embedded import DEFAULT_MODEL_DIR
+
+        model = DEFAULT_MODEL_DIR  # its tokenizer is built, not stored
+    else:
+        check_layout(Path(model))
     config = QwenImageConfig.from_dict(read_json(Path(model) / "transformer" / "config.json"))
     return config.num_attention_heads
 

@@ -1,8 +1,9 @@
 """Shared test helpers: a host-synchronisation guard, PNG hashing, the checkout's root, where chromium is,
-and ranks for the parallel tests."""
+ranks for the parallel tests, and deterministic random weights for models the tests build."""
 
 import hashlib
 import io
+import math
 import os
 import socket
 import subprocess
@@ -107,3 +108,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fill_deterministic(module: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter from a seeded generator: fan-in scaled weights, small biases, unit norms."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters()):
+            parent = name.rsplit(".", 2)[-2] if "." in name else ""
+            if "norm" in parent or name.endswith("gamma"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif param.ndim == 1:
+                param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+            else:
+                fan_in = math.prod(param.shape[1:])
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))

@@ -16,12 +16,11 @@ import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
-from helpers import png_sha256
+from helpers import fill_deterministic, png_sha256
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
 from models.components import Components, default_scheduler
-from models.embedded import fill_deterministic
 from models.errors import CheckpointError
 from models.text_encoder import build_tiny_text_encoder
 from models.tokenizer import build_qwen2_tokenizer

@@ -56,7 +56,8 @@ def test_loads_with_every_path_fused_and_reports_it(fp8_dir):
 def test_info_reports_the_quantization(fp8_dir, capsys):
     assert main(["info", "--model", str(fp8_dir), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    linears = 11 * 2  # per block: 6 attention inputs + 2 outputs + 2 MLP-in + txt MLP-out
+    layers = json.loads((fp8_dir / "transformer" / "config.json").read_text())["num_layers"]
+    linears = 11 * layers  # per block: 6 attention inputs + 2 outputs + 2 MLP-in + txt MLP-out
     assert f"quantization: ModelOpt FP8, {linears} FP8 linears" in out
     assert "kept BF16: img_in, txt_in" in out
 

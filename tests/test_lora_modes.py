@@ -156,7 +156,12 @@ def _bad_files(pipe, tmp):
     peft("not-linear.safetensors", factors, "attn.norm_q.lora_A.weight matches no linear layer")
     factors = _factors(pipe, good)
     factors[good[1]] = (torch.ones(4, 48), factors[good[1]][1])
-    peft("shape.safetensors", factors, "to_k factors [4, 48] and [64, 4] do not fit the layer's 64 inputs")
+    width = pipe.transformer.config.inner_dim
+    peft(
+        "shape.safetensors",
+        factors,
+        f"to_k factors [4, 48] and [{width}, 4] do not fit the layer's {width} inputs",
+    )
     factors = _factors(pipe, good)
     factors[good[1]] = (factors[good[1]][0], torch.ones(64, 8))
     peft("pair.safetensors", factors, "are not a rank-r pair")
@@ -219,6 +224,9 @@ def test_generate_applies_lora_scales_for_its_run(pipe, two_loras):
     pipe.load_lora(two_loras[0], scale=0.0)
     pipe.generate("a fox", width=32, height=32, num_inference_steps=2, seed=1, lora_scales={"style": 0.5})
     assert pipe.loras["style"].scale == 0.5
-    assert pipe.last_run.loras == "LoRA (branch): style x0.5 on 28 layers"
+    assert (
+        pipe.last_run.loras
+        == f"LoRA (branch): style x0.5 on {14 * pipe.transformer.config.num_layers} layers"
+    )
     with pytest.raises(InputError, match="no LoRA named 'fast'"):
         pipe.generate("a fox", lora_scales={"fast": 1.0})

@@ -118,11 +118,13 @@ def test_cli_refuses_gpus_unlike_the_launched_ranks(capsys, monkeypatch):
 
 
 def test_info_shows_the_plans(capsys):
-    assert main(["info", "--device", "cpu", "--gpus", "4"]) == 0
+    heads = load_pipeline(device="cpu").transformer.config.num_attention_heads
+    gpus = 2 * heads  # CFG-2 x Ulysses-heads fits; Ulysses over all of them does not divide the heads
+    assert main(["info", "--device", "cpu", "--gpus", str(gpus)]) == 0
     out = capsys.readouterr().out
     assert "parallel: one process" in out
-    assert "--gpus 4 with true CFG on: CFG-2 x Ulysses-2 on 4 ranks" in out
-    assert "--gpus 4 with true CFG off: none (no parallel plan for 4 GPUs" in out
+    assert f"--gpus {gpus} with true CFG on: CFG-2 x Ulysses-{heads} on {gpus} ranks" in out
+    assert f"--gpus {gpus} with true CFG off: none (no parallel plan for {gpus} GPUs" in out
 
 
 def test_rows_split_in_nearly_equal_contiguous_parts():

@@ -23,11 +23,10 @@ from PIL import Image
 
 from eval.scenes import held_out_scenes
 from models.components import Components, default_scheduler, save_components
-from models.embedded import cast_parameters
 from models.errors import CheckpointError, InputError, QwenImageError
 from models.loading import load_transformer
 from models.tokenizer import build_qwen2_tokenizer
-from training.recipe import TEXT_ENCODER_SEED, build_text_encoder
+from training.recipe import TEXT_ENCODER_SEED, build_text_encoder, cast_parameters
 
 MEMBERS = ("vae", "transformer", "train_meta.json", "train_log.jsonl", "samples")
 CPU = torch.device("cpu")

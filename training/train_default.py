@@ -45,7 +45,6 @@ from tqdm.auto import tqdm
 
 from eval.scenes import BACKGROUNDS, HELD_OUT_PERCENT, LANGUAGES, draw_scene, held_out_scenes, render
 from models.components import Components, default_scheduler
-from models.embedded import cast_parameters
 from models.loading import save_transformer
 from models.math import pack_latents
 from models.text_encoder import encode_prompts
@@ -59,6 +58,7 @@ from training.recipe import (
     build_text_encoder,
     build_transformer,
     build_vae,
+    cast_parameters,
 )
 
 TAR_NAME = "default_model.tar"

@@ -47,7 +47,14 @@ from ui.ranks import serve
 LORA_KWARGS = "lora_kwargs"  # the preset and LoRA controls' generate() arguments, beside INPUT_NAMES
 MAX_UPLOAD = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger
 STOP_WAIT_S = 120.0  # Stop answers once the running step ends; a step never takes this long
-EXAMPLES = [
+EMBEDDED_EXAMPLES = [  # scenes the embedded default was trained on (eval/scenes.py): colours at positions
+    "a red circle on the left and a blue square on the right",
+    "two green triangles at the top, black background",
+    "a yellow star in the center on a gray background",
+    "左边有一个红色圆形，右边有一个蓝色正方形，白色背景。",
+    "an orange cross at the bottom and a purple circle at the top, beige background",
+]
+EXAMPLES = [  # for a real Qwen-Image checkpoint
     "A red apple on a wooden table, soft window light",
     "A foggy mountain lake at sunrise with a small rowing boat",
     'A neon sign above a noodle bar that reads "OPEN LATE", rainy night street',
@@ -183,7 +190,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     elem_id="gallery",
                 )
                 details = gr.Markdown("Run details appear here.", label="Details", elem_id="details")
-        gr.Examples([[p] for p in EXAMPLES], inputs=[prompt], label="Example prompts")
+        examples = EMBEDDED_EXAMPLES if pipe.model_name == EMBEDDED_NAME else EXAMPLES
+        gr.Examples([[p] for p in examples], inputs=[prompt], label="Example prompts")
 
         private = {"queue": False, "api_visibility": "private"}
         aspect.input(_fill_size, [aspect, width, height], [width, height], **private)
@@ -277,7 +285,11 @@ def launch(
 
 
 def _header(pipe: Pipeline, limits: Limits) -> str:
-    note = " (built-in tiny random weights: its images are noise)" if pipe.model_name == EMBEDDED_NAME else ""
+    note = (
+        " (built in: a small Qwen-Image trained on drawn scenes - coloured shapes at named positions)"
+        if pipe.model_name == EMBEDDED_NAME
+        else ""
+    )
     return f"# Qwen-Image\nModel `{pipe.model_name}`{note} on `{pipe.device}`.  \n{limits.describe()}"
 
 
