@@ -54,19 +54,24 @@ def initial_noise(
     return pack_latents(noise[:, 0])
 
 
-def flow_timesteps(
-    scheduler: FlowMatchEulerDiscreteScheduler, steps: int, image_tokens: int, device: torch.device
-) -> torch.Tensor:
-    """Set the scheduler to `steps` sigmas linspace(1, 1/steps) with the dynamic shift for `image_tokens`."""
-    sigmas = np.linspace(1.0, 1 / steps, steps)
+def shift_mu(scheduler: FlowMatchEulerDiscreteScheduler, image_tokens: int) -> float:
+    """The dynamic time shift's mu for `image_tokens`, from the scheduler's config as diffusers reads it."""
     config = scheduler.config
-    mu = calculate_shift(
+    return calculate_shift(
         image_tokens,
         config.get("base_image_seq_len", 256),
         config.get("max_image_seq_len", 4096),
         config.get("base_shift", 0.5),
         config.get("max_shift", 1.15),
     )
+
+
+def flow_timesteps(
+    scheduler: FlowMatchEulerDiscreteScheduler, steps: int, image_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """Set the scheduler to `steps` sigmas linspace(1, 1/steps) with the dynamic shift for `image_tokens`."""
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    mu = shift_mu(scheduler, image_tokens)
     timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
     return timesteps

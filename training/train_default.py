@@ -39,7 +39,6 @@ import numpy as np
 import PIL
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from PIL import Image
 from tqdm.auto import tqdm
 
@@ -50,6 +49,7 @@ from models.math import pack_latents
 from models.text_encoder import encode_prompts
 from models.tokenizer import build_qwen2_tokenizer
 from pipelines.qwen_image import GenerationDefaults, QwenImagePipeline
+from pipelines.sampling import shift_mu
 from training.recipe import (
     NEGATIVE_PROMPT,
     PRESETS,
@@ -377,15 +377,7 @@ def shifted_sigma(u: torch.Tensor, image_tokens: int) -> torch.Tensor:
 def schedule_shift(image_tokens: int) -> tuple[FlowMatchEulerDiscreteScheduler, float]:
     """The pipeline's scheduler and its mu for `image_tokens` (as `QwenImagePipeline.denoise` computes it)."""
     scheduler = default_scheduler()
-    config = scheduler.config
-    mu = calculate_shift(
-        image_tokens,
-        config.get("base_image_seq_len", 256),
-        config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5),
-        config.get("max_shift", 1.15),
-    )
-    return scheduler, mu
+    return scheduler, shift_mu(scheduler, image_tokens)
 
 
 def flow_matching_pair(
