@@ -94,7 +94,9 @@ if stage train; then
         | tr '\r' '\n' | grep -v "it/s\]$" | tee "$OUT/train.log" | tail -40
 fi
 if stage ui; then
-    # The web demo under load (ui/README.md): carry .whl-ui too (gradio and the deps the box lacks). 40
+    # The web demo under load (ui/README.md): carry .whl-ui too: gradio and the deps the box lacks, among
+    # them opentelemetry-api, annotated-doc and click, which fastapi 0.165 imports (pip download --no-deps
+    # --only-binary=:all: --python-version 3.12 ... -d .whl-ui). 40
     # gradio_client requests at once against the full-size random FP8 checkpoint; percentiles in ui_load.json.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ui/*.whl || exit 1
     CKPT=/tmp/qwen-image-random-fp8
