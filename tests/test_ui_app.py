@@ -67,6 +67,9 @@ class FakePipe:
     def set_variant(self, variant: str) -> None:
         self.variant = variant
 
+    def parallel_summary(self) -> str:
+        return "CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)"
+
     def generate(self, prompt: str, on_step: Any = None, **kw: Any) -> list[Image.Image]:
         self.calls.append(kw | {"prompt": prompt})
         if not prompt.strip():
@@ -270,6 +273,14 @@ def test_details_show_seed_stages_and_fusion() -> None:
 
 
 LIMITS = Limits(max_work=1.0, time_limit_s=60, queue_size=8)
+
+
+def test_page_header_names_the_model_device_and_parallel_plan() -> None:
+    demo = build_app(FakePipe(), LIMITS)
+    texts = [block.value for block in demo.blocks.values() if type(block).__name__ == "Markdown"]
+    header = next(t for t in texts if t.startswith("# Qwen-Image"))
+    assert "Model `fake` on `cpu`, CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)." in header
+    assert LIMITS.describe() in header
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from helpers import CHROMIUM
 from PIL import Image
 
 from pipelines import load_pipeline
-from ui.app import build_app
+from ui.app import EMBEDDED_EXAMPLES, build_app
 from ui.generation import Runner
 from ui.limits import Limits
 
@@ -91,6 +91,11 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Run
         page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
         page.goto(url)
         expect = sync_api.expect
+
+        # The embedded default says what it is, its plan, and offers scenes it can draw as examples.
+        expect(page.get_by_text("trained on drawn scenes", exact=False)).to_be_visible()
+        expect(page.get_by_text("on cpu, one process", exact=False)).to_be_visible()
+        expect(page.get_by_text(EMBEDDED_EXAMPLES[0], exact=True).first).to_be_visible()
 
         # A preset fills the size fields; typing a size switches back to "custom".
         page.get_by_text("16:9 · 1664×928").click()

@@ -290,7 +290,10 @@ def _header(pipe: Pipeline, limits: Limits) -> str:
         if pipe.model_name == EMBEDDED_NAME
         else ""
     )
-    return f"# Qwen-Image\nModel `{pipe.model_name}`{note} on `{pipe.device}`.  \n{limits.describe()}"
+    return (
+        f"# Qwen-Image\nModel `{pipe.model_name}`{note} on `{pipe.device}`, {pipe.parallel_summary()}.  \n"
+        f"{limits.describe()}"
+    )
 
 
 def _fill_size(aspect: str, width: float | None, height: float | None) -> tuple[float | None, float | None]:
