@@ -53,6 +53,31 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def step_without_host_sync(
+    model: torch.nn.Module,
+    grid: tuple[int, int, int],
+    device: torch.device = CPU,
+    text_tokens: int = 5,
+    pad_from: int | None = 3,
+) -> None:
+    """Two transformer steps on a batch of two prompts (the second padded from `pad_from`; None: no mask):
+    a warm-up that fills the RoPE cache as the first step does, then one under NoHostSync, which fails on
+    any host synchronisation."""
+    latents = torch.randn(2, grid[1] * grid[2], model.config.in_channels, dtype=torch.bfloat16, device=device)
+    prompt = torch.randn(
+        2, text_tokens, model.config.joint_attention_dim, dtype=torch.bfloat16, device=device
+    )
+    mask = None
+    if pad_from is not None:
+        mask = torch.ones(2, text_tokens, dtype=torch.long, device=device)
+        mask[1, pad_from:] = 0
+    sigma = torch.full((2,), 0.5, device=device)
+    with torch.no_grad():
+        model(latents, prompt, mask, sigma, grid)
+        with NoHostSync(device):
+            model(latents, prompt, mask, sigma, grid)
+
+
 def png_sha256(image: PIL.Image.Image) -> str:
     """SHA256 of the PNG encoding, as a user comparing files would see it."""
     buf = io.BytesIO()

@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from models.errors import InputError, ParallelError
 from pipelines import load_pipeline
 from pipelines.parallel import ParallelPlan
@@ -37,18 +35,9 @@ def save(out: Path, name: str, images: list) -> None:
 
 
 def sharded_step_has_no_host_sync(pipe) -> bool:
-    from helpers import NoHostSync
+    from helpers import step_without_host_sync
 
-    model, device = pipe.transformer, pipe.device
-    latents = torch.randn(2, 12, 64, dtype=torch.bfloat16, device=device)
-    prompt = torch.randn(2, 5, model.config.joint_attention_dim, dtype=torch.bfloat16, device=device)
-    mask = torch.ones(2, 5, dtype=torch.long, device=device)
-    mask[1, 3:] = 0
-    sigma = torch.full((2,), 0.5, device=device)
-    with torch.no_grad():
-        model(latents, prompt, mask, sigma, (1, 3, 4))
-        with NoHostSync(device):
-            model(latents, prompt, mask, sigma, (1, 3, 4))
+    step_without_host_sync(pipe.transformer, (1, 3, 4), pipe.device)
     return True
 
 

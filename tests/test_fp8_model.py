@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import NoHostSync, png_sha256
+from helpers import NoHostSync, png_sha256, step_without_host_sync
 from safetensors.torch import load_file, save_file
 
 from models.errors import CheckpointError
@@ -83,16 +83,7 @@ def test_environment_switch_forces_the_unfused_path(fp8_dir, monkeypatch):
 @pytest.mark.parametrize("variant", ["fp8-fused", "fp8-unfused"])
 def test_transformer_step_has_no_host_sync(fp8_dir, variant):
     pipe = load_pipeline(fp8_dir, variant=variant, device="cpu")
-    model = pipe.transformer
-    latents = torch.randn(2, 16, 64, dtype=torch.bfloat16)
-    prompt = torch.randn(2, 5, model.config.joint_attention_dim, dtype=torch.bfloat16)
-    mask = torch.ones(2, 5, dtype=torch.long)
-    mask[1, 3:] = 0
-    sigma = torch.full((2,), 0.5)
-    with torch.no_grad():
-        model(latents, prompt, mask, sigma, (1, 4, 4))  # warm the RoPE cache, as the first step does
-        with NoHostSync():
-            model(latents, prompt, mask, sigma, (1, 4, 4))
+    step_without_host_sync(pipe.transformer, (1, 4, 4))
 
 
 def test_fp8_output_projections_take_the_attention_rows_without_a_copy(fp8_dir):

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import NoHostSync, png_sha256
+from helpers import png_sha256, step_without_host_sync
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 
 from pipelines import load_pipeline
@@ -79,14 +79,7 @@ def test_cuda_graph_replay_with_a_lora_branch_matches_eager(fp8_dir, tmp_path):
 def test_lora_branch_step_has_no_host_sync_on_gpu(fp8_dir, tmp_path, variant):
     pipe = load_pipeline(fp8_dir, variant=variant, device="cuda")
     pipe.load_lora(_lightning_file(pipe, tmp_path / "lightning.safetensors", 16, 0.2))
-    model = pipe.transformer
-    latents = torch.randn(2, 64, 64, device=CUDA, dtype=torch.bfloat16)
-    prompt = torch.randn(2, 7, model.config.joint_attention_dim, device=CUDA, dtype=torch.bfloat16)
-    sigma = torch.full((2,), 0.5, device=CUDA)
-    with torch.no_grad():
-        model(latents, prompt, None, sigma, (1, 8, 8))
-        with NoHostSync(CUDA):
-            model(latents, prompt, None, sigma, (1, 8, 8))
+    step_without_host_sync(pipe.transformer, (1, 8, 8), CUDA, text_tokens=7, pad_from=None)
 
 
 @pytest.mark.skipif(FULL_SIZE is None, reason="set QWEN_IMAGE_GPU_CHECKPOINT to a full-size FP8 checkpoint")

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import NoHostSync, png_sha256
+from helpers import png_sha256, step_without_host_sync
 
 from pipelines import load_pipeline
 from pipelines.quantize import quantize_checkpoint
@@ -43,15 +43,7 @@ def test_cuda_graph_replay_matches_eager(fp8_dir):
 @pytest.mark.parametrize("variant", ["fp8-fused", "fp8-unfused"])
 def test_step_has_no_host_sync_on_gpu(fp8_dir, variant):
     model = load_pipeline(fp8_dir, variant=variant, device="cuda").transformer
-    latents = torch.randn(2, 64, 64, device=CUDA, dtype=torch.bfloat16)
-    prompt = torch.randn(2, 7, model.config.joint_attention_dim, device=CUDA, dtype=torch.bfloat16)
-    mask = torch.ones(2, 7, dtype=torch.long, device=CUDA)
-    mask[0, 5:] = 0
-    sigma = torch.full((2,), 0.5, device=CUDA)
-    with torch.no_grad():
-        model(latents, prompt, mask, sigma, (1, 8, 8))
-        with NoHostSync(CUDA):
-            model(latents, prompt, mask, sigma, (1, 8, 8))
+    step_without_host_sync(model, (1, 8, 8), CUDA, text_tokens=7, pad_from=5)
 
 
 def test_contract_pipeline_on_gpu_is_close_to_reference():
