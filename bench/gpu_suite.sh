@@ -24,6 +24,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 } | tee "$OUT/machine.txt"
 
 stage() { [[ ",$STAGES," == *",$1,"* ]]; }
+# The full-size random FP8 checkpoint the model stages share: built once per machine, then reused.
+random_checkpoint() {
+    if [ ! -f "$1/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$1" 2>&1 | grep -v Loading | tail -5
+    fi
+}
 
 if stage tests; then
     start=$SECONDS
@@ -46,7 +52,7 @@ if stage e2e; then
     # Full-size random FP8 checkpoint, then the smoke prompt set fused vs unfused at 1024x1024 and one
     # timed generate() per stage. Parity output stays in /tmp; the report comes back under $OUT.
     CKPT=/tmp/qwen-image-random-fp8
-    timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -5
+    random_checkpoint "$CKPT"
     timeout 400 python3 -m eval.parity --model "$CKPT" --prompts smoke --a fp8-unfused:cuda --b fp8-fused:cuda \
         --size 1024x1024 --steps "${E2E_STEPS:-10}" --negative-prompt " " --out /tmp/parity --expect identical \
         2>&1 | tail -15
@@ -67,9 +73,7 @@ if stage parallel; then
         | tee "$OUT/parity_torchrun.log" | tail -6
     echo "NCCL device guesses: $(grep -c 'currently unknown' "$OUT/parity_torchrun.log")" | tee -a "$OUT/parity_torchrun.log"
     CKPT=${PARALLEL_MODEL:-/tmp/qwen-image-random-fp8}
-    if [ ! -f "$CKPT/model_index.json" ]; then
-        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -3
-    fi
+    random_checkpoint "$CKPT"
     timeout 480 python3 -m torch.distributed.run --standalone --nproc_per_node 2 bench/parallel_bench.py \
         --model "$CKPT" --out "$OUT" --steps "${PARALLEL_STEPS:-50}" 2>&1 | grep -v "^\*\|OMP_NUM" | tail -25
     echo "parallel stage: $((SECONDS - start)) s"
@@ -79,9 +83,7 @@ if stage lora; then
     # unfused PNGs with a rank-64 LoRA in branch and merge mode, then bench/lora_bench.py (Lightning-8/4
     # end to end, per-step cost of branch vs merged, FP8 input clipping).
     CKPT=/tmp/qwen-image-random-fp8
-    if [ ! -f "$CKPT/model_index.json" ]; then
-        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -3
-    fi
+    random_checkpoint "$CKPT"
     QWEN_IMAGE_GPU_CHECKPOINT="$CKPT" timeout 400 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s \
         -p no:cacheprovider -rA 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -20
     timeout 400 python3 bench/lora_bench.py --model "$CKPT" --out "$OUT/lora_bench.json" 2>&1 | tail -10 \
@@ -100,9 +102,7 @@ if stage ui; then
     # gradio_client requests at once against the full-size random FP8 checkpoint; percentiles in ui_load.json.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ui/*.whl || exit 1
     CKPT=/tmp/qwen-image-random-fp8
-    if [ ! -f "$CKPT/model_index.json" ]; then
-        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" 2>&1 | grep -v Loading | tail -3
-    fi
+    random_checkpoint "$CKPT"
     timeout "${UI_TIMEOUT:-300}" python3 bench/ui_load.py --model "$CKPT" --clients "${UI_CLIENTS:-40}" --size 1024 \
         --steps "${UI_STEPS:-8}" --negative-prompt " " --out "$OUT" 2>&1 | tail -25
 fi
