@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 from models.lora import lora_targets
 from pipelines import load_pipeline
 from pipelines.lora import fp8_input_clipping
+from pipelines.pipeline import Pipeline
 from pipelines.quantize import quantize_checkpoint
-from pipelines.qwen_image import QwenImagePipeline
 
 PROMPT = "a red fox in the snow, detailed fur, golden hour"
 BLOCK_LINEARS = (
@@ -41,7 +41,7 @@ BLOCK_LINEARS = (
 TARGETS = {"lightning8_s": 1.1, "lightning4_s": 0.65, "branch_over_merged": 1.10}
 
 
-def write_random_lora(pipe: QwenImagePipeline, rank: int, alpha: float, path: Path) -> Path:
+def write_random_lora(pipe: Pipeline, rank: int, alpha: float, path: Path) -> Path:
     """Lightning-layout file (`<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`, bf16): every
     block linear, factors scaled so the LoRA's delta has about a tenth of the spread of a default-
     initialized weight (std 0.58 / sqrt(fan_in), as in bench/make_random_checkpoint.py's model)."""
@@ -62,7 +62,7 @@ def write_random_lora(pipe: QwenImagePipeline, rank: int, alpha: float, path: Pa
     return path
 
 
-def timed(pipe: QwenImagePipeline, runs: int, warm_steps: int | None = None, **kwargs) -> dict[str, float]:
+def timed(pipe: Pipeline, runs: int, warm_steps: int | None = None, **kwargs) -> dict[str, float]:
     """Median seconds end to end and ms per step over `runs` generations after one warm-up with the same
     shapes (`warm_steps` fewer steps when given: graphs depend on shapes only)."""
     warm = kwargs | ({"num_inference_steps": warm_steps} if warm_steps else {})

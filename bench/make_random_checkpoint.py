@@ -15,13 +15,16 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from models.components import Components, default_scheduler, save_components
-from models.config import QwenImageConfig
-from models.text_encoder import tiny_text_encoder_config
-from models.tokenizer import build_qwen2_tokenizer
-from models.transformer import QwenImageTransformer
+from models.family import GenerationDefaults
+from models.qwen_image.components import Components, default_scheduler, save_components
+from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.family import FAMILY
+from models.qwen_image.model import QwenImageModel
+from models.qwen_image.text_encoder import tiny_text_encoder_config
+from models.qwen_image.tokenizer import build_qwen2_tokenizer
+from models.qwen_image.transformer import QwenImageTransformer
+from pipelines.pipeline import Pipeline
 from pipelines.quantize import quantize_pipeline
-from pipelines.qwen_image import GenerationDefaults, QwenImagePipeline
 
 TEXT_7B = {
     "hidden_size": 3584,
@@ -63,7 +66,8 @@ def main() -> None:
     if args.bf16:
         save_components(components, args.out)
     else:
-        pipe = QwenImagePipeline(components, "random-full-size", device, torch.bfloat16, GenerationDefaults())
+        model = QwenImageModel(components, device, torch.bfloat16)
+        pipe = Pipeline.from_model(model, FAMILY.spec_for(model, "random-full-size", GenerationDefaults()))
         quantize_pipeline(pipe, args.out, prompts=["a red fox in the snow"], steps=4, size=512)
     print(f"wrote {args.out} in {time.time() - start:.0f} s", flush=True)
 

@@ -18,7 +18,7 @@ import torch
 from step_bench import VARIANTS, build, step_inputs
 from torch.profiler import ProfilerActivity, profile
 
-from models.config import QwenImageConfig
+from models.qwen_image.config import QwenImageConfig
 
 KINDS = (  # first match wins: our kernels by name, then FP8 GEMMs (cuBLAS "nvjet_*_qq*", e4m3), then BF16
     ("producers (ours)", ("_layer_norm", "_gated_residual")),

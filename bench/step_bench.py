@@ -13,18 +13,16 @@ from pathlib import Path
 
 import torch
 
-from models.config import QwenImageConfig
+from models.calibration import record_input_amax
 from models.loading import transformer_from_state
 from models.modelopt import QuantConfig
-from models.transformer import QwenImageTransformer
-from pipelines.quantize import (
-    ALL_BLOCKS_FP8,
-    DEFAULT_BF16_FALLBACK,
-    fp8_state_dict,
-    quantizable_linears,
-    record_input_amax,
-    share_group_amax,
-)
+from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.model import QUANTIZATION
+from models.qwen_image.transformer import QwenImageTransformer
+from pipelines.quantize import fp8_state_dict, quantizable_linears, share_group_amax
+
+DEFAULT_BF16_FALLBACK = QUANTIZATION.bf16_fallback
+ALL_BLOCKS_FP8 = tuple(p for p in DEFAULT_BF16_FALLBACK if p != "*.img_mlp.net.2")
 
 VARIANTS = (
     "diffusers",
@@ -106,11 +104,13 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
     ignore = DEFAULT_BF16_FALLBACK if variant.startswith("fp8-") else ALL_BLOCKS_FP8
     linears = quantizable_linears(model, ignore)
     amax = calibrate_random(model, linears, config, device)
-    state = fp8_state_dict(model, linears, share_group_amax(amax))
+    state = fp8_state_dict(model, linears, share_group_amax(amax, QUANTIZATION.shared_inputs))
     del model, linears
     torch.cuda.empty_cache()
+    with torch.device("meta"):
+        meta = QwenImageTransformer(config)
     fp8 = transformer_from_state(
-        config, state, QuantConfig("FP8", tuple(ignore)), torch.bfloat16, Path("random")
+        meta, state, QuantConfig("FP8", tuple(ignore)), torch.bfloat16, Path("random")
     )
     fp8.post_load_weights(fuse=variant.endswith("-fused"))
     return fp8

@@ -43,8 +43,9 @@ from eval.runner import (
 )
 from eval.variants import VariantSpec, parse_variant
 from models.errors import InputError, QwenImageError
-from models.geometry import size_multiple
-from pipelines.limits import SIZE_MULTIPLE, VARIANTS, check_size, check_steps
+from models.families import inspect_checkpoint
+from pipelines.limits import check_size, check_steps
+from pipelines.variants import AUTO, VARIANTS
 
 VARIANT_HELP = """variants: NAME[:DEVICE[:INDEX]][:DTYPE]
   NAME    reference | contract | fp8-unfused | fp8-fused | auto   (see docs/API.md)
@@ -169,11 +170,11 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
     width, height = parse_size(args.size)
     if width is not None:
         for model in models.values():
-            check_size(width, height, SIZE_MULTIPLE if model is None else size_multiple(Path(model)))
+            check_size(width, height, inspect_checkpoint(model).size_multiple)
     prompts, seeds = load_prompts(args.prompts), parse_seeds(args.seeds)
     expect = parse_expect(args.expect) if args.expect is not None else None
 
-    known = (*VARIANTS, "auto")
+    known = (*VARIANTS, AUTO)
     return Config(
         models=models,
         prompts=prompts,

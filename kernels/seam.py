@@ -7,20 +7,14 @@ FP8 for their consumers. The contract is defined for BF16 activations; other dty
 arithmetic.
 """
 
-from enum import StrEnum
-
 import torch
 import torch.nn.functional as F
 
 from kernels.gelu_quant import gelu_tanh, gelu_tanh_quant
 from kernels.norm_modulate import gated_residual, gated_residual_layer_norm_modulate, layer_norm_modulate
+from kernels.numerics import Numerics
 from kernels.qk_norm_rope import rms_norm_rope
 from kernels.reference import gated_residual_reference, layer_norm_modulate_reference, rms_norm_rope_reference
-
-
-class Numerics(StrEnum):
-    REFERENCE = "reference"
-    CONTRACT = "contract"
 
 
 def _contract(numerics: Numerics, x: torch.Tensor) -> bool:

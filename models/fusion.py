@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels.quant import inverse_scale
-from models.config import env_flag
+from models.env import env_flag
 from models.fp8 import QuantSpec, quant_consumer_spec
 
 FUSION_ENV = "QWEN_IMAGE_FP8_FUSION"

@@ -1,14 +1,23 @@
-"""Reading and writing diffusers-layout transformer directories (config.json + safetensors shards)."""
+"""Reading and writing diffusers-layout component directories (config.json + safetensors shards), for
+every model family: weights checked by name and shape, ModelOpt FP8 layers swapped in, library noise
+silenced so a load error is one line."""
 
 import json
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.utils import logging as diffusers_logging
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.utils import logging as transformers_logging
 
-from models.config import QwenImageConfig
+from models.checkpoint import read_hf_quant_config, read_json
 from models.errors import CheckpointError
 from models.modelopt import (
     SCALE_SUFFIXES,
@@ -16,28 +25,9 @@ from models.modelopt import (
     parse_quant_config,
     swap_fp8_linears,
 )
-from models.transformer import QwenImageTransformer
 
 WEIGHTS_STEM = "diffusion_pytorch_model"
 SHARD_BYTES = 5 * 1024**3
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """Parse a JSON file, refusing a missing or malformed one with a message naming it."""
-    if not path.is_file():
-        raise CheckpointError(f"missing {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
-
-
-def read_hf_quant_config(directory: Path) -> dict[str, Any] | None:
-    """The nested ModelOpt `hf_quant_config.json` of a transformer directory (or its parent), if any."""
-    for path in (directory / "hf_quant_config.json", directory.parent / "hf_quant_config.json"):
-        if path.is_file():
-            return read_json(path)
-    return None
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -114,28 +104,34 @@ def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
-def load_transformer(directory: Path, dtype: torch.dtype, device: torch.device) -> QwenImageTransformer:
-    """Build the transformer of `directory` (BF16 or ModelOpt FP8) on `device` without a random init."""
+def load_transformer(
+    directory: Path,
+    build: Callable[[dict[str, Any]], nn.Module],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
+    """The transformer of `directory` (BF16 or ModelOpt FP8) on `device` without a random init: `build`
+    makes the model from its config.json (refusing a bad config in one line)."""
     raw = read_json(directory / "config.json")
-    config = QwenImageConfig.from_dict(raw)
     quant = parse_quant_config(raw, read_hf_quant_config(directory))
+    with torch.device("meta"):
+        model = build(raw)
     origins: dict[str, Path] = {}
     state = read_state_dict(directory, device, origins)
-    return transformer_from_state(config, state, quant, dtype, directory, origins)
+    return transformer_from_state(model, state, quant, dtype, directory, origins)
 
 
 def transformer_from_state(
-    config: QwenImageConfig,
+    model: nn.Module,
     state: dict[str, torch.Tensor],
     quant: QuantConfig | None,
     dtype: torch.dtype,
     where: Path,
     origins: dict[str, Path] | None = None,
-) -> QwenImageTransformer:
-    """A transformer holding `state` (validated first; FP8 layers swapped in), after `post_load_weights`."""
-    with torch.device("meta"):
-        model = QwenImageTransformer(config)
-        swap_fp8_linears(model, state, quant, where)
+) -> nn.Module:
+    """`model` (built on the meta device) holding `state`, validated first, FP8 layers swapped in, then
+    its `post_load_weights` run."""
+    swap_fp8_linears(model, state, quant, where)
     check_state_dict(model.state_dict(), state, where, origins)
     model.load_state_dict({k: _cast(k, v, dtype) for k, v in state.items()}, strict=True, assign=True)
     model.eval().requires_grad_(False)
@@ -144,7 +140,7 @@ def transformer_from_state(
     return model
 
 
-def save_transformer(model: QwenImageTransformer, directory: Path, shard_bytes: int = SHARD_BYTES) -> None:
+def save_transformer(model: nn.Module, directory: Path, shard_bytes: int = SHARD_BYTES) -> None:
     """Write config.json and safetensors (sharded with an index past `shard_bytes`)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
@@ -173,3 +169,32 @@ def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, shard_bytes:
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
     index["weight_map"] = weight_map
     (directory / f"{WEIGHTS_STEM}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Silence library progress bars, info logs and warnings while loading, so that a load error is the
+    one line the user sees (our own checks report every real problem)."""
+    bars = transformers_logging.is_progress_bar_enabled()
+    levels = transformers_logging.get_verbosity(), diffusers_logging.get_verbosity()
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    diffusers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers_logging.set_verbosity(levels[0])
+        diffusers_logging.set_verbosity(levels[1])
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+
+def load_scheduler(directory: Path) -> FlowMatchEulerDiscreteScheduler:
+    """The scheduler of `scheduler/scheduler_config.json`."""
+    read_json(directory / "scheduler_config.json")
+    try:
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise CheckpointError(f"cannot load scheduler from {directory}: {err}") from err

@@ -17,174 +17,24 @@ declares that it needs the unquantized input, so the fusion gate keeps the produ
 output (`q` for the FP8 GEMM, `y` for the branch). Unfused, the base quantizes `x` itself and the branch
 reads the same `x`: fused and unfused stay byte-identical.
 
-Files are read in every layout diffusers' Qwen-Image LoRA loader reads (its own conversion maps the keys),
-validated completely, and only then mounted: a bad file changes nothing.
+Files are read and validated by models/lora_files.py and only then mounted: a bad file changes nothing.
+Each adapter's user scale lives once, in the mapping the owner (pipelines.lora.LoraSet) shares with
+every wrapper; after changing a scale the owner calls `refresh()` on the wrappers holding that adapter.
 """
 
-import json
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from torch import nn
 
+from kernels.numerics import Numerics
 from kernels.quant import FP8_MAX
-from kernels.seam import Numerics
-from models.errors import CheckpointError, InputError
+from models.errors import CheckpointError
 from models.fp8 import Fp8Linear, QuantizedActivation, QuantSpec, quant_consumer_spec, quantize_weight
-
-DOWN, UP = ".lora_A.weight", ".lora_B.weight"
-TRANSFORMER_PREFIX = "transformer."
-LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors header key for the LoraConfig
-
-
-@dataclass(frozen=True)
-class LoraFactors:
-    """One adapter of one linear: down A [r, in], up B [out, r], and PEFT's alpha (and rsLoRA flag)."""
-
-    down: torch.Tensor
-    up: torch.Tensor
-    alpha: float
-    use_rslora: bool = False
-
-    @property
-    def rank(self) -> int:
-        return self.down.shape[0]
-
-    def scaling(self, scale: float) -> float:
-        """PEFT's `set_scale`: `scale * lora_alpha / r` (`/ sqrt(r)` with rsLoRA), in that order."""
-        return scale * self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-
-@dataclass(frozen=True)
-class LoraFile:
-    """A LoRA file read and converted to diffusers' names: factors by transformer module name."""
-
-    path: Path
-    factors: dict[str, LoraFactors]
-
-
-def read_lora_file(path: str | Path) -> LoraFile:
-    """Read a LoRA safetensors file in any layout diffusers' Qwen-Image loader reads (diffusers/PEFT
-    `lora_A`/`lora_B`, kohya `lora_unet_...`, ComfyUI `diffusion_model.`, `lora_down`/`lora_up`/`alpha`,
-    the Lightning release files); CheckpointError naming the file and key for anything else."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"LoRA file {path} {'is not a file' if path.exists() else 'does not exist'}")
-    try:
-        raw = load_file(path)
-        with safe_open(path, framework="pt") as handle:
-            header = handle.metadata() or {}
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"LoRA file {path} is not a safetensors file ({err})") from err
-    if not raw:
-        raise CheckpointError(f"LoRA file {path} holds no tensors")
-    for key, tensor in raw.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"LoRA file {path}: tensor {key} has NaN or inf values")
-    pairs = _pair_factors(_to_diffusers_keys(raw, path), path)
-    return LoraFile(path, _with_alphas(pairs, _adapter_metadata(header, path), path))
-
-
-def _to_diffusers_keys(raw: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    """diffusers' own Qwen-Image conversion (it folds kohya alphas into the factors, as diffusers loads
-    them), then the names of our transformer's modules (without the `transformer.` prefix)."""
-    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
-
-    from models.components import quiet_loading
-
-    try:
-        with quiet_loading():
-            state = QwenImageLoraLoaderMixin.lora_state_dict(dict(raw))
-    except (ValueError, KeyError, IndexError, RuntimeError) as err:
-        message = str(err).splitlines()[0][:300]
-        raise CheckpointError(
-            f"LoRA file {path}: diffusers' Qwen-Image conversion refuses it: {message}"
-        ) from err
-    return {key.removeprefix(TRANSFORMER_PREFIX): value for key, value in state.items()}
-
-
-def _pair_factors(state: dict[str, torch.Tensor], path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{module: (A, B)} from `<module>.lora_A.weight` / `.lora_B.weight` keys, each pair checked."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in state.items():
-        if key.endswith((DOWN, UP)):
-            module, suffix = key[: -len(DOWN)], DOWN if key.endswith(DOWN) else UP
-            parts.setdefault(module, {})[suffix] = tensor
-            continue
-        what = "not a lora_A/lora_B factor"
-        if "lora_magnitude_vector" in key or ".bias" in key:
-            what = "DoRA magnitudes and LoRA biases are not supported"
-        raise CheckpointError(f"LoRA file {path}: tensor {key} is not supported ({what})")
-    pairs = {}
-    for module, found in parts.items():
-        for suffix in (DOWN, UP):
-            if suffix not in found:
-                raise CheckpointError(f"LoRA file {path}: {module}{suffix} is missing (its pair is there)")
-        down, up = found[DOWN], found[UP]
-        if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
-            raise CheckpointError(
-                f"LoRA file {path}: {module}{DOWN} {list(down.shape)} and {module}{UP} {list(up.shape)} "
-                "are not a rank-r pair [r, in] and [out, r]"
-            )
-        pairs[module] = (down, up)
-    return pairs
-
-
-def _adapter_metadata(header: dict[str, str], path: Path) -> dict[str, Any] | None:
-    """The LoraConfig diffusers stores in the safetensors header (its `transformer.` entries), if any."""
-    raw = header.get(LORA_ADAPTER_METADATA_KEY)
-    if not raw:
-        return None
-    try:
-        metadata = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"LoRA file {path}: {LORA_ADAPTER_METADATA_KEY} is not valid JSON") from err
-    prefix = TRANSFORMER_PREFIX
-    config = {k.removeprefix(prefix): v for k, v in metadata.items() if k.startswith(prefix)}
-    return config or None
-
-
-def _with_alphas(
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], metadata: dict[str, Any] | None, path: Path
-) -> dict[str, LoraFactors]:
-    """Each pair with PEFT's alpha for its module, as diffusers configures the adapter.
-
-    Without metadata diffusers sets alpha = r for every module (scale 1: kohya alphas are already folded
-    into the factors). With metadata, PEFT's LoraConfig and its rank/alpha patterns decide.
-    """
-    if metadata is None:
-        return {module: LoraFactors(down, up, down.shape[0]) for module, (down, up) in pairs.items()}
-    try:
-        from peft import LoraConfig
-        from peft.utils.other import get_pattern_key
-    except ImportError as err:
-        raise CheckpointError(
-            f"LoRA file {path} carries diffusers' LoraConfig metadata: reading it needs `pip install peft`"
-        ) from err
-    try:
-        config = LoraConfig(**metadata)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"LoRA file {path}: its adapter metadata is not a LoraConfig: {err}") from err
-    if config.use_dora or config.lora_bias:
-        raise CheckpointError(f"LoRA file {path}: DoRA and LoRA bias adapters are not supported")
-    factors = {}
-    for module, (down, up) in pairs.items():
-        ranks, alphas = config.rank_pattern, config.alpha_pattern
-        rank = ranks.get(get_pattern_key(ranks.keys(), module), config.r)
-        alpha = alphas.get(get_pattern_key(alphas.keys(), module), config.lora_alpha)
-        if rank != down.shape[0]:
-            raise CheckpointError(
-                f"LoRA file {path}: its metadata gives {module} rank {rank}, but {module}{DOWN} has rank "
-                f"{down.shape[0]}"
-            )
-        factors[module] = LoraFactors(down, up, alpha, bool(config.use_rslora))
-    return factors
+from models.lora_files import DOWN, LoraFactors, LoraFile
+from models.numerics import NumericsAware
 
 
 @dataclass(frozen=True)
@@ -197,15 +47,15 @@ class Fp8MergeStats:
     scale_ratio: float  # new weight_scale / old weight_scale
 
 
-class LoraLinear(nn.Module):
-    """A Linear or `Fp8Linear` (`base_layer`) with named LoRA adapters applied beside it or merged into it."""
+class LoraLinear(NumericsAware, nn.Module):
+    """A Linear or `Fp8Linear` (`base_layer`) with named LoRA adapters applied beside it or merged into it;
+    `scales` (the user scale of each adapter by name) is the owner's mapping, not a copy."""
 
-    def __init__(self, base_layer: nn.Module) -> None:
+    def __init__(self, base_layer: nn.Module, scales: Mapping[str, float]) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.adapters: dict[str, LoraFactors] = {}  # on the base's device, in the activation dtype
-        self.scales: dict[str, float] = {}
-        self.numerics = Numerics.REFERENCE
+        self.scales = scales
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # contract branch factors
         self._merged: tuple[tuple[str, float], ...] | None = None  # the scalings folded into the weight
         self._original: tuple[torch.Tensor, ...] = ()  # host copy of the weight (and FP8 scale)
@@ -248,17 +98,12 @@ class LoraLinear(nn.Module):
             return spec
         return replace(spec, needs_unquantized_input=True, unquantized_reason="LoRA branch")
 
-    def add_adapter(self, name: str, factors: LoraFactors, scale: float) -> None:
+    def add_adapter(self, name: str, factors: LoraFactors) -> None:
         self.adapters[name] = factors
-        self.scales[name] = scale
         self.refresh()
 
     def remove_adapter(self, name: str) -> None:
-        del self.adapters[name], self.scales[name]
-        self.refresh()
-
-    def set_scale(self, name: str, scale: float) -> None:
-        self.scales[name] = scale
+        del self.adapters[name]
         self.refresh()
 
     def refresh(self) -> None:
@@ -393,9 +238,12 @@ def check_lora_fits(model: nn.Module, lora: LoraFile) -> dict[str, nn.Module]:
     return found
 
 
-def mount_lora(model: nn.Module, name: str, lora: LoraFile, scale: float, dtype: torch.dtype) -> int:
-    """Add adapter `name` to every layer `lora` targets (wrapping the layer first where needed); returns
-    the number of layers. Everything is validated and copied to the device before the first layer changes."""
+def mount_lora(
+    model: nn.Module, name: str, lora: LoraFile, scales: Mapping[str, float], dtype: torch.dtype
+) -> int:
+    """Add adapter `name` (its scale in `scales`) to every layer `lora` targets, wrapping the layer first
+    where needed; returns the number of layers. Everything is validated and copied to the device before the
+    first layer changes."""
     targets = check_lora_fits(model, lora)
     placed = {}
     for module_name, f in lora.factors.items():
@@ -405,9 +253,9 @@ def mount_lora(model: nn.Module, name: str, lora: LoraFile, scale: float, dtype:
     for module_name, f in placed.items():
         target = targets[module_name]
         if not isinstance(target, LoraLinear):
-            target = LoraLinear(target)
+            target = LoraLinear(target, scales)
             _set_module(model, module_name, target)
-        target.add_adapter(name, f, scale)
+        target.add_adapter(name, f)
     return len(placed)
 
 
@@ -419,12 +267,6 @@ def unmount_lora(model: nn.Module, name: str) -> None:
             wrapper.remove_adapter(name)
             if not wrapper.adapters:
                 _set_module(model, module_name, wrapper.base_layer)
-
-
-def set_lora_scale(model: nn.Module, name: str, scale: float) -> None:
-    for wrapper in lora_layers(model).values():
-        if name in wrapper.adapters:
-            wrapper.set_scale(name, scale)
 
 
 @dataclass
@@ -449,12 +291,11 @@ class MergeReport:
         )
 
 
-def configure_loras(model: nn.Module, merge: bool, numerics: Numerics) -> MergeReport | None:
-    """Put every LoRA layer in branch (with `numerics`) or merged mode; the merge report when merged."""
+def configure_loras(model: nn.Module, merge: bool) -> MergeReport | None:
+    """Put every LoRA layer in branch or merged mode; the merge report when merged."""
     layers = lora_layers(model)
     report = MergeReport() if merge and layers else None
     for name, wrapper in layers.items():
-        wrapper.numerics = numerics
         if not merge:
             wrapper.unmerge()
             continue

@@ -6,7 +6,7 @@ RoPE rows; the key mask stays whole) and the module whose output gathers the ima
 `shard_sequence(model, group)` installs hooks from that plan, so the block code stays as it is:
 projections, fused FP8 producers, q/k norm+RoPE and MLPs run on the local rows unchanged. The
 all-to-all that trades sequence shards for head shards around attention sits in
-`models.math.joint_attention`, which asks `active_shards()` whether the running forward is sharded.
+`models.qwen_image.math.joint_attention`, which asks `active_shards()` whether the running forward is sharded.
 
 The split: the text rows and the image rows are each cut into contiguous, nearly equal parts (the first
 `n % size` parts one row longer), and rank r keeps [text part r, image part r]. Splitting the text too,

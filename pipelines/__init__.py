@@ -1,4 +1,4 @@
-"""Orchestration: the Qwen-Image text-to-image pipeline and its one-call API.
+"""Orchestration: the family-neutral pipeline and its one-call API.
 
 Names load lazily, so light users (argument parsing, `VARIANTS`) do not pay for importing
 torch, diffusers and transformers.
@@ -7,14 +7,14 @@ torch, diffusers and transformers.
 import importlib
 from typing import Any
 
-from pipelines.limits import VARIANTS
+from pipelines.variants import VARIANTS
 
 _LAZY = {
-    "GenerationDefaults": "pipelines.qwen_image",
-    "QwenImagePipeline": "pipelines.qwen_image",
-    "RunInfo": "pipelines.qwen_image",
-    "generate": "pipelines.qwen_image",
-    "load_pipeline": "pipelines.qwen_image",
+    "GenerationDefaults": "models.family",
+    "Pipeline": "pipelines.pipeline",
+    "RunInfo": "pipelines.pipeline",
+    "generate": "pipelines.pipeline",
+    "load_pipeline": "pipelines.pipeline",
 }
 __all__ = ["VARIANTS", *_LAZY]
 

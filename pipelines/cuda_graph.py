@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from models.config import env_flag
+from models.env import env_flag
 from models.errors import InputError
 from models.sequence_parallel import Collective, cut_at_collectives
 

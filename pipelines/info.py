@@ -1,25 +1,14 @@
 """A human-readable description of a loaded pipeline for `qwen-image info`."""
 
-from collections import Counter
-
-import torch
-
 from models.embedded import EMBEDDED_NAME, training_record
 from models.errors import InputError
+from models.family import CheckpointSpec
 from models.fp8 import Fp8Linear
-from pipelines.parallel import attention_heads, plan_for
-from pipelines.qwen_image import QwenImagePipeline
+from pipelines.parallel import plan_for
+from pipelines.pipeline import Pipeline
 
 
-def _params(module: torch.nn.Module) -> str:
-    by_dtype: Counter[str] = Counter()
-    for p in module.parameters():
-        by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel()
-    dtypes = ", ".join(f"{name} {n / 1e6:.2f}M" for name, n in by_dtype.most_common())
-    return f"{sum(by_dtype.values()) / 1e6:,.2f}M parameters ({dtypes})"
-
-
-def _quantization(pipe: QwenImagePipeline) -> str:
+def _quantization(pipe: Pipeline) -> str:
     quant = pipe.transformer.quant_config
     if quant is None:
         return "none (BF16 weights)"
@@ -28,7 +17,7 @@ def _quantization(pipe: QwenImagePipeline) -> str:
     return f"ModelOpt {quant.quant_algo}, {fp8} FP8 linears (static per-tensor scales); kept BF16: {kept}"
 
 
-def _training(pipe: QwenImagePipeline) -> list[str]:
+def _training(pipe: Pipeline) -> list[str]:
     """How the embedded default was trained and what it draws (nothing for other checkpoints)."""
     if pipe.model_name != EMBEDDED_NAME:
         return []
@@ -49,23 +38,22 @@ def _training(pipe: QwenImagePipeline) -> list[str]:
     ]
 
 
-def describe(pipe: QwenImagePipeline) -> str:
-    """Components, parameter counts by dtype, transformer config, variants and FP8 fusion state."""
-    c = pipe.components
-    cfg = pipe.transformer.config
+def describe(pipe: Pipeline) -> str:
+    """Family, components, parameter counts by dtype, precision, variants, defaults and FP8 fusion state."""
+    d = pipe.defaults
+    cfg = (
+        f"true CFG {d.true_cfg_scale:g} with negative prompt {d.negative_prompt!r}"
+        if d.negative_prompt
+        else ("true CFG off unless a negative prompt is given")
+    )
     lines = [
-        f"model: {pipe.model_name}",
+        f"model: {pipe.model_name} ({pipe.spec.family.name} family)",
         *_training(pipe),
-        f"device: {pipe.device}, dtype: {str(pipe.dtype).removeprefix('torch.')}, variant: {pipe.variant}",
+        f"device: {pipe.device}, dtype: {pipe.precision.describe()}, variant: {pipe.variant}",
         f"variants available: {', '.join(pipe.available_variants())}",
-        f"transformer: {_params(c.transformer)}; {cfg.num_layers} layers, width {cfg.inner_dim}, "
-        f"{cfg.num_attention_heads} heads x {cfg.attention_head_dim}, text dim {cfg.joint_attention_dim}",
-        f"text encoder: {type(c.text_encoder).__name__}, {_params(c.text_encoder)}",
-        f"vae: {type(c.vae).__name__}, {_params(c.vae)}; {c.latent_channels} latent channels, "
-        f"{c.vae_scale_factor}x scale (sizes in multiples of {pipe.size_multiple})",
-        f"tokenizer: {type(c.tokenizer).__name__}, vocabulary {len(c.tokenizer)}",
-        f"scheduler: {type(c.scheduler).__name__}",
-        f"defaults: {pipe.defaults.width}x{pipe.defaults.height}, {pipe.defaults.num_inference_steps} steps",
+        *pipe.model.describe(),
+        f"image sizes: multiples of {pipe.size_multiple}",
+        f"defaults: {d.width}x{d.height}, {d.num_inference_steps} steps, {cfg}",
         f"quantization: {_quantization(pipe)}",
         pipe.fusion_summary(),
         f"parallel: {pipe.parallel_summary()}",
@@ -73,9 +61,9 @@ def describe(pipe: QwenImagePipeline) -> str:
     return "\n".join(lines)
 
 
-def describe_plans(gpus: int, model: str | None) -> str:
+def describe_plans(gpus: int, spec: CheckpointSpec) -> str:
     """The parallel plans `--gpus N` runs with true CFG on and off, or why one does not fit."""
-    heads = attention_heads(model)
+    heads = spec.attention_heads
     lines = []
     for true_cfg in (True, False):
         try:

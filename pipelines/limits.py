@@ -6,24 +6,22 @@ Cheap to import (no torch), so the CLI and the UI refuse a bad call before any m
 import math
 
 from models.errors import InputError
-from models.prompt_template import MAX_SEQUENCE_LENGTH
+from models.family import MAX_SEQUENCE_LENGTH
 
-VARIANTS = ("reference", "contract", "fp8-unfused", "fp8-fused")
 MAX_SIDE = 2048
-SIZE_MULTIPLE = 16  # the VAE's 8x scale times the 2x2 latent packing, for Qwen-Image's own VAE
+DTYPE_NAMES = ("bf16", "fp32")
 MIN_STEPS = 2  # one step divides by zero in the scheduler's terminal-shift stretch
 MAX_STEPS = 200
-MAX_IMAGES = 16
-DEFAULT_TRUE_CFG_SCALE = 4.0
+MAX_IMAGES_PER_PROMPT = 16
 
 
-def check_size(width: object, height: object, multiple: int = SIZE_MULTIPLE) -> None:
+def check_size(width: object, height: object, multiple: int) -> None:
     """InputError unless both sides are multiples of `multiple` in [multiple, MAX_SIDE]."""
     check_side("width", width, multiple)
     check_side("height", height, multiple)
 
 
-def check_side(name: str, side: object, multiple: int = SIZE_MULTIPLE) -> None:
+def check_side(name: str, side: object, multiple: int) -> None:
     """InputError unless `side` is a multiple of `multiple` in [multiple, MAX_SIDE]."""
     if not _is_int(side) or side % multiple or not multiple <= side <= MAX_SIDE:
         raise InputError(f"{name} {side} must be a multiple of {multiple} between {multiple} and {MAX_SIDE}")
@@ -58,7 +56,7 @@ def check_generation_args(
     num_images_per_prompt: object,
     max_sequence_length: object,
     seed: object,
-    size_multiple: int = SIZE_MULTIPLE,
+    size_multiple: int,
 ) -> None:
     """Raise InputError naming the first invalid generation argument. Width, height, steps and
     true_cfg_scale may be None before a model loads (the model's defaults apply); the pipeline checks
@@ -78,8 +76,10 @@ def check_generation_args(
         _is_number(true_cfg_scale) and math.isfinite(true_cfg_scale) and true_cfg_scale >= 0
     ):
         raise InputError(f"true_cfg_scale {true_cfg_scale} must be a finite number >= 0")
-    if not _is_int(num_images_per_prompt) or not 1 <= num_images_per_prompt <= MAX_IMAGES:
-        raise InputError(f"num_images_per_prompt {num_images_per_prompt} must be between 1 and {MAX_IMAGES}")
+    if not _is_int(num_images_per_prompt) or not 1 <= num_images_per_prompt <= MAX_IMAGES_PER_PROMPT:
+        raise InputError(
+            f"num_images_per_prompt {num_images_per_prompt} must be between 1 and {MAX_IMAGES_PER_PROMPT}"
+        )
     if not _is_int(max_sequence_length) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
         raise InputError(
             f"max_sequence_length {max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}"

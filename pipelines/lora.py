@@ -1,38 +1,30 @@
-"""LoRAs on a pipeline: load, stack, scale, switch mode and unload without reloading the base weights.
+"""The LoRAs of one pipeline as one object: load, stack, scale, switch mode and unload, never reloading
+the base weights.
 
-The pipeline keeps `loras` (name -> LoadedLora) and `lora_mode` ("branch" or "merge"); the adapters live
-in the transformer's `LoraLinear` layers (models/lora.py). After each change the pipeline re-runs
-`set_variant` on its current variant, which settles branch or merge for the variant's numerics
-(`sync_loras`), re-runs the FP8 fusion gate and drops the captured CUDA graphs.
+`LoraSet` owns the loaded files, each adapter's scale (one mapping, shared with every `LoraLinear` of
+models/lora.py), the mode ("branch" or "merge") and the merge report. It changes the transformer's
+layers; the pipeline then re-syncs once (`Pipeline._resync`: branch or merge for the variant, the FP8
+fusion gate, captured CUDA graphs dropped).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
+
+from torch import nn
 
 from kernels.quant import FP8_MAX
-from kernels.seam import Numerics
+from models.calibration import record_input_amax
 from models.errors import InputError
 from models.fp8 import Fp8Linear
-from models.lora import (
-    LoraFile,
-    MergeReport,
-    bake_loras,
-    configure_loras,
-    mount_lora,
-    read_lora_file,
-    set_lora_scale,
-    unmount_lora,
-)
+from models.lora import MergeReport, bake_loras, configure_loras, lora_layers, mount_lora, unmount_lora
+from models.lora_files import LoraConverter, LoraFile, read_lora_file
 from pipelines.presets import LORA_MODES, check_lora_scale, lora_name
-
-if TYPE_CHECKING:
-    from pipelines.qwen_image import QwenImagePipeline
 
 
 @dataclass(frozen=True)
 class LoadedLora:
-    """A LoRA mounted on the pipeline's transformer."""
+    """A LoRA mounted on the pipeline's transformer, as `pipe.loras` reports it."""
 
     name: str
     path: Path
@@ -40,71 +32,93 @@ class LoadedLora:
     layers: int
 
 
-def load_lora(
-    pipe: "QwenImagePipeline", source: str | Path | LoraFile, scale: float = 1.0, name: str | None = None
-) -> str:
-    """Read (unless already read), validate and mount a LoRA; returns its name (default: the file stem)."""
-    if name is not None and (not isinstance(name, str) or not name):
-        raise InputError(f"LoRA name {name!r} must be a non-empty string")
-    if name in pipe.loras:
-        raise InputError(f"a LoRA named {name!r} is already loaded: unload it or pick another name")
-    lora = source if isinstance(source, LoraFile) else read_lora_file(source)
-    name = lora_name(lora.path, pipe.loras) if name is None else name
-    scale = check_lora_scale(scale, name)
-    layers = mount_lora(pipe.transformer, name, lora, scale, pipe.dtype)
-    pipe.loras[name] = LoadedLora(name, lora.path, scale, layers)
-    return name
+class LoraSet:
+    """The LoRAs mounted on one transformer: files and layer counts by name, scales, mode, merge report."""
 
+    def __init__(self, transformer: nn.Module, dtype: Any, convert: LoraConverter) -> None:
+        self._transformer = transformer
+        self._dtype = dtype
+        self._convert = convert
+        self._files: dict[str, tuple[Path, int]] = {}  # name -> (path, layers)
+        self.scales: dict[str, float] = {}  # the one copy; every LoraLinear reads it
+        self.mode = "branch"
+        self.merge_report: MergeReport | None = None
 
-def set_lora_scales(pipe: "QwenImagePipeline", scales: dict[str, float]) -> bool:
-    """Set the scale of loaded LoRAs by name (all checked before any changes); whether any changed."""
-    checked = {}
-    for name, scale in scales.items():
-        _check_loaded(pipe, name)
-        checked[name] = check_lora_scale(scale, name)
-    changed = {name: scale for name, scale in checked.items() if scale != pipe.loras[name].scale}
-    for name, scale in changed.items():
-        set_lora_scale(pipe.transformer, name, scale)
-        pipe.loras[name] = replace(pipe.loras[name], scale=scale)
-    return bool(changed)
+    @property
+    def loaded(self) -> dict[str, LoadedLora]:
+        return {
+            name: LoadedLora(name, path, self.scales[name], layers)
+            for name, (path, layers) in self._files.items()
+        }
 
+    def read(self, source: str | Path | LoraFile) -> LoraFile:
+        """A LoRA file read and converted with this family's key conversion (a LoraFile passes through)."""
+        return source if isinstance(source, LoraFile) else read_lora_file(source, self._convert)
 
-def unload_lora(pipe: "QwenImagePipeline", name: str | None = None) -> None:
-    """Unmount one LoRA (or all with None); layers left without LoRA get their original weights back."""
-    names = list(pipe.loras) if name is None else [_check_loaded(pipe, name)]
-    for each in names:
-        unmount_lora(pipe.transformer, each)
-        del pipe.loras[each]
+    def load(self, source: str | Path | LoraFile, scale: float = 1.0, name: str | None = None) -> str:
+        """Read (unless already read), validate and mount a LoRA; returns its name (default: file stem)."""
+        if name is not None and (not isinstance(name, str) or not name):
+            raise InputError(f"LoRA name {name!r} must be a non-empty string")
+        if name in self._files:
+            raise InputError(f"a LoRA named {name!r} is already loaded: unload it or pick another name")
+        lora = self.read(source)
+        name = lora_name(lora.path, self._files) if name is None else name
+        self.scales[name] = check_lora_scale(scale, name)
+        try:
+            layers = mount_lora(self._transformer, name, lora, self.scales, self._dtype)
+        except BaseException:
+            del self.scales[name]
+            raise
+        self._files[name] = (lora.path, layers)
+        return name
 
+    def set_scales(self, scales: dict[str, float]) -> bool:
+        """Set the scale of loaded LoRAs by name (all checked before any changes); whether any changed."""
+        checked = {self._check_loaded(name): check_lora_scale(scale, name) for name, scale in scales.items()}
+        changed = {name: scale for name, scale in checked.items() if scale != self.scales[name]}
+        self.scales.update(changed)
+        for wrapper in lora_layers(self._transformer).values():
+            if changed.keys() & wrapper.adapters.keys():
+                wrapper.refresh()
+        return bool(changed)
 
-def bake_into_weights(pipe: "QwenImagePipeline") -> int:
-    """Fold the loaded LoRAs into the BF16 weights for good (one fp32 sum, rounded once) and forget them,
-    as `quantize --lora` does before calibration; returns the number of layers changed."""
-    layers = bake_loras(pipe.transformer)
-    pipe.loras.clear()
-    pipe.set_variant(pipe.variant)
-    return layers
+    def unload(self, name: str | None = None) -> None:
+        """Unmount one LoRA (or all with None); layers left without LoRA get their original weights back."""
+        for each in list(self._files) if name is None else [self._check_loaded(name)]:
+            unmount_lora(self._transformer, each)
+            del self._files[each], self.scales[each]
 
+    def set_mode(self, mode: str) -> None:
+        if mode not in LORA_MODES:
+            raise InputError(f"LoRA mode {mode!r} is not one of {', '.join(LORA_MODES)}")
+        self.mode = mode
 
-def check_lora_mode(mode: str) -> str:
-    if mode not in LORA_MODES:
-        raise InputError(f"LoRA mode {mode!r} is not one of {', '.join(LORA_MODES)}")
-    return mode
+    def sync(self) -> None:
+        """Branch or merge every LoRA layer as the mode says, keeping the merge report."""
+        self.merge_report = configure_loras(self._transformer, self.mode == "merge")
 
+    def bake(self) -> int:
+        """Fold the loaded LoRAs into the BF16 weights for good (one fp32 sum, rounded once) and forget
+        them, as `quantize --lora` does before calibration; returns the number of layers changed."""
+        layers = bake_loras(self._transformer)
+        self._files.clear()
+        self.scales.clear()
+        return layers
 
-def sync_loras(pipe: "QwenImagePipeline", variant: str) -> MergeReport | None:
-    """Branch or merge every LoRA layer as `pipe.lora_mode` says, with the variant's numerics (PEFT's
-    arithmetic in `reference`, the stacked two-GEMM branch otherwise); the merge report when merged."""
-    numerics = Numerics.REFERENCE if variant == "reference" else Numerics.CONTRACT
-    return configure_loras(pipe.transformer, pipe.lora_mode == "merge", numerics)
+    def summary(self) -> str:
+        """'LoRA (branch): name x0.8 on 24 layers, ...' or '' without LoRAs."""
+        if not self._files:
+            return ""
+        items = ", ".join(
+            f"{n} x{self.scales[n]:g} on {layers} layers" for n, (_, layers) in self._files.items()
+        )
+        return f"LoRA ({self.mode}): {items}"
 
-
-def lora_summary(pipe: "QwenImagePipeline") -> str:
-    """'LoRA (branch): name x0.8 on 24 layers, ...' or '' without LoRAs."""
-    if not pipe.loras:
-        return ""
-    items = ", ".join(f"{lora.name} x{lora.scale:g} on {lora.layers} layers" for lora in pipe.loras.values())
-    return f"LoRA ({pipe.lora_mode}): {items}"
+    def _check_loaded(self, name: str) -> str:
+        if name not in self._files:
+            loaded = ", ".join(self._files) or "none"
+            raise InputError(f"no LoRA named {name!r} is loaded (loaded: {loaded})")
+        return name
 
 
 @dataclass(frozen=True)
@@ -124,11 +138,9 @@ class InputClipping:
         )
 
 
-def fp8_input_clipping(pipe: "QwenImagePipeline", prompt: str, **generate_kwargs) -> InputClipping:
+def fp8_input_clipping(pipe: Any, prompt: str, **generate_kwargs: Any) -> InputClipping:
     """Generate once on the unfused FP8 path (eager) and report which inputs the calibrated scales clip:
     a LoRA changes the activations, while the input scales stay those calibrated without it."""
-    from pipelines.quantize import record_input_amax
-
     linears = {n: m for n, m in pipe.transformer.named_modules() if isinstance(m, Fp8Linear)}
     if not linears:
         raise InputError(f"{pipe.model_name} has no FP8 linears")
@@ -143,10 +155,3 @@ def fp8_input_clipping(pipe: "QwenImagePipeline", prompt: str, **generate_kwargs
         pipe.set_variant(variant)
     ratio = {n: float(amax[n] / (FP8_MAX * m.input_scale.float())) for n, m in linears.items()}
     return InputClipping({name.removesuffix(".base_layer"): r for name, r in ratio.items()})
-
-
-def _check_loaded(pipe: "QwenImagePipeline", name: str) -> str:
-    if name not in pipe.loras:
-        loaded = ", ".join(pipe.loras) or "none"
-        raise InputError(f"no LoRA named {name!r} is loaded (loaded: {loaded})")
-    return name

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from models.errors import InputError
+from models.families import inspect_checkpoint
 from models.sequence_parallel import SequenceParallel, all_gather, run_collective, shard_sequence
+from pipelines.launch_env import LEADER_RANK, launched_world_size
 
 TIMEOUT_ENV = "QWEN_IMAGE_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
@@ -84,19 +86,8 @@ def _fits(world_size: int, heads: int, true_cfg: bool) -> bool:
 
 
 def attention_heads(model: str | Path | None) -> int:
-    """The attention heads of a checkpoint's transformer (its config.json only), or of the embedded model."""
-    from models.components import check_layout
-    from models.config import QwenImageConfig
-    from models.loading import read_json
-
-    if model is None:
-        from models.embedded import DEFAULT_MODEL_DIR
-
-        model = DEFAULT_MODEL_DIR  # its tokenizer is built, not stored
-    else:
-        check_layout(Path(model))
-    config = QwenImageConfig.from_dict(read_json(Path(model) / "transformer" / "config.json"))
-    return config.num_attention_heads
+    """The attention heads of a checkpoint's transformer (from its configs only), or of the embedded model."""
+    return inspect_checkpoint(model).attention_heads
 
 
 def resolve_plan(parallel: ParallelPlan | str | None, model: str | Path | None) -> ParallelPlan | None:
@@ -113,11 +104,6 @@ def resolve_plan(parallel: ParallelPlan | str | None, model: str | Path | None) 
     else:
         raise InputError(f"parallel={parallel!r}: give None, 'auto' or a ParallelPlan")
     return None if plan.world_size == 1 else plan
-
-
-def launched_world_size() -> int:
-    """The world size a launcher (torchrun, `qwen-image --gpus`) gave this process; 1 when run directly."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -207,7 +193,7 @@ class Ranks:
     @property
     def is_leader(self) -> bool:
         """Rank 0: the one that writes files, prints and serves the web demo."""
-        return self.rank == 0
+        return self.rank == LEADER_RANK
 
     def describe(self) -> str:
         return f"{self.plan.describe()} (this is rank {self.rank})"
@@ -220,17 +206,17 @@ class Ranks:
     def share(self, value: object) -> object:
         """Rank 0's `value` on every rank (pickled over gloo; waits as long as a web demo idles)."""
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.jobs)
+        dist.broadcast_object_list(box, src=LEADER_RANK, group=self.jobs)
         return box[0]
 
     def share_seed(self, seed: int) -> int:
         """Rank 0's seed on every rank, so a random seed is the same everywhere."""
         box = [seed]
-        dist.broadcast_object_list(box, src=0, group=self.steps)
+        dist.broadcast_object_list(box, src=LEADER_RANK, group=self.steps)
         return box[0]
 
     def share_flag(self, flag: bool) -> bool:
         """Rank 0's flag on every rank (one byte over gloo, after each denoising step of the web demo)."""
         byte = torch.full((1,), int(flag), dtype=torch.uint8)
-        dist.broadcast(byte, src=0, group=self.steps)
+        dist.broadcast(byte, src=LEADER_RANK, group=self.steps)
         return bool(byte[0])

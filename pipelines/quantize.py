@@ -1,15 +1,16 @@
 """`qwen-image quantize`: static per-tensor FP8 calibration through the denoise loop, ModelOpt export.
 
 Input amax is recorded on every linear to be quantized while real prompts are denoised (with true
-CFG, so both branches are seen); weights get per-tensor amax scales; the Q/K/V (and add_q/k/v) of a
-stream share one input scale. The result is a diffusers-layout checkpoint whose `transformer/` is a
-ModelOpt FP8 export (DESIGN §3) that this project and other ModelOpt consumers load.
+CFG, so both branches are seen); weights get per-tensor amax scales; linears that read one activation
+(the family's shared-input groups, e.g. the Q/K/V of a stream) share one input scale. The family's
+recipe names the layers kept in BF16. The result is a diffusers-layout checkpoint whose `transformer/`
+is a ModelOpt FP8 export (DESIGN §3) that this project and other ModelOpt consumers load; the other
+components and the checkpoint's own generation defaults are those of the source.
 """
 
 import json
 import shutil
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -17,27 +18,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kernels.quant import FP8_MAX
-from models.components import save_components
+from models.calibration import record_input_amax
 from models.errors import InputError
 from models.fp8 import MIN_AMAX, quantize_weight
 from models.loading import save_tensors
-from models.lora import LoraFile
+from models.lora_files import LoraFile
 from models.modelopt import QuantConfig
-from models.transformer import QwenImageTransformer
-from pipelines.lora import bake_into_weights
+from pipelines.pipeline import Pipeline, load_pipeline
 from pipelines.presets import get_preset
-from pipelines.qwen_image import QwenImagePipeline, load_pipeline
 
-DEFAULT_BF16_FALLBACK = (
-    "img_in",
-    "txt_in",
-    "time_text_embed.*",
-    "norm_out.linear",
-    "proj_out",
-    "*.img_mod.1",
-    "*.txt_mod.1",
-    "*.img_mlp.net.2",
-)
 DEFAULT_CALIBRATION_PROMPTS = (
     "a red fox in fresh snow at sunrise, detailed fur",
     "a neon-lit street in Tokyo at night in the rain, reflections on the asphalt",
@@ -48,19 +37,17 @@ DEFAULT_CALIBRATION_PROMPTS = (
     "isometric illustration of a tiny island with a lighthouse, pastel colors",
     "macro photograph of a dew drop on a green leaf",
 )
-ALL_BLOCKS_FP8 = tuple(p for p in DEFAULT_BF16_FALLBACK if p != "*.img_mlp.net.2")
-SHARED_INPUT_GROUPS = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj"))
 PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
 
 
-def quantizable_linears(model: QwenImageTransformer, ignore: Sequence[str]) -> dict[str, nn.Linear]:
+def quantizable_linears(model: nn.Module, ignore: Sequence[str]) -> dict[str, nn.Linear]:
     """The Linears that become FP8: every one not matched by an ignore glob."""
     config = QuantConfig("FP8", tuple(ignore))
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not config.ignores(n)}
 
 
 def calibrate(
-    pipe: QwenImagePipeline,
+    pipe: Pipeline,
     linears: dict[str, nn.Linear],
     prompts: Sequence[str],
     steps: int,
@@ -88,38 +75,14 @@ def calibrate(
     return amax
 
 
-@contextmanager
-def record_input_amax(linears: dict[str, nn.Linear]) -> Iterator[dict[str, torch.Tensor]]:
-    """While active, the running max |input| of each linear (device scalars, no host syncs).
-
-    On exit the hooks are removed, and a linear that never ran is an error.
-    """
-    amax: dict[str, torch.Tensor] = {}
-
-    def record(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
-        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            current = args[0].detach().abs().amax().float()
-            amax[name] = current if name not in amax else torch.maximum(amax[name], current)
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(record(n)) for n, m in linears.items()]
-    try:
-        yield amax
-    finally:
-        for handle in handles:
-            handle.remove()
-    missing = sorted(set(linears) - set(amax))
-    if missing:
-        raise RuntimeError(f"calibration never reached {missing[:3]}")
-
-
-def share_group_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One input amax for the linears that read the same activation (Q/K/V of each stream)."""
+def share_group_amax(
+    amax: dict[str, torch.Tensor], groups: Sequence[Sequence[str]]
+) -> dict[str, torch.Tensor]:
+    """One input amax for the sibling linears of each group that read the same activation (Q/K/V)."""
     shared = dict(amax)
     for name in amax:
         prefix, _, leaf = name.rpartition(".")
-        for group in SHARED_INPUT_GROUPS:
+        for group in groups:
             members = [f"{prefix}.{m}" for m in group]
             if leaf in group and all(m in amax for m in members):
                 shared[name] = torch.stack([amax[m] for m in members]).max()
@@ -127,7 +90,7 @@ def share_group_amax(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def fp8_state_dict(
-    model: QwenImageTransformer, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
+    model: nn.Module, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The ModelOpt FP8 state dict (on the model's device): e4m3 weights, fp32 scalar scales, BF16 biases."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -138,7 +101,7 @@ def fp8_state_dict(
 
 
 def write_fp8_transformer(
-    model: QwenImageTransformer, state: dict[str, torch.Tensor], ignore: Sequence[str], directory: Path
+    model: nn.Module, state: dict[str, torch.Tensor], ignore: Sequence[str], directory: Path
 ) -> None:
     """config.json with a flat ModelOpt `quantization_config`, hf_quant_config.json, safetensors."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -166,7 +129,7 @@ def quantize_checkpoint(
     model: str | Path | None,
     out: Path,
     prompts: Sequence[str] = DEFAULT_CALIBRATION_PROMPTS,
-    ignore: Sequence[str] = DEFAULT_BF16_FALLBACK,
+    ignore: Sequence[str] | None = None,
     steps: int | None = None,
     size: int | None = None,
     device: str | None = None,
@@ -175,7 +138,8 @@ def quantize_checkpoint(
     preset: str | None = None,
 ) -> Path:
     """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`;
-    `loras` (file, scale) are baked into the BF16 weights first, `preset` sets the calibration run."""
+    `loras` (file, scale) are baked into the BF16 weights first, `preset` sets the calibration run;
+    `ignore` None keeps the family's BF16 fallback list."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"output {out} exists and is not an empty directory")
@@ -183,15 +147,14 @@ def quantize_checkpoint(
     pipe = load_pipeline(model, variant="contract", device=device)
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
-    source = None if model is None else Path(model)
-    return quantize_pipeline(pipe, out, prompts, ignore, steps, size, seed, source, preset)
+    return quantize_pipeline(pipe, out, prompts, ignore, steps, size, seed, pipe.spec.directory, preset)
 
 
 def quantize_pipeline(
-    pipe: QwenImagePipeline,
+    pipe: Pipeline,
     out: Path,
     prompts: Sequence[str] = DEFAULT_CALIBRATION_PROMPTS,
-    ignore: Sequence[str] = DEFAULT_BF16_FALLBACK,
+    ignore: Sequence[str] | None = None,
     steps: int | None = None,
     size: int | None = None,
     seed: int = 0,
@@ -199,24 +162,29 @@ def quantize_pipeline(
     preset: str | None = None,
 ) -> Path:
     """Calibrate a loaded BF16 pipeline and write the FP8 checkpoint; its loaded LoRAs are baked into the
-    weights first (so calibration sees the activations they cause); other components are copied from
-    `source` when given, else saved from memory."""
+    weights first (so calibration sees the activations they cause); the other components (and the
+    checkpoint's generation defaults) are copied from `source` when given, else saved from memory."""
     if not prompts:
         raise InputError("no calibration prompts")
-    if pipe.transformer.is_fp8:
-        raise InputError(f"{pipe.model_name} is already an FP8 checkpoint")
+    if pipe.spec.fp8:
+        raise InputError(f"{pipe.model_name} is already an FP8 checkpoint: quantize its BF16 source")
+    recipe = pipe.model.quantization
+    ignore = recipe.bf16_fallback if ignore is None else tuple(ignore)
     run_preset = get_preset(preset)
     steps = steps or (
         run_preset.num_inference_steps if run_preset else min(pipe.defaults.num_inference_steps, 20)
     )
     size = size or min(pipe.defaults.width, pipe.defaults.height)
     if pipe.loras:
-        bake_into_weights(pipe)
+        pipe.lora.bake()
+        pipe.set_variant(pipe.variant)
     linears = quantizable_linears(pipe.transformer, ignore)
-    amax = share_group_amax(calibrate(pipe, linears, prompts, steps, size, seed, preset))
+    amax = share_group_amax(
+        calibrate(pipe, linears, prompts, steps, size, seed, preset), recipe.shared_inputs
+    )
     state = fp8_state_dict(pipe.transformer, linears, amax)
     if source is None:
-        save_components(pipe.components, out, skip=("transformer",))
+        pipe.model.save(out, skip=("transformer",), defaults=pipe.defaults)
     else:
         shutil.copytree(source, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
     write_fp8_transformer(pipe.transformer, state, ignore, out / "transformer")

@@ -1,57 +1,21 @@
-"""Sampling as free functions: latent geometry, initial noise, the flow-matching schedule, true CFG and the
-Euler loop over a velocity callable. Each follows diffusers' `QwenImagePipeline` op for op.
+"""Sampling as free functions, shared by every family: the flow-matching schedule, the CFG branches
+(one transformer call each, or one per CFG rank) and the Euler loop over a velocity callable. Each
+follows diffusers' pipelines op for op.
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
-from models.math import pack_latents
+from models.family import Conditioning
 from pipelines.parallel import CfgExchange
-
-
-@dataclass(frozen=True)
-class Conditioning:
-    """Prompt embeddings [B, L, H] and their padding mask [B, L] (None when nothing is padded)."""
-
-    embeds: torch.Tensor
-    mask: torch.Tensor | None
-
-    def repeat(self, copies: int) -> "Conditioning":
-        """Each prompt `copies` times in a row (diffusers' `num_images_per_prompt` order)."""
-        batch, seq, _ = self.embeds.shape
-        embeds = self.embeds.repeat(1, copies, 1).view(batch * copies, seq, -1)
-        mask = None if self.mask is None else self.mask.repeat(1, copies).view(batch * copies, seq)
-        return Conditioning(embeds, mask)
-
 
 # step(latents, conditioning, sigma) -> velocity, one transformer call
 Step = Callable[[torch.Tensor, Conditioning, torch.Tensor], torch.Tensor]
-
-
-def latent_size(width: int, height: int, vae_scale: int) -> tuple[int, int]:
-    """(latent height, latent width) of an image, rounded down to even counts for the 2x2 packing."""
-    return 2 * (height // (vae_scale * 2)), 2 * (width // (vae_scale * 2))
-
-
-def initial_noise(
-    batch: int,
-    channels: int,
-    latent_hw: tuple[int, int],
-    seed: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Packed Gaussian latents [B, H/2*W/2, 4C] drawn as diffusers draws them (seeded CPU generator)."""
-    generator = torch.Generator("cpu").manual_seed(seed)
-    noise = randn_tensor((batch, 1, channels, *latent_hw), generator=generator, device=device, dtype=dtype)
-    return pack_latents(noise[:, 0])
 
 
 def shift_mu(scheduler: FlowMatchEulerDiscreteScheduler, image_tokens: int) -> float:
@@ -75,14 +39,6 @@ def flow_timesteps(
     timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
     return timesteps
-
-
-def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """`uncond + scale * (cond - uncond)`, rescaled per token to the norm of `cond` (DESIGN §2)."""
-    combined = uncond + scale * (cond - uncond)
-    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
-    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
-    return combined * (cond_norm / combined_norm)
 
 
 def branch_velocities(

@@ -20,10 +20,10 @@ from helpers import fill_deterministic, png_sha256
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
-from models.components import Components, default_scheduler
 from models.errors import CheckpointError
-from models.text_encoder import build_tiny_text_encoder
-from models.tokenizer import build_qwen2_tokenizer
+from models.qwen_image.components import Components, default_scheduler
+from models.qwen_image.text_encoder import build_tiny_text_encoder
+from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from pipelines import load_pipeline
 from pipelines.quantize import quantize_checkpoint
 from ui.cli import main

@@ -10,7 +10,6 @@ import PIL.Image
 import pytest
 from helpers import REPO
 
-from models.components import save_components
 from pipelines import load_pipeline
 from ui.cli import main
 
@@ -44,7 +43,10 @@ def test_generate_writes_a_png_with_no_model_given(tmp_path):
             ["generate", "fox", "--model", "/nonexistent/qwen"],
             "model directory /nonexistent/qwen does not exist",
         ),
-        (["info", "--variant", "fp8-fused"], "variant 'fp8-fused' is not available"),
+        (
+            ["info", "--variant", "fp8-fused"],
+            "variant 'fp8-fused' needs FP8 weights, and this checkpoint has BF16",
+        ),
         (["generate", "fox", "-o", "out"], "output out needs an image extension such as .png"),
         (["quantize", "--out", __file__], "exists and is not an empty directory"),
     ],
@@ -59,7 +61,8 @@ def test_bad_input_gives_one_line_error(args, message, capsys):
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ckpt") / "qwen"
-    save_components(load_pipeline(device="cpu").components, directory)
+    pipe = load_pipeline(device="cpu")
+    pipe.model.save(directory, (), pipe.defaults)  # a checkpoint keeps the defaults of its source
     return directory
 
 
@@ -115,7 +118,7 @@ def test_unreadable_calibration_prompts_give_one_line_error(tmp_path, capsys):
 )
 def test_generation_arguments_fail_before_any_model_loads(args, message, tmp_path, monkeypatch, capsys):
     """The checks run before loading: loading would fail the test."""
-    monkeypatch.setattr("ui.cli._load", lambda _args: pytest.fail("the model loaded before the checks"))
+    monkeypatch.setattr("ui.commands.load", lambda _args: pytest.fail("the model loaded before the checks"))
     assert main(["generate", "a fox", "-o", str(tmp_path / "a.png"), *args]) == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
 
@@ -136,8 +139,8 @@ def test_help_shows_every_default():
         "generate": [
             "(default: out.png)",
             "(default: 512)",
-            "(default: 4.0)",
-            "(default: bf16)",
+            "(default: the model's, 4)",
+            "default: bf16 where the device computes it natively",
             "1024 for Qwen-Image",
         ],
         "quantize": ["(default: the embedded model)", "at most 20"],

@@ -11,8 +11,10 @@ from safetensors.torch import load_file, save_file
 
 from models.errors import CheckpointError
 from models.loading import load_transformer
+from models.qwen_image.components import build_transformer
+from models.qwen_image.model import QUANTIZATION
 from pipelines import load_pipeline
-from pipelines.quantize import DEFAULT_BF16_FALLBACK, quantize_checkpoint
+from pipelines.quantize import quantize_checkpoint
 from ui.cli import main
 
 CPU = torch.device("cpu")
@@ -28,7 +30,7 @@ def test_quantized_checkpoint_layout_and_scales(fp8_dir):
     config = json.loads((fp8_dir / "transformer" / "config.json").read_text())
     quant = config["quantization_config"]
     assert quant["quant_method"] == "modelopt" and quant["quant_algo"] == "FP8"
-    assert quant["ignore"] == list(DEFAULT_BF16_FALLBACK)
+    assert quant["ignore"] == list(QUANTIZATION.bf16_fallback)
     state = load_file(fp8_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     block = "transformer_blocks.0."
     assert state[block + "attn.to_q.weight"].dtype == torch.float8_e4m3fn
@@ -179,7 +181,7 @@ def _broken_copy(fp8_dir, tmp_path, edit) -> torch.device:
 def test_broken_checkpoints_are_refused(fp8_dir, tmp_path, edit, message):
     directory = _broken_copy(fp8_dir, tmp_path, edit)
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        load_transformer(directory, torch.bfloat16, CPU)
+        load_transformer(directory, build_transformer, torch.bfloat16, CPU)
 
 
 def test_nested_hf_quant_config_is_understood(fp8_dir, tmp_path):
@@ -188,8 +190,8 @@ def test_nested_hf_quant_config_is_understood(fp8_dir, tmp_path):
     config = json.loads((target / "config.json").read_text())
     config.pop("quantization_config")
     (target / "config.json").write_text(json.dumps(config))
-    model = load_transformer(target, torch.bfloat16, CPU)
+    model = load_transformer(target, build_transformer, torch.bfloat16, CPU)
     assert model.is_fp8 and model.fusion_report.fused == 4 * model.config.num_layers
     (target / "hf_quant_config.json").unlink()
     with pytest.raises(CheckpointError, match="no ModelOpt quantization_config"):
-        load_transformer(target, torch.bfloat16, CPU)
+        load_transformer(target, build_transformer, torch.bfloat16, CPU)

@@ -8,7 +8,7 @@ from torch import nn
 
 from models.fp8 import Fp8Linear
 from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, gate_path
-from models.transformer import NormModulate
+from models.qwen_image.transformer import NormModulate
 
 CPU = torch.device("cpu")
 

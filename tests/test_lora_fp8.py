@@ -13,7 +13,9 @@ from torch import nn
 from kernels.quant import FP8_MAX
 from models.fp8 import Fp8Linear, quant_consumer_spec
 from models.fusion import gate_path
-from models.lora import LoraFactors, LoraLinear, lora_layers, read_lora_file
+from models.lora import LoraLinear, lora_layers
+from models.lora_files import LoraFactors, read_lora_file
+from models.qwen_image.family import FAMILY
 from pipelines import load_pipeline
 from pipelines.lora import fp8_input_clipping
 from pipelines.quantize import quantize_checkpoint
@@ -120,12 +122,12 @@ def test_input_clipping_is_measured_against_the_calibrated_scales(fp8_dir, light
 def test_lora_wrapper_reads_its_base_capability():
     fp8 = Fp8Linear(32, 16)
     fp8.post_load_weights()
-    wrapper = LoraLinear(fp8)
+    wrapper = LoraLinear(fp8, {"a": 1.0})
     assert quant_consumer_spec(wrapper).needs_unquantized_input is False  # no adapter yet
     factors = LoraFactors(
         torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16), 4
     )
-    wrapper.add_adapter("a", factors, 1.0)
+    wrapper.add_adapter("a", factors)
     spec = quant_consumer_spec(wrapper)
     assert spec.needs_unquantized_input and spec.unquantized_reason == "LoRA branch"
     assert spec.input_scale is fp8.input_scale and spec.quant_key == fp8.quant_key
@@ -136,11 +138,11 @@ def test_lora_wrapper_reads_its_base_capability():
     assert "to_q needs the unquantized input" in gate_path(CPU, consumers, producer_writes_y=False)[0]
     wrapper.merge()
     assert quant_consumer_spec(wrapper).needs_unquantized_input is False
-    assert quant_consumer_spec(LoraLinear(nn.Linear(32, 16))) is None
+    assert quant_consumer_spec(LoraLinear(nn.Linear(32, 16), {})) is None
 
 
 def test_quantize_bakes_the_lora_into_the_bf16_weights_before_calibration(tmp_path, lightning):
-    lora = read_lora_file(lightning)
+    lora = read_lora_file(lightning, FAMILY.convert_lora)
     out = quantize_checkpoint(
         None, tmp_path / "fast", prompts=["a red fox"], steps=2, size=32, device="cpu", loras=[(lora, 0.5)]
     )

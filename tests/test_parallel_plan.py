@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from models.errors import InputError
+from models.family import Conditioning
 from models.sequence_parallel import Shards, cut_at_collectives, first_words, row_parts, run_collective
 from pipelines import load_pipeline
 from pipelines.cuda_graph import GraphSegments
 from pipelines.parallel import ParallelPlan, plan_for, resolve_plan
-from pipelines.sampling import Conditioning, branch_velocities
+from pipelines.sampling import branch_velocities
 from ui.cli import main
 from ui.launch import RanksFailed
 

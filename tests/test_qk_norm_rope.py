@@ -25,8 +25,8 @@ from kernels.qk_norm_rope import (
     rms_norm_rope_triton,
 )
 from models import transformer
-from models.config import QwenImageConfig
-from models.transformer import QwenImageTransformer
+from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.transformer import QwenImageTransformer
 
 EPS = 1e-6
 SUM_ULPS = 8  # how far (fp32 ulps) another order may move a sum of D <= 512 squares in these tests

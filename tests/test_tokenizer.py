@@ -10,8 +10,8 @@ import torch
 from transformers import Qwen2Tokenizer
 
 from models.errors import CheckpointError
-from models.text_encoder import DROP_TOKENS
-from models.tokenizer import (
+from models.qwen_image.text_encoder import DROP_TOKENS
+from models.qwen_image.tokenizer import (
     SPECIAL_TOKENS,
     TEMPLATE_PREFIX,
     build_qwen2_tokenizer,

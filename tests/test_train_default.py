@@ -11,12 +11,12 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
 from eval.scenes import draw_scene, render
-from models.geometry import vae_scale_factor
-from models.text_encoder import VOCAB_SIZE
+from models.family import Conditioning
+from models.qwen_image.config import vae_scale_factor
+from models.qwen_image.text_encoder import VOCAB_SIZE
 from pipelines import load_pipeline
-from pipelines.sampling import Conditioning
 from training import assemble, train_default
-from training.recipe import PRESETS, build_text_encoder, build_transformer, build_vae
+from training.recipe import RECIPES, build_text_encoder, build_transformer, build_vae
 from training.train_default import (
     flow_matching_pair,
     model_latents,
@@ -51,7 +51,7 @@ def test_smoke_run_writes_one_small_tar_with_a_loss_log(smoke_run) -> None:
         "samples/s000-en.png",
         "samples/s001-zh.png",
     } <= names
-    sizes = PRESETS["smoke"]
+    sizes = RECIPES["smoke"]
     assert [r["step"] for r in rows if r["stage"] == "vae"] == list(range(1, sizes.vae_steps + 1))
     assert [r["step"] for r in rows if r["stage"] == "dit"] == list(range(1, sizes.dit_steps + 1))
     assert all(np.isfinite(r["loss"]) for r in rows)
@@ -63,7 +63,7 @@ def test_the_assembled_checkpoint_loads_and_generates(smoke_run) -> None:
     _, checkpoint = smoke_run
     assert json.loads((checkpoint / "model_index.json").read_text())["_class_name"] == "QwenImagePipeline"
     pipe = load_pipeline(checkpoint, device="cpu")
-    size = PRESETS["smoke"].image_size
+    size = RECIPES["smoke"].image_size
     image = pipe.generate(
         "a red circle on the left",
         negative_prompt=" ",
@@ -74,17 +74,17 @@ def test_the_assembled_checkpoint_loads_and_generates(smoke_run) -> None:
     )
     assert image[0].size == (size, size)
     # the VAE carries the latent statistics measured on its own latents, not the defaults
-    assert pipe.components.vae.config.latents_mean != build_vae(PRESETS["smoke"].vae).config.latents_mean
+    assert pipe.components.vae.config.latents_mean != build_vae(RECIPES["smoke"].vae).config.latents_mean
     # the text encoder is the deterministic one, stored once (tied embeddings) in bf16
     stored = load_file(checkpoint / "text_encoder" / "model.safetensors")
     assert not any("lm_head" in name for name in stored)
-    reference = build_text_encoder(PRESETS["smoke"].text_hidden).get_input_embeddings().weight
+    reference = build_text_encoder(RECIPES["smoke"].text_hidden).get_input_embeddings().weight
     embedding = next(t for name, t in stored.items() if name.endswith("embed_tokens.weight"))
-    assert embedding.shape == (VOCAB_SIZE, PRESETS["smoke"].text_hidden) and embedding.dtype == torch.bfloat16
+    assert embedding.shape == (VOCAB_SIZE, RECIPES["smoke"].text_hidden) and embedding.dtype == torch.bfloat16
     assert torch.equal(embedding, reference.to(torch.bfloat16))
     assert (checkpoint / "training" / "train_meta.json").is_file()
     scores = json.loads((checkpoint / "training" / "held_out_samples.json").read_text())
-    assert sorted(scores) == ["en", "zh"] and scores["en"]["images"] == PRESETS["smoke"].held_out_samples
+    assert sorted(scores) == ["en", "zh"] and scores["en"]["images"] == RECIPES["smoke"].held_out_samples
 
 
 def test_assemble_refuses_what_is_not_a_training_tar(tmp_path, capsys) -> None:
@@ -128,25 +128,25 @@ def test_a_model_predicting_the_training_target_denoises_to_x0_in_the_pipeline(s
         noise = (latents - (1 - sigma[:, None, None]) * x0) / sigma[:, None, None]
         return flow_matching_pair(x0, noise, sigma)[1]
 
-    pipe._eager_step = oracle  # the transformer call, replaced
-    embeds = torch.zeros(1, 3, PRESETS["smoke"].text_hidden)
-    result = pipe.denoise([Conditioning(embeds, None)], side, side, 8, 1.0, seed=1)
+    pipe.model.run_step = oracle  # the transformer call, replaced
+    embeds = torch.zeros(1, 3, RECIPES["smoke"].text_hidden)
+    result = pipe.denoise([Conditioning(embeds, None)], pipe.model.canvas(side, side), 8, 1.0, seed=1)
     assert torch.allclose(result, x0, atol=1e-4)
 
 
 def test_model_latents_are_what_the_pipeline_decodes(smoke_run) -> None:
-    """Normalised, packed training latents decode through `QwenImagePipeline.decode` to the VAE's own
+    """Normalised, packed training latents decode through the pipeline's decoding to the VAE's own
     decoding of the raw latents (the latents_mean/std round trip)."""
     _, checkpoint = smoke_run
     pipe = load_pipeline(checkpoint, device="cpu", dtype="fp32")
     vae = pipe.components.vae
-    size = PRESETS["smoke"].image_size
+    size = RECIPES["smoke"].image_size
     images = torch.from_numpy(np.stack([np.asarray(render(draw_scene(9, i), size)) for i in range(2)]))
     with torch.no_grad():
         z = vae.encode(to_vae_input(images)).latent_dist.mode()[:, :, 0]
         mean, std = torch.tensor(vae.config.latents_mean), torch.tensor(vae.config.latents_std)
-        decoded = pipe.decode(model_latents(z, mean, std).float(), size, size)
-        direct = pipe.image_processor.postprocess(
+        decoded = pipe.model.decode(model_latents(z, mean, std).float(), pipe.model.canvas(size, size))
+        direct = pipe.model.image_processor.postprocess(
             vae.decode(z[:, :, None]).sample[:, :, 0], output_type="pil"
         )
     for a, b in zip(decoded, direct, strict=True):
@@ -155,7 +155,7 @@ def test_model_latents_are_what_the_pipeline_decodes(smoke_run) -> None:
 
 
 def test_transformer_starts_as_identity_blocks_and_zero_output() -> None:
-    config = PRESETS["smoke"].dit
+    config = RECIPES["smoke"].dit
     model = build_transformer(config, seed=0)
     again = build_transformer(config, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
@@ -166,7 +166,7 @@ def test_transformer_starts_as_identity_blocks_and_zero_output() -> None:
 
 def test_default_sizes_fit_the_budget() -> None:
     """The shipped preset: at most ~20 MB of bf16 safetensors in all (text encoder stored once)."""
-    sizes = PRESETS["default"]
+    sizes = RECIPES["default"]
     counts = {
         "text_encoder": sum(p.numel() for p in build_text_encoder(sizes.text_hidden).parameters()),
         "transformer": sum(p.numel() for p in build_transformer(sizes.dit, seed=0).parameters()),

@@ -26,9 +26,9 @@ from PIL import Image
 from models.errors import InputError
 from ui.app import build_app
 from ui.generation import (
+    ASPECT_RATIOS,
     CUSTOM,
-    MAX_IMAGES,
-    PRESETS,
+    MAX_IMAGES_PER_REQUEST,
     STOP_PRESSED,
     FieldError,
     Job,
@@ -119,7 +119,7 @@ def _inputs(**changes: Any) -> dict[str, Any]:
 def test_presets() -> None:
     assert preset_for(928, 1664) == "9:16"
     assert preset_for(256, 256) == CUSTOM
-    assert len(PRESETS) == 7 and all(w % 16 == 0 and h % 16 == 0 for w, h in PRESETS.values())
+    assert len(ASPECT_RATIOS) == 7 and all(w % 16 == 0 and h % 16 == 0 for w, h in ASPECT_RATIOS.values())
 
 
 def test_job_from_inputs_reads_a_valid_request() -> None:
@@ -154,7 +154,11 @@ def test_job_from_inputs_reads_a_valid_request() -> None:
         ({"seed": True}, "seed", "must be a number, not True"),
         ({"height": None}, "height", "must be a number, not None"),
         ({"num_images": 2.5}, "num_images", "2.5 must be a whole number"),
-        ({"num_images": MAX_IMAGES + 1}, "num_images", f"must be between 1 and {MAX_IMAGES}"),
+        (
+            {"num_images": MAX_IMAGES_PER_REQUEST + 1},
+            "num_images",
+            f"must be between 1 and {MAX_IMAGES_PER_REQUEST}",
+        ),
         ({"randomize_seed": "yes"}, "randomize_seed", "must be true or false"),
         ({"prompt": ["a", "b"]}, "prompt", "prompt must be text, not list"),
         ({"prompt": "   "}, "prompt", "prompt is empty"),

@@ -18,7 +18,8 @@ from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
 
 import ui.app
-from ui.cli import is_loopback, main
+from ui.access import is_loopback
+from ui.cli import main
 from ui.limits import DEVICE_LIMITS, Limits
 
 

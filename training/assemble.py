@@ -4,8 +4,8 @@
 
 The tar holds the trained VAE and DiT; this adds the frozen text encoder (rebuilt from the seed and size
 recorded in the tar, so it is the one the DiT was trained with), the Qwen2 tokenizer, the pipeline's
-scheduler and `model_index.json` (`models.components.save_components`), plus `training/` with the run's
-metadata, loss log and the checker's scores of the held-out samples the run generated. Everything is
+scheduler and `model_index.json` (`models.qwen_image.components.save_components`), plus `training/` with
+the run's metadata, loss log and the checker's scores of the held-out samples the run generated. Everything is
 stored in bf16; the result loads with `pipelines.load_pipeline(DIR)`.
 """
 
@@ -22,11 +22,16 @@ from diffusers import AutoencoderKLQwenImage
 from PIL import Image
 
 from eval.scenes import held_out_scenes
-from models.components import Components, default_scheduler, save_components
 from models.errors import CheckpointError, InputError, QwenImageError
 from models.loading import load_transformer
-from models.tokenizer import build_qwen2_tokenizer
-from training.recipe import TEXT_ENCODER_SEED, build_text_encoder, cast_parameters
+from models.qwen_image.components import (
+    Components,
+    build_transformer,
+    default_scheduler,
+    save_components,
+)
+from models.qwen_image.tokenizer import build_qwen2_tokenizer
+from training.recipe import TEXT_ENCODER_SEED, build_text_encoder, cast_parameters, sampling_defaults
 
 MEMBERS = ("vae", "transformer", "train_meta.json", "train_log.jsonl", "samples")
 CPU = torch.device("cpu")
@@ -68,13 +73,14 @@ def assemble(tar_path: Path, out: Path) -> Path:
         components = Components(
             tokenizer=build_qwen2_tokenizer(),
             text_encoder=cast_parameters(build_text_encoder(hidden), torch.bfloat16, CPU),
-            transformer=load_transformer(root / "transformer", torch.bfloat16, CPU),
+            transformer=load_transformer(root / "transformer", build_transformer, torch.bfloat16, CPU),
             vae=AutoencoderKLQwenImage.from_pretrained(
                 root / "vae", torch_dtype=torch.bfloat16, local_files_only=True
             ),
             scheduler=default_scheduler(),
         )
-        save_components(components, out)
+        image_size = meta["sizes"]["image_size"]
+        save_components(components, out, defaults=sampling_defaults(image_size), builtin_tokenizer=True)
         (out / "training").mkdir()
         for name in ("train_meta.json", "train_log.jsonl"):
             shutil.copy(root / name, out / "training" / name)

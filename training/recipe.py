@@ -11,12 +11,21 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from models.config import QwenImageConfig
-from models.text_encoder import build_tiny_text_encoder
-from models.transformer import QwenImageTransformer
+from models.family import GenerationDefaults
+from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.text_encoder import build_tiny_text_encoder
+from models.qwen_image.transformer import QwenImageTransformer
 
 TEXT_ENCODER_SEED = 15_2025
 NEGATIVE_PROMPT = " "  # what text dropout trains as the unconditional branch: use it as the negative prompt
+SAMPLE_STEPS = 20
+SAMPLE_CFG_SCALE = 4.0
+
+
+def sampling_defaults(image_size: int) -> GenerationDefaults:
+    """How the run samples its held-out captions, and so the assembled checkpoint's generation defaults:
+    its image size, 20 steps, true CFG 4 with the negative prompt text dropout trained."""
+    return GenerationDefaults(image_size, image_size, SAMPLE_STEPS, SAMPLE_CFG_SCALE, NEGATIVE_PROMPT)
 
 
 def dit_config(width: int, layers: int, text_hidden: int) -> QwenImageConfig:
@@ -31,7 +40,7 @@ def dit_config(width: int, layers: int, text_hidden: int) -> QwenImageConfig:
 
 
 @dataclass(frozen=True)
-class Preset:
+class Recipe:
     """Model sizes and a training budget; fixed step counts and batch sizes, so a seed reproduces a run."""
 
     image_size: int
@@ -53,10 +62,10 @@ def vae_config(base_dim: int) -> dict:
     return {"base_dim": base_dim, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1}
 
 
-PRESETS = {
+RECIPES = {
     # The shipped model: 256 px, DiT width 128 x 6 layers, VAE base 12; each stage fills one H200 call
     # (probe: VAE 6.5 steps/s, DiT 16.9 steps/s; training/README.md, "The shipped model").
-    "default": Preset(
+    "default": Recipe(
         image_size=256,
         dit=dit_config(128, 6, 32),
         vae=vae_config(12),
@@ -70,7 +79,7 @@ PRESETS = {
         dit_lr=5e-4,
     ),
     # The CPU de-risk: same recipe at 64 px with a narrower DiT and VAE, minutes on two cores.
-    "cpu": Preset(
+    "cpu": Recipe(
         image_size=64,
         dit=dit_config(64, 4, 32),
         vae=vae_config(8),
@@ -84,7 +93,7 @@ PRESETS = {
         dit_lr=1e-3,
     ),
     # End to end in seconds (tests): the smallest sizes every component accepts.
-    "smoke": Preset(
+    "smoke": Recipe(
         image_size=32,
         dit=dit_config(32, 1, 32),
         vae=vae_config(4),

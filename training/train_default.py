@@ -43,22 +43,27 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from eval.scenes import BACKGROUNDS, HELD_OUT_PERCENT, LANGUAGES, draw_scene, held_out_scenes, render
-from models.components import Components, default_scheduler
 from models.loading import save_transformer
-from models.math import pack_latents
-from models.text_encoder import encode_prompts
-from models.tokenizer import build_qwen2_tokenizer
-from pipelines.qwen_image import GenerationDefaults, QwenImagePipeline
+from models.qwen_image.components import Components, default_scheduler
+from models.qwen_image.family import FAMILY
+from models.qwen_image.math import pack_latents
+from models.qwen_image.model import QwenImageModel
+from models.qwen_image.text_encoder import encode_prompts
+from models.qwen_image.tokenizer import build_qwen2_tokenizer
+from pipelines.pipeline import Pipeline
 from pipelines.sampling import shift_mu
 from training.recipe import (
     NEGATIVE_PROMPT,
-    PRESETS,
+    RECIPES,
+    SAMPLE_CFG_SCALE,
+    SAMPLE_STEPS,
     TEXT_ENCODER_SEED,
-    Preset,
+    Recipe,
     build_text_encoder,
     build_transformer,
     build_vae,
     cast_parameters,
+    sampling_defaults,
 )
 
 TAR_NAME = "default_model.tar"
@@ -69,7 +74,6 @@ EMA_DECAY = 0.999
 WARMUP_FRACTION = 0.03
 LOG_EVERY = 25  # steps per loss-log row (fewer for short runs: at least 20 rows)
 PROBE_WARMUP_STEPS = 3
-SAMPLE_STEPS = 20
 SAMPLE_BATCH = 100
 SAMPLE_SEED = 0
 
@@ -79,7 +83,7 @@ class Settings:
     """A resolved command line: the preset with the arguments that override it."""
 
     preset: str
-    sizes: Preset
+    sizes: Recipe
     seed: int
     device: str
     workers: int
@@ -375,7 +379,7 @@ def shifted_sigma(u: torch.Tensor, image_tokens: int) -> torch.Tensor:
 
 @cache
 def schedule_shift(image_tokens: int) -> tuple[FlowMatchEulerDiscreteScheduler, float]:
-    """The pipeline's scheduler and its mu for `image_tokens` (as `QwenImagePipeline.denoise` computes it)."""
+    """The pipeline's scheduler and its mu for `image_tokens` (as `Pipeline.denoise` computes it)."""
     scheduler = default_scheduler()
     return scheduler, shift_mu(scheduler, image_tokens)
 
@@ -475,14 +479,9 @@ def sample_held_out(
 ) -> tuple[dict, dict]:
     """The held-out captions (English and Chinese) through the real pipeline with the trained weights: 20
     steps, true CFG 4 with the negative prompt text dropout trained. Returns scores and PNG images by name."""
-    pipe = QwenImagePipeline(
-        components,
-        "training",
-        device,
-        torch.bfloat16,
-        GenerationDefaults(size, size, SAMPLE_STEPS),
-        "reference",
-    )
+    model = QwenImageModel(components, device, torch.bfloat16)
+    spec = FAMILY.spec_for(model, "training", sampling_defaults(size))
+    pipe = Pipeline.from_model(model, spec, "reference")
     pipe.cuda_graphs = False
     stats, images = {}, {}
     for language in LANGUAGES:
@@ -491,7 +490,6 @@ def sample_held_out(
             chunk = held_out[start : start + SAMPLE_BATCH]
             generated = pipe.generate(
                 [s.captions[language] for s in chunk],
-                negative_prompt=NEGATIVE_PROMPT,
                 seed=SAMPLE_SEED + start,
             )
             arrays += [np.asarray(image) for image in generated]
@@ -655,7 +653,7 @@ def run(settings: Settings) -> dict:
         "render_scenes_per_s": sizes.scenes / max(timings["render"], 1e-9),
         "samples": {
             "steps": SAMPLE_STEPS,
-            "true_cfg_scale": 4.0,
+            "true_cfg_scale": SAMPLE_CFG_SCALE,
             "seed": SAMPLE_SEED,
             "variant": "reference",
         },
@@ -707,7 +705,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         prog="python -m training.train_default", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder (tar, loss log)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--preset", choices=sorted(RECIPES), default="default")
     parser.add_argument("--seed", type=int, default=0, help="scene stream, initialisation and sampling seed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", type=int, default=min(16, multiprocessing.cpu_count()))
@@ -744,7 +742,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--vae-seconds", type=float, default=180.0, help="VAE budget the probe sizes for")
     parser.add_argument("--dit-seconds", type=float, default=300.0, help="DiT budget the probe sizes for")
     args = parser.parse_args(argv)
-    preset = PRESETS[args.preset]
+    preset = RECIPES[args.preset]
     overrides = {
         key: getattr(args, key)
         for key in (
@@ -781,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = run(settings)
     print(json.dumps(meta, indent=2))
     if settings.probe_seconds is not None:
-        scenes = args.scenes or PRESETS[args.preset].scenes
+        scenes = args.scenes or RECIPES[args.preset].scenes
         print("\n".join(sizing_advice(meta, args.vae_seconds, args.dit_seconds, scenes)))
     else:
         print(

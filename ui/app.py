@@ -21,12 +21,12 @@ from pipelines import load_pipeline
 from pipelines.limits import MAX_STEPS, MIN_STEPS
 from pipelines.parallel import ParallelPlan
 from ui.generation import (
+    ASPECT_RATIOS,
     CANCELLED,
     CUSTOM,
     DISCONNECTED,
     INPUT_NAMES,
-    MAX_IMAGES,
-    PRESETS,
+    MAX_IMAGES_PER_REQUEST,
     STOP_PRESSED,
     VARIANT_LABELS,
     FieldError,
@@ -151,7 +151,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                 aspect = gr.Radio(
-                    [(f"{name} · {w}×{h}", name) for name, (w, h) in PRESETS.items()] + [("custom", CUSTOM)],
+                    [(f"{name} · {w}×{h}", name) for name, (w, h) in ASPECT_RATIOS.items()]
+                    + [("custom", CUSTOM)],
                     value=preset_for(defaults.width, defaults.height),
                     label="Aspect ratio",
                     elem_id="aspect",
@@ -172,7 +173,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                 with gr.Row():
                     seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="seed")
                     randomize = gr.Checkbox(True, label="Randomize seed")
-                    num_images = gr.Slider(1, MAX_IMAGES, 1, step=1, label="Images")
+                    num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
                 variant = gr.Dropdown(
                     [(VARIANT_LABELS.get(v, v), v) for v in variants],
                     value=pipe.variant,
@@ -298,4 +299,4 @@ def _header(pipe: Pipeline, limits: Limits) -> str:
 
 def _fill_size(aspect: str, width: float | None, height: float | None) -> tuple[float | None, float | None]:
     """A preset's size for the width/height fields; "custom" keeps what they hold."""
-    return PRESETS.get(aspect, (width, height))
+    return ASPECT_RATIOS.get(aspect, (width, height))

