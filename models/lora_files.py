@@ -75,21 +75,19 @@ def read_lora_file(path: str | Path, convert: LoraConverter) -> LoraFile:
     return LoraFile(path, _with_alphas(pairs, _adapter_metadata(header, path), path))
 
 
-def _to_diffusers_keys(raw: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    """diffusers' own Qwen-Image conversion (it folds kohya alphas into the factors, as diffusers loads
-    them), then the names of our transformer's modules (without the `transformer.` prefix)."""
-    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
-
-    from models.qwen_image.components import quiet_loading
+def _to_diffusers_keys(
+    raw: dict[str, torch.Tensor], path: Path, convert: LoraConverter
+) -> dict[str, torch.Tensor]:
+    """diffusers' own conversion (it folds kohya alphas into the factors, as diffusers loads them), then
+    the names of our transformer's modules (without the `transformer.` prefix)."""
+    from models.loading import quiet_loading
 
     try:
         with quiet_loading():
-            state = QwenImageLoraLoaderMixin.lora_state_dict(dict(raw))
+            state = convert(dict(raw))
     except (ValueError, KeyError, IndexError, RuntimeError) as err:
         message = str(err).splitlines()[0][:300]
-        raise CheckpointError(
-            f"LoRA file {path}: diffusers' Qwen-Image conversion refuses it: {message}"
-        ) from err
+        raise CheckpointError(f"LoRA file {path}: diffusers' LoRA conversion refuses it: {message}") from err
     return {key.removeprefix(TRANSFORMER_PREFIX): value for key, value in state.items()}
 
 

@@ -182,7 +182,7 @@ def _bad_files(pipe, tmp):
     save_file(
         loha | {"lora_unet_transformer_blocks_0_attn_to_q.alpha": torch.tensor(4.0)}, tmp / "loha.safetensors"
     )
-    cases.append((tmp / "loha.safetensors", "diffusers' Qwen-Image conversion refuses it"))
+    cases.append((tmp / "loha.safetensors", "diffusers' LoRA conversion refuses it"))
     return cases
 
 
