@@ -2,8 +2,10 @@
 
 Every function follows the rounding contract of DESIGN §4: fp32 math, one bf16 rounding per written
 tensor, no FMA contraction (each torch op rounds on its own; Triton launches with fp fusion off), IEEE
-sqrt and division. `shift`, `scale` and `gate` are per sample, shaped [B, D] (rows may be strided, e.g.
-chunks of the modulation output); activations are [B, L, D].
+sqrt and division. The torch twins use only machine-independent arithmetic (kernels/fp32.py: LN sums in
+a pinned order, correctly rounded sqrt), so they give the same bytes on every CPU. `shift`, `scale` and
+`gate` are per sample, shaped [B, D] (rows may be strided, e.g. chunks of the modulation output);
+activations are [B, L, D].
 
 Each Triton producer is ONE compiled binary whose outputs are picked by runtime int flags (never
 specialized), so the unfused path (write y, then quantize it) and the fused one (write q) run the very
@@ -13,19 +15,20 @@ same LN reduction and agree bit for bit. Unused outputs get a dummy pointer of t
 import torch
 
 from kernels._triton_common import NO_FMA, dummy, inverse_scale_ok, jit, launchable, tl, triton
+from kernels.fp32 import div_rn, row_sum, sqrt_rn
 from kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
 
 MAX_WIDTH = 16384
 
 
 def layer_norm_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """`bf16(x_hat)`: LayerNorm without affine in fp32, rounded once."""
+    """`bf16(x_hat)`: LayerNorm without affine in fp32, rounded once (sums in `row_sum`'s order)."""
     xf = x.float()
     width = xf.shape[-1]
-    mean = xf.sum(-1, keepdim=True) / width
+    mean = div_rn(row_sum(xf), width)
     centered = xf - mean
-    var = (centered * centered).sum(-1, keepdim=True) / width
-    rstd = 1.0 / torch.sqrt(var + eps)
+    var = div_rn(row_sum(centered * centered), width)
+    rstd = div_rn(torch.ones_like(var), sqrt_rn(var + eps))
     return (centered * rstd).to(x.dtype)
 
 

@@ -2,7 +2,8 @@
 
 Contract (the q/k path of the `contract` numerics), per row `x` = one head of one token, D = head_dim:
   fp32 math; `var = sum(fp32(x)^2) / D`; `rstd = 1 / sqrt(var + eps)` with IEEE sqrt and division
-  (never the approximate rsqrt);
+  (never the approximate rsqrt); the twin sums in kernels/fp32.py's pinned order, so its bytes are
+  the same on every machine;
   `n = bf16(fp32(x) * rstd)`; `w = bf16(fp32(n) * fp32(weight))`  (diffusers' RMSNorm rounding: x times
   rsqrt in fp32, cast to bf16, times the bf16 weight);
   rope on the interleaved pairs `(a, b) = (w[2i], w[2i+1])` with `(cos, sin) = rope[s, i]`:
@@ -15,15 +16,16 @@ Only the order of the sum of squares may differ between the Triton kernel and th
 model's complex64 rotations. `out` (optional) is a [B, S, H, D] bf16 view with unit stride on D, e.g.
 the text or image rows of a joint [B, S_txt + S_img, H, D] buffer, so no `torch.cat` is needed.
 
-Versus diffusers (`RMSNorm` with `torch.rsqrt`, then `apply_rotary_emb_qwen(use_real=False)`, a
-complex64 multiply) the twin differs only where rsqrt and 1/sqrt differ in the last fp32 bit (n moves by
-one bf16 step) and where the complex multiply rounds `a*cos - b*sin` otherwise (an FMA or another
-grouping): tests/test_qk_norm_rope.py states the tolerance.
+Versus diffusers (`RMSNorm` with torch's mean and `torch.rsqrt`, then `apply_rotary_emb_qwen(use_real=
+False)`, a complex64 multiply) the twin differs only where the two rstd differ in the last fp32 bit (n
+moves by one bf16 step) and where the complex multiply rounds `a*cos - b*sin` otherwise (an FMA or
+another grouping): tests/test_qk_norm_rope.py states the tolerance.
 """
 
 import torch
 
 from kernels._triton_common import NO_FMA, jit, launchable, tl, triton
+from kernels.fp32 import div_rn, row_sum, sqrt_rn
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 512
@@ -40,8 +42,8 @@ def rms_norm_rope_torch(
 ) -> torch.Tensor:
     """RMSNorm + RoPE following the contract above; writes into `out` when given and returns it."""
     xf = x.float()
-    var = (xf * xf).sum(-1, keepdim=True) / x.shape[-1]
-    rstd = 1.0 / torch.sqrt(var + eps)
+    var = div_rn(row_sum(xf * xf), x.shape[-1])
+    rstd = div_rn(torch.ones_like(var), sqrt_rn(var + eps))
     n = (xf * rstd).to(torch.bfloat16)
     w = (n.float() * weight.float()).to(torch.bfloat16).float()
     a, b = w[..., 0::2], w[..., 1::2]

@@ -45,6 +45,21 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.reshape(())
 
 
+MAX_EXACT_K = 1 << 17
+
+
+def exact_fp8_dot(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 `q @ W.T` of E4M3 q [M, K] and W [N, K], each dot product exact and then rounded once.
+
+    E4M3 values are multiples of 2^-9 below 2^9, so each product is a multiple of 2^-18 below 2^18 and a
+    sum of K < 2^17 of them a multiple of 2^-18 below 2^53 of those units: every partial sum is a
+    float64 number, so float64 matrix products are exact in any order, blocking or thread count.
+    """
+    if q.shape[-1] > MAX_EXACT_K:
+        raise ValueError(f"FP8 GEMM emulation: K = {q.shape[-1]} is above {MAX_EXACT_K}, the exact limit")
+    return (q.double() @ weight.double().t()).float()
+
+
 def scaled_mm(
     q: torch.Tensor,
     weight: torch.Tensor,
@@ -55,8 +70,9 @@ def scaled_mm(
 ) -> torch.Tensor:
     """`(q @ W.T) * input_scale * weight_scale + bias` with fp32 accumulation, for q [M, K], W [N, K].
 
-    CUDA runs `torch._scaled_mm`; elsewhere an emulation with the same arithmetic model
-    (exact FP8 products, fp32 sums, one rounding to `out_dtype`).
+    CUDA runs `torch._scaled_mm`; elsewhere an emulation whose bytes are the same on every machine: the
+    dot products summed exactly (in float64, see `exact_fp8_dot`) and rounded once to fp32, then the
+    scales and the bias applied in fp32, one rounding to `out_dtype`.
     """
     a_scale = input_scale.float().reshape(())
     b_scale = weight_scale.float().reshape(())
@@ -64,7 +80,7 @@ def scaled_mm(
         return torch._scaled_mm(
             q, weight.t(), scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=out_dtype
         )
-    acc = (q.float() @ weight.float().t()) * (a_scale * b_scale)
+    acc = exact_fp8_dot(q, weight) * (a_scale * b_scale)
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype)

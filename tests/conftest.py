@@ -21,6 +21,11 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The thread count torch splits CPU work over (CI runs the `numerics` tests with 1 and with 2)."""
+    return f"torch intra-op threads: {torch.get_num_threads()}"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
 

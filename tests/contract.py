@@ -1,11 +1,12 @@
 """DESIGN §4 written out step by step in numpy: the oracle the torch twins must equal bit for bit.
 
-Independent of kernels/ (no import from it). Every fp32 step is one numpy float32 operation, so it is
-rounded on its own by IEEE arithmetic and never contracted into an FMA; every narrowing is done here on
-the bits: bf16 round-to-nearest-even (or, to predict Triton's CPU interpreter, truncation), E4M3
-nearest-even with saturation at 448. Two results come from torch, because the contract leaves or names
-them: the LayerNorm sums (their order is free, so `torch_row_sum` runs torch's reduction on the caller's
-[B, L, D] layout, as the twins do) and tanh (the contract's GELU is defined with `torch.tanh`).
+Independent of kernels/ and of torch's arithmetic (torch only carries bf16 and E4M3 bytes in and out).
+Every fp32 step is one numpy float32 operation, so it is rounded on its own by IEEE arithmetic and never
+contracted into an FMA; every narrowing is done here on the bits: bf16 round-to-nearest-even (or, to
+predict Triton's CPU interpreter, truncation), E4M3 nearest-even with saturation at 448. The sums run in
+the pinned order the twins use on CPU (`row_sum`, elementwise adds: not numpy's own `sum`), sqrt is
+numpy's IEEE float32 sqrt, and tanh is numpy's float64 tanh rounded once to float32 (the correctly
+rounded tanh on the GELU's inputs: tests/test_fp32.py). Nothing here depends on the machine.
 Special values (inf, NaN, overflow) are part of the inputs, so numpy's floating-point warnings are off
 inside these functions.
 """
@@ -72,9 +73,16 @@ def e4m3_encode(v: np.ndarray) -> np.ndarray:
     return (code | sign).astype(np.uint8)
 
 
-def torch_row_sum(v: np.ndarray) -> np.ndarray:
-    """fp32 sums over the last axis by torch's reduction (the one free choice of the contract)."""
-    return torch.from_numpy(np.ascontiguousarray(v)).sum(-1, keepdim=True).numpy()
+def row_sum(v: np.ndarray) -> np.ndarray:
+    """fp32 sums over the last axis, [..., 1], in the twins' pinned order: while the width w is above 1,
+    column i + ceil(w/2) is added onto column i for every i < floor(w/2), and w becomes ceil(w/2)."""
+    v = v.astype(F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        while (width := v.shape[-1]) > 1:
+            half = (width + 1) // 2
+            folded = v[..., : width - half] + v[..., half:]
+            v = np.concatenate([folded, v[..., width - half : half]], axis=-1)
+    return v
 
 
 def inverse_scale(input_scale: float) -> np.float32:
@@ -99,9 +107,9 @@ def layer_norm_modulate(
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         x = widen(x_bits)
         width = F32(x.shape[-1])
-        mean = torch_row_sum(x) / width
+        mean = row_sum(x) / width
         centered = x - mean
-        var = torch_row_sum(centered * centered) / width
+        var = row_sum(centered * centered) / width
         rstd = F32(1.0) / np.sqrt(var + F32(eps))
         normed = narrow(centered * rstd)
         one_plus_scale = F32(1.0) + widen(scale_bits)[:, None, :]
@@ -117,12 +125,30 @@ def gated_residual(
 
 
 def gelu_tanh(h_bits: np.ndarray) -> np.ndarray:
-    """GELU(tanh) of kernels/gelu_quant.py's contract: the constants rounded to fp32, `torch.tanh`."""
+    """GELU(tanh) of kernels/gelu_quant.py's contract: the constants rounded to fp32, tanh correctly
+    rounded to fp32 (numpy's float64 tanh, rounded once)."""
     with np.errstate(over="ignore", invalid="ignore"):
         x = widen(h_bits)
         inner = F32(0.7978845608028654) * (x + F32(0.044715) * ((x * x) * x))
-        t = torch.tanh(torch.from_numpy(inner)).numpy()
+        t = np.tanh(inner.astype(np.float64)).astype(F32)
         return round_bf16((F32(0.5) * x) * (F32(1.0) + t))
+
+
+def rms_norm_rope(
+    x_bits: np.ndarray, weight_bits: np.ndarray, rope: np.ndarray, eps: float, narrow: Narrow = round_bf16
+) -> np.ndarray:
+    """kernels/qk_norm_rope.py's contract for x [B, S, H, D], weight [D] (bf16 encodings) and rope
+    [S, D/2, 2] fp32 (cos, sin): rstd from the pinned sum of squares, n, w, the rotated pairs."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        x = widen(x_bits)
+        var = row_sum(x * x) / F32(x.shape[-1])
+        rstd = F32(1.0) / np.sqrt(var + F32(eps))
+        n = widen(narrow(x * rstd))
+        w = widen(narrow(n * widen(weight_bits)))
+        a, b = w[..., 0::2], w[..., 1::2]
+        cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # [S, 1, D/2]: the same for every head
+        real, imag = narrow(a * cos - b * sin), narrow(a * sin + b * cos)
+        return np.stack([real, imag], axis=-1).reshape(x.shape)
 
 
 def as_e4m3(codes: np.ndarray) -> torch.Tensor:

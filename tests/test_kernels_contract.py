@@ -17,6 +17,7 @@ from kernels.gelu_quant import gelu_tanh_quant_torch, gelu_tanh_torch
 from kernels.norm_modulate import gated_residual_layer_norm_modulate_torch, layer_norm_modulate_torch
 from kernels.quant import inverse_scale, static_quant_fp8_torch
 
+pytestmark = pytest.mark.numerics
 QUANT_SCALE = 0.02
 
 

@@ -10,6 +10,7 @@ import kernels.gelu_quant as gelu_quant
 from kernels.gelu_quant import (
     GELU_CUBIC,
     SQRT_2_OVER_PI,
+    gelu_tanh,
     gelu_tanh_quant,
     gelu_tanh_quant_torch,
     gelu_tanh_quant_triton,
@@ -46,6 +47,7 @@ def gelu_inputs() -> torch.Tensor:
     return torch.cat([all_bf16(), normal]).reshape(2, 4, 12288)
 
 
+@pytest.mark.numerics
 def test_twin_is_the_contract_gelu():
     h = gelu_inputs()
     assert bool(within_tanh_slack(gelu_tanh_torch(h), h, tol=0).all())
@@ -101,3 +103,5 @@ def test_dispatch_on_cpu_is_the_torch_twin(monkeypatch):
     g, q = gelu_tanh_quant(h, inv, write_g=True)
     assert torch.equal(g.view(torch.int16), gelu_tanh_torch(h).view(torch.int16))
     assert torch.equal(q.view(torch.uint8), gelu_tanh_quant_torch(h, inv).view(torch.uint8))
+    with pytest.raises(TypeError, match="bf16 input expected"):  # the contract is defined on bf16 inputs
+        gelu_tanh(h.float())

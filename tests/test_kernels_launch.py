@@ -129,6 +129,17 @@ def test_gelu_ptx_does_not_contract_its_own_ops(report):
     assert ptx["cvt_e4m3"] > 0 and ptx["min_max_plain"] == 0 and ptx["min_max_nan"] > 0
 
 
+def test_gelu_ptx_approximates_only_inside_tanhf(report):
+    """DESIGN §4: tanh is libdevice's `tanhf` (at most 2 ulps), not the hardware `tanh.approx`
+    (about 2^-11 relative); tanhf's own approximate ex2 and rcp (one of each per element, ftz) are the
+    only approximate or ftz instructions; GELU has no division or sqrt of its own."""
+    ptx = report["gelu"]["ptx"]
+    assert ptx["tanh_approx"] == 0 and ptx["div_inexact"] == 0 and ptx["div_rn"] == 0
+    assert ptx["sqrt_rn"] == 0 and ptx["inexact_sqrt_or_rcp"] == ptx["rcp_approx"]
+    assert ptx["ex2_approx"] == ptx["rcp_approx"] > 0
+    assert ptx["ftz"] == ptx["ex2_approx"] + ptx["rcp_approx"]
+
+
 def test_kernels_import_and_fall_back_without_triton():
     code = """
 import sys

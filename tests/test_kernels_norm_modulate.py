@@ -74,6 +74,7 @@ def explained_by_ln_statistics(y, ln_input, shift, scale, interpreter: bool) -> 
     return inside & ~nan
 
 
+@pytest.mark.numerics
 def test_twins_match_float64_within_one_rounding():
     t = make_inputs(2, 3, 3072)
     x64 = t["x"].double()

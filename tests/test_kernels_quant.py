@@ -45,6 +45,7 @@ def test_encoder_on_hand_computed_e4m3_values():
     assert e4m3_encode(np.array(values, dtype=np.float32)).tolist() == expected
 
 
+@pytest.mark.numerics
 def test_inverse_scale_is_one_ieee_fp32_division():
     for s in INPUT_SCALES:
         for shape in ((), (1,)):

@@ -40,6 +40,7 @@ def _inputs(batch: int, grid: tuple[int, int, int], text: int, dtype: torch.dtyp
     return latents, prompt, mask, sigma
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("batch", "grid", "text", "padded"),
