@@ -3,7 +3,8 @@ written in diffusers layout, so `QwenImageEditPipeline` / `QwenImageEditPlusPipe
 loads them: model_index.json's `_class_name` names the pipeline; `transformer/` is diffusers'
 `QwenImageTransformer2DModel` (`zero_cond_t` on or off), `text_encoder/` a tiny Qwen2.5-VL with its vision
 tower, `processor/` the Qwen2-VL image processor config and the real Qwen2 tokenizer, `vae/` a tiny
-`AutoencoderKLQwenImage`, `tokenizer/`, `scheduler/`.
+`AutoencoderKLQwenImage`, `tokenizer/`, `scheduler/`. Also our own tiny Edit-2511 transformer, its
+ModelOpt-style FP8 version and step inputs over an Edit layout (target grid, then reference grids).
 
 Without torchvision (our CPU install) transformers cannot build `Qwen2VLProcessor` itself (its video
 processor needs torchvision), so `diffusers_edit_pipeline` hands diffusers the processor that
@@ -31,9 +32,21 @@ from helpers import fill_deterministic
 from transformers import Qwen2VLImageProcessorPil
 
 from models.components import default_scheduler
+from models.config import QwenImageConfig
 from models.edit import load_processor
+from models.loading import transformer_from_state
+from models.math import ImageLayout
+from models.modelopt import QuantConfig
 from models.text_encoder import build_tiny_text_encoder
 from models.tokenizer import build_qwen2_tokenizer
+from models.transformer import QwenImageTransformer
+from pipelines.quantize import (
+    ALL_BLOCKS_FP8,
+    fp8_state_dict,
+    quantizable_linears,
+    record_input_amax,
+    share_group_amax,
+)
 
 PIPELINES = {cls.__name__: cls for cls in (QwenImageEditPipeline, QwenImageEditPlusPipeline)}
 TEXT_HIDDEN = 64
@@ -122,6 +135,46 @@ def drawn_image(width: int, height: int, seed: int, mode: str = "RGB") -> PIL.Im
         return PIL.Image.fromarray(pixels, "RGBA")
     image = PIL.Image.fromarray(pixels[..., :3], "RGB")
     return image.convert("P", palette=PIL.Image.Palette.ADAPTIVE) if mode == "P" else image
+
+
+EDIT_2511 = QwenImageConfig(
+    num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48,
+    axes_dims_rope=(8, 12, 12), zero_cond_t=True,
+)  # fmt: skip
+EDIT_LAYOUT = ImageLayout((1, 3, 3), ((1, 5, 3), (1, 2, 7)))  # odd target and reference grids
+
+
+def edit_step_inputs(
+    batch: int, layout: ImageLayout, text: int, dtype: torch.dtype, padded: bool, text_dim: int = 48
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(latents [B, tokens, 64], prompt embeddings, long mask with sample 0 padded from text // 2 or None,
+    sigmas) of one seeded transformer step."""
+    gen = torch.Generator().manual_seed(1)
+    latents = torch.randn(batch, layout.tokens, 64, generator=gen).to(dtype)
+    prompt = torch.randn(batch, text, text_dim, generator=gen).to(dtype)
+    mask = None
+    if padded:
+        mask = torch.ones(batch, text, dtype=torch.long)
+        mask[0, text // 2 :] = 0
+    return latents, prompt, mask, torch.rand(batch, generator=gen)
+
+
+def tiny_edit_transformer(config: QwenImageConfig = EDIT_2511, seed: int = 5) -> QwenImageTransformer:
+    """Our transformer with seeded weights in BF16 (the same on every rank and run)."""
+    model = QwenImageTransformer(config)
+    fill_deterministic(model, seed)
+    return model.to(torch.bfloat16).eval()
+
+
+def fp8_edit_transformer(config: QwenImageConfig = EDIT_2511, seed: int = 5) -> QwenImageTransformer:
+    """`tiny_edit_transformer` in ModelOpt FP8 (every block linear), calibrated on one Edit step."""
+    model = tiny_edit_transformer(config, seed)
+    linears = quantizable_linears(model, ALL_BLOCKS_FP8)
+    with torch.no_grad(), record_input_amax(linears) as amax:
+        model(*edit_step_inputs(2, EDIT_LAYOUT, 9, torch.bfloat16, True), EDIT_LAYOUT)
+    state = fp8_state_dict(model, linears, share_group_amax(amax))
+    quant = QuantConfig("FP8", tuple(ALL_BLOCKS_FP8))
+    return transformer_from_state(config, state, quant, torch.bfloat16, Path("edit-fp8"))
 
 
 @contextmanager
