@@ -131,12 +131,12 @@ def _layer_norm_modulate_kernel(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    sample = _modulation_row(row, seq_len, index_ptr, per_token)
+    mod_row = _modulation_row(row, seq_len, index_ptr, per_token)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     v = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
     shift, scale = _load_modulation(
-        shift_ptr + sample * shift_stride, scale_ptr + sample * scale_stride, cols, mask
+        shift_ptr + mod_row * shift_stride, scale_ptr + mod_row * scale_stride, cols, mask
     )
     _layer_norm_modulate_row(
         v, mask, cols, width, eps, shift, scale, y_ptr + row * width, q_ptr + row * width, inv_ptr,
@@ -151,18 +151,18 @@ def _gated_residual_layer_norm_modulate_kernel(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    sample = _modulation_row(row, seq_len, index_ptr, per_token)
+    mod_row = _modulation_row(row, seq_len, index_ptr, per_token)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     offs = row * width + cols
     res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + sample * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + mod_row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = (res + gate * x).to(tl.bfloat16)
     tl.store(r_ptr + offs, r, mask=mask)
     if (write_y | write_q) != 0:
         shift, scale = _load_modulation(
-            shift_ptr + sample * shift_stride, scale_ptr + sample * scale_stride, cols, mask
+            shift_ptr + mod_row * shift_stride, scale_ptr + mod_row * scale_stride, cols, mask
         )
         _layer_norm_modulate_row(
             r.to(tl.float32), mask, cols, width, eps, shift, scale, y_ptr + row * width,
@@ -192,7 +192,7 @@ def _producer_ok(
         return False
     if any(a.dtype != torch.bfloat16 or a.shape != x.shape or not a.is_contiguous() for a in acts):
         return False
-    rows = batch if mod_index is None else mods[0].shape[0]
+    rows = batch if mod_index is None else mods[0].shape[0] if mods[0].dim() == 2 else 0
     if rows < 1 or any(
         m.dtype != torch.bfloat16 or m.shape != (rows, width) or m.stride(1) != 1 for m in mods
     ):
