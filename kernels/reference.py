@@ -8,17 +8,29 @@ import torch
 import torch.nn.functional as F
 
 
+def per_token(mod: torch.Tensor, mod_index: torch.Tensor | None) -> torch.Tensor:
+    """Modulation rows [R, D] over the tokens: [B, 1, D] per sample, or [B, L, D] row `mod_index[b, l]` per
+    token (the values diffusers' `_modulate` selects with `torch.where(modulate_index == 0, ...)`)."""
+    return mod.unsqueeze(1) if mod_index is None else mod[mod_index]
+
+
 def layer_norm_modulate_reference(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    mod_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`LN(x) * (1 + scale) + shift` in the activation dtype, as diffusers' `_modulate`."""
     normed = F.layer_norm(x, (x.shape[-1],), eps=eps)
-    return normed * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+    return normed * (1 + per_token(scale, mod_index)) + per_token(shift, mod_index)
 
 
-def gated_residual_reference(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def gated_residual_reference(
+    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, mod_index: torch.Tensor | None = None
+) -> torch.Tensor:
     """`residual + gate * x` in the activation dtype."""
-    return residual + gate.unsqueeze(1) * x
+    return residual + per_token(gate, mod_index) * x
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

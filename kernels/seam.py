@@ -4,7 +4,8 @@ Blocks call only these functions (attention calls `norm_rope` for q and k). The 
 diffusers' op-for-op arithmetic (`reference`) or the DESIGN §4 rounding contract (`contract`: Triton on
 CUDA, torch twin elsewhere); the `*_quant` functions are the contract producers that also write static
 FP8 for their consumers. The contract is defined for BF16 activations; other dtypes run the reference
-arithmetic.
+arithmetic. Modulation rows (`shift`, `scale`, `gate`) are per sample [B, D], or [R, D] with `mod_index`
+[B, L] int32 naming each token's row (per-token modulation, Edit-2511's `zero_cond_t`).
 """
 
 import torch
@@ -22,12 +23,17 @@ def _contract(numerics: Numerics, x: torch.Tensor) -> bool:
 
 
 def norm_modulate(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, numerics: Numerics
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    numerics: Numerics,
+    mod_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`modulate(LN(x), shift, scale)`."""
     if not _contract(numerics, x):
-        return layer_norm_modulate_reference(x, shift, scale, eps)
-    return layer_norm_modulate(x, shift, scale, eps)[0]
+        return layer_norm_modulate_reference(x, shift, scale, eps, mod_index)
+    return layer_norm_modulate(x, shift, scale, eps, mod_index=mod_index)[0]
 
 
 def residual_norm_modulate(
@@ -38,22 +44,27 @@ def residual_norm_modulate(
     scale: torch.Tensor,
     eps: float,
     numerics: Numerics,
+    mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`r = residual + gate * x; y = modulate(LN(r))`; returns `(r, y)`."""
     if not _contract(numerics, x):
-        r = gated_residual_reference(residual, gate, x)
-        return r, layer_norm_modulate_reference(r, shift, scale, eps)
-    r, y, _ = gated_residual_layer_norm_modulate(residual, gate, x, shift, scale, eps)
+        r = gated_residual_reference(residual, gate, x, mod_index)
+        return r, layer_norm_modulate_reference(r, shift, scale, eps, mod_index)
+    r, y, _ = gated_residual_layer_norm_modulate(residual, gate, x, shift, scale, eps, mod_index=mod_index)
     return r, y
 
 
 def residual_add(
-    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, numerics: Numerics
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    x: torch.Tensor,
+    numerics: Numerics,
+    mod_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`residual + gate * x`."""
     if not _contract(numerics, x):
-        return gated_residual_reference(residual, gate, x)
-    return gated_residual(residual, gate, x)
+        return gated_residual_reference(residual, gate, x, mod_index)
+    return gated_residual(residual, gate, x, mod_index)
 
 
 def norm_rope(
@@ -87,9 +98,10 @@ def norm_modulate_quant(
     eps: float,
     inv_scale: torch.Tensor,
     write_y: bool,
+    mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Fused producer 1: `(y or None, q)`."""
-    return layer_norm_modulate(x, shift, scale, eps, inv_scale, write_y)
+    return layer_norm_modulate(x, shift, scale, eps, inv_scale, write_y, mod_index)
 
 
 def residual_norm_modulate_quant(
@@ -101,9 +113,12 @@ def residual_norm_modulate_quant(
     eps: float,
     inv_scale: torch.Tensor,
     write_y: bool,
+    mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Fused producer 2: `(r, y or None, q)`."""
-    return gated_residual_layer_norm_modulate(residual, gate, x, shift, scale, eps, inv_scale, write_y)
+    return gated_residual_layer_norm_modulate(
+        residual, gate, x, shift, scale, eps, inv_scale, write_y, mod_index
+    )
 
 
 def gelu_quant(

@@ -1,9 +1,10 @@
 """The FP8 norm+quant fusion gate (DESIGN §4), decided once per producer path after loading.
 
 A producer path is fused only when the device is a validated FP8 target, every consumer accepts the
-static FP8 activation with one shared, valid scale, modulation is per sample, and any consumer that
-needs the unquantized input can get it. Every refusal is recorded with its reason, and so is a fused
-path that also writes the BF16 input (dual output), with the consumers' reason for needing it.
+static FP8 activation with one shared, valid scale, and any consumer that needs the unquantized input can
+get it; per-token modulation rows (Edit-2511's `zero_cond_t`) are data the fused kernels take. Every
+refusal is recorded with its reason, and so is a fused path that also writes the BF16 input (dual output),
+with the consumers' reason for needing it.
 """
 
 import math
@@ -75,15 +76,12 @@ def _scale_refusal(name: str, scale: torch.Tensor, device: torch.device) -> str:
 def gate_path(
     device: torch.device,
     consumers: list[tuple[str, nn.Module]],
-    per_token_modulation: bool = False,
     producer_writes_y: bool = True,
 ) -> tuple[str, QuantSpec | None, bool]:
     """(refusal reason or "", the shared spec, whether `y` must be written) for one producer path."""
     reason = fp8_target_refusal(device)
     if reason:
         return reason, None, False
-    if per_token_modulation:
-        return "per-token modulation index (zero_cond_t)", None, False
     specs = []
     for name, module in consumers:
         spec = quant_consumer_spec(module)
@@ -118,7 +116,6 @@ def configure_fp8_norm_quant(
     consumers: list[tuple[str, nn.Module]],
     device: torch.device,
     enabled: bool,
-    per_token_modulation: bool = False,
 ) -> PathDecision:
     """Gate one producer path and set (or clear) `producer.quant` accordingly."""
     producer.quant = None
@@ -126,7 +123,7 @@ def configure_fp8_norm_quant(
         return PathDecision(path_name, False, "BF16 consumers (layer not quantized)")
     if not enabled:
         return PathDecision(path_name, False, "fusion switched off (unfused path forced)")
-    reason, spec, write_y = gate_path(device, consumers, per_token_modulation, producer.writes_y)
+    reason, spec, write_y = gate_path(device, consumers, producer.writes_y)
     if reason:
         return PathDecision(path_name, False, reason)
     producer.quant = ProducerQuant(spec.quant_key, spec.input_scale, inverse_scale(spec.input_scale), write_y)

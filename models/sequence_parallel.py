@@ -1,11 +1,11 @@
 """Ulysses sequence parallelism: the joint [text, image] rows split over a group of ranks, attention over
 head shards.
 
-A model declares a `SequencePlan`: the module whose keyword inputs split (image rows, text rows and their
-RoPE rows; the key mask stays whole) and the module whose output gathers the image rows back.
-`shard_sequence(model, group)` installs hooks from that plan, so the block code stays as it is:
-projections, fused FP8 producers, q/k norm+RoPE and MLPs run on the local rows unchanged. The
-all-to-all that trades sequence shards for head shards around attention sits in
+A model declares a `SequencePlan`: the module whose keyword inputs split (image rows, text rows, their
+RoPE rows and the image rows' per-token modulation index; the key mask stays whole) and the module whose
+output gathers the image rows back. `shard_sequence(model, group)` installs hooks from that plan, so the
+block code stays as it is: projections, fused FP8 producers, q/k norm+RoPE and MLPs run on the local rows
+unchanged. The all-to-all that trades sequence shards for head shards around attention sits in
 `models.qwen_image.math.joint_attention`, which asks `active_shards()` whether the running forward is sharded.
 
 The split: the text rows and the image rows are each cut into contiguous, nearly equal parts (the first
@@ -46,6 +46,7 @@ class SequencePlan:
     text_rows: str  # [B, S_txt, C] along dim 1
     rope: str  # (img [S_img, ...], txt [S_txt, ...]) named tuple, along dim 0
     gather: str
+    image_index: str | None = None  # [B, S_img] per image row (or None at call time), along dim 1
 
 
 def row_parts(rows: int, size: int) -> tuple[int, ...]:
@@ -242,6 +243,8 @@ class SequenceParallel:
             plan.text_rows: text[:, rows_txt],
             plan.rope: rope._replace(img=rope.img[rows_img], txt=rope.txt[rows_txt]),
         }
+        if plan.image_index is not None and kwargs.get(plan.image_index) is not None:
+            kwargs[plan.image_index] = kwargs[plan.image_index][:, rows_img].contiguous()
         self.current = shards
         self._tokens.append(_ACTIVE.set(shards))
         return args, kwargs

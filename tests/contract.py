@@ -96,14 +96,22 @@ def quantize(y_bits: np.ndarray, inv_scale: np.float32) -> np.ndarray:
         return e4m3_encode(np.clip(widen(y_bits) * F32(inv_scale), F32(-448.0), F32(448.0)))
 
 
+def token_rows(mod_bits: np.ndarray, mod_index: np.ndarray | None) -> np.ndarray:
+    """fp32 modulation rows over the tokens: row b of [B, D] for every token of sample b ([B, 1, D]), or
+    row `mod_index[b, l]` of [R, D] for token (b, l) ([B, L, D]): per-token modulation."""
+    mod = widen(mod_bits)
+    return mod[:, None, :] if mod_index is None else mod[mod_index]
+
+
 def layer_norm_modulate(
     x_bits: np.ndarray,
     shift_bits: np.ndarray,
     scale_bits: np.ndarray,
     eps: float,
     narrow: Narrow = round_bf16,
+    mod_index: np.ndarray | None = None,
 ) -> np.ndarray:
-    """y of producer 1 for x [B, L, D] and shift / scale [B, D] (bf16 encodings in, out)."""
+    """y of producer 1 for x [B, L, D] and shift / scale rows (bf16 encodings in, out), see `token_rows`."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         x = widen(x_bits)
         width = F32(x.shape[-1])
@@ -112,16 +120,20 @@ def layer_norm_modulate(
         var = row_sum(centered * centered) / width
         rstd = F32(1.0) / np.sqrt(var + F32(eps))
         normed = narrow(centered * rstd)
-        one_plus_scale = F32(1.0) + widen(scale_bits)[:, None, :]
-        return narrow(widen(normed) * one_plus_scale + widen(shift_bits)[:, None, :])
+        one_plus_scale = F32(1.0) + token_rows(scale_bits, mod_index)
+        return narrow(widen(normed) * one_plus_scale + token_rows(shift_bits, mod_index))
 
 
 def gated_residual(
-    residual_bits: np.ndarray, gate_bits: np.ndarray, x_bits: np.ndarray, narrow: Narrow = round_bf16
+    residual_bits: np.ndarray,
+    gate_bits: np.ndarray,
+    x_bits: np.ndarray,
+    narrow: Narrow = round_bf16,
+    mod_index: np.ndarray | None = None,
 ) -> np.ndarray:
-    """`r = bf16(fp32(residual) + fp32(gate) * fp32(x))` for [B, L, D] activations and a [B, D] gate."""
+    """`r = bf16(fp32(residual) + fp32(gate) * fp32(x))` for [B, L, D] activations and gate rows."""
     with np.errstate(over="ignore", invalid="ignore"):
-        return narrow(widen(residual_bits) + widen(gate_bits)[:, None, :] * widen(x_bits))
+        return narrow(widen(residual_bits) + token_rows(gate_bits, mod_index) * widen(x_bits))
 
 
 def gelu_tanh(h_bits: np.ndarray) -> np.ndarray:

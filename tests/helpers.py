@@ -14,6 +14,8 @@ import PIL.Image
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.qwen_image.math import ImageLayout
+
 CPU = torch.device("cpu")
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's chromium, driven by Playwright in the `browser` tests
 # The checkout under test: subprocesses run from it, so they import its code, not an installed copy.
@@ -55,15 +57,16 @@ class NoHostSync(TorchDispatchMode):
 
 def step_without_host_sync(
     model: torch.nn.Module,
-    grid: tuple[int, int, int],
+    grid: ImageLayout | tuple[int, int, int],
     device: torch.device = CPU,
     text_tokens: int = 5,
     pad_from: int | None = 3,
 ) -> None:
-    """Two transformer steps on a batch of two prompts (the second padded from `pad_from`; None: no mask):
-    a warm-up that fills the RoPE cache as the first step does, then one under NoHostSync, which fails on
-    any host synchronisation."""
-    latents = torch.randn(2, grid[1] * grid[2], model.config.in_channels, dtype=torch.bfloat16, device=device)
+    """Two transformer steps on a batch of two prompts (the second padded from `pad_from`; None: no mask)
+    over the image tokens of `grid` (a layout: target and reference grids): a warm-up that fills the RoPE
+    cache as the first step does, then one under NoHostSync, which fails on any host synchronisation."""
+    tokens = ImageLayout.of(grid).tokens
+    latents = torch.randn(2, tokens, model.config.in_channels, dtype=torch.bfloat16, device=device)
     prompt = torch.randn(
         2, text_tokens, model.config.joint_attention_dim, dtype=torch.bfloat16, device=device
     )

@@ -5,7 +5,8 @@ images and what it saw to OUT_DIR.
 
 Scenarios: `two` (CFG-2 and Ulysses-2 on BF16 and FP8, no host syncs in a sharded step, the web demo's
 leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step), `gpu`
-(tests/gpu/test_parallel_gpu.py: CFG-2 and Ulysses-2 on two GPUs, graphs and eager).
+(tests/gpu/test_parallel_gpu.py: CFG-2 and Ulysses-2 on two GPUs, graphs and eager), `edit` (the tiny
+Edit-2511 transformer under Ulysses: the per-token modulation index splits with the image rows).
 """
 
 import json
@@ -142,10 +143,38 @@ def run_die(out: Path) -> dict:
     return {"error": None}
 
 
+def run_edit(out: Path, _: str | None) -> dict:
+    """One Edit-2511 step (BF16 reference numerics, FP8 fused and unfused) sharded over the ranks; rank 0
+    saves the velocities to OUT_DIR/edit.pt."""
+    import torch
+    import torch.distributed as dist
+    from edit_fixtures import EDIT_LAYOUT, edit_step_inputs, fp8_edit_transformer, tiny_edit_transformer
+    from helpers import step_without_host_sync
+
+    from models.sequence_parallel import shard_sequence
+
+    dist.init_process_group("gloo")
+    models = {"bf16": tiny_edit_transformer(), "fp8": fp8_edit_transformer()}
+    inputs = edit_step_inputs(2, EDIT_LAYOUT, 9, torch.bfloat16, True)
+    outputs = {}
+    with torch.no_grad():
+        for name, model in models.items():
+            shard_sequence(model, dist.group.WORLD)
+            outputs[name] = model(*inputs, EDIT_LAYOUT)
+        models["fp8"].post_load_weights(fuse=False)
+        outputs["fp8-unfused"] = models["fp8"](*inputs, EDIT_LAYOUT)
+        models["fp8"].post_load_weights()
+    step_without_host_sync(models["fp8"], EDIT_LAYOUT, text_tokens=7, pad_from=4)
+    if dist.get_rank() == 0:
+        torch.save(outputs, out / "edit.pt")
+    dist.destroy_process_group()
+    return {"fusion": models["fp8"].fusion_report.summary().splitlines()[0], "no_host_sync": True}
+
+
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     fp8 = sys.argv[3] if len(sys.argv) > 3 else None
-    runs = {"two": run_two, "four": run_four, "gpu": run_gpu}
+    runs = {"two": run_two, "four": run_four, "gpu": run_gpu, "edit": run_edit}
     seen = runs[scenario](out, fp8) if scenario != "die" else run_die(out)
     if os.environ.get("RANK") == "0":
         (out / "seen.json").write_text(json.dumps(seen))

@@ -65,10 +65,6 @@ def test_unquantized_input_needs_a_producer_that_writes_it():
     assert reason == "" and write_y is True
 
 
-def test_per_token_modulation_is_refused():
-    assert "zero_cond_t" in gate_path(CPU, qkv(0.5, 0.5, 0.5), per_token_modulation=True)[0]
-
-
 def test_unvalidated_cuda_capability_is_refused():
     cuda = torch.device("cuda", 0)
     with mock.patch("torch.cuda.get_device_capability", return_value=(8, 9)):

@@ -1,8 +1,9 @@
 """The torch twins equal the step-by-step numpy emulation of DESIGN §4 (tests/contract.py) bit for bit.
 
 Inputs hold every bf16 encoding (NaN, inf, subnormals, both zeros) in activations, in shift / scale /
-gate rows and in the GELU input, plus rows at the model's width with real cancellation. Only NaN
-encodings are compared as "NaN" (`contract.canonical`); every other byte must match.
+gate rows and in the GELU input, plus rows at the model's width with real cancellation; the modulation
+rows are per sample or picked per token by `mod_index` (every row of every encoding reached, and Edit-2511's
+layout). Only NaN encodings are compared as "NaN" (`contract.canonical`); every other byte must match.
 """
 
 import contract
@@ -37,6 +38,12 @@ def finite_mixed(seed: int) -> torch.Tensor:
     values = values[values.isfinite()]
     order = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(seed))
     return values[order].reshape(255, 2, 128)
+
+
+def every_row_twice(batch: int, seq: int, rows: int, seed: int) -> torch.Tensor:
+    """int32 [B, L] per-token index over `rows` modulation rows, each row used by two tokens (B*L = 2R)."""
+    order = torch.randperm(batch * seq, generator=torch.Generator().manual_seed(seed)) % rows
+    return order.reshape(batch, seq).int()
 
 
 def modulation_rows(batch: int, width: int, seed: int) -> torch.Tensor:
@@ -81,6 +88,13 @@ PRODUCER1_CASES = {
     },
     "model width": lambda: model_width(seed=9),
     "shift cancels n": lambda: cancelling_shift(seed=10),
+    "per token: shift and scale rows every encoding": lambda: {
+        "x": make_inputs(128, 8, 128, seed=30)["x"],
+        "shift": every_encoding((512, 128), seed=31),
+        "scale": every_encoding((512, 128), seed=32),
+        "mod_index": every_row_twice(128, 8, 512, seed=33),
+    },
+    "per token: model width, Edit-2511 layout": lambda: make_inputs(2, 256, 3072, seed=34, target=100),
 }
 PRODUCER2_CASES = {
     "residual and x every encoding": lambda: {
@@ -93,13 +107,27 @@ PRODUCER2_CASES = {
         "gate": every_encoding((512, 128), seed=16),
     },
     "model width": lambda: model_width(seed=17),
+    "per token: gate rows every encoding": lambda: {
+        **modulated(make_inputs(128, 8, 128, seed=35)["x"], seed=39),
+        "residual": make_inputs(128, 8, 128, seed=40)["residual"],
+        "shift": modulation_rows(512, 128, seed=41),
+        "scale": modulation_rows(512, 128, seed=42),
+        "gate": every_encoding((512, 128), seed=36),
+        "mod_index": every_row_twice(128, 8, 512, seed=37),
+    },
+    "per token: model width, Edit-2511 layout": lambda: make_inputs(2, 256, 3072, seed=38, target=57),
 }
+
+
+def index_of(t: dict[str, torch.Tensor]) -> np.ndarray | None:
+    """The case's per-token index as numpy for the emulation (None: per-sample rows)."""
+    return None if "mod_index" not in t else t["mod_index"].numpy()
 
 
 def emulated_producer(t: dict[str, torch.Tensor], ln_input: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, q) of the contract for LN input encodings `ln_input` and the case's shift and scale."""
     bits = contract.bf16_bits
-    y = contract.layer_norm_modulate(ln_input, bits(t["shift"]), bits(t["scale"]), EPS)
+    y = contract.layer_norm_modulate(ln_input, bits(t["shift"]), bits(t["scale"]), EPS, mod_index=index_of(t))
     q = contract.quantize(y, contract.inverse_scale(QUANT_SCALE))
     return contract.as_bf16(y), contract.as_e4m3(q)
 
@@ -108,7 +136,7 @@ def emulated_producer(t: dict[str, torch.Tensor], ln_input: np.ndarray) -> tuple
 def test_layer_norm_modulate_twin_is_the_contract(case: str) -> None:
     t = PRODUCER1_CASES[case]()
     inv = inverse_scale(torch.tensor(QUANT_SCALE))
-    y, q = layer_norm_modulate_torch(t["x"], t["shift"], t["scale"], EPS, inv)
+    y, q = layer_norm_modulate_torch(t["x"], t["shift"], t["scale"], EPS, inv, mod_index=t.get("mod_index"))
     y_want, q_want = emulated_producer(t, contract.bf16_bits(t["x"]))
     contract.assert_same_encodings(y, y_want, f"{case}: y")
     contract.assert_same_encodings(q, q_want, f"{case}: q")
@@ -119,9 +147,11 @@ def test_gated_residual_layer_norm_modulate_twin_is_the_contract(case: str) -> N
     t = PRODUCER2_CASES[case]()
     inv = inverse_scale(torch.tensor(QUANT_SCALE))
     args = (t["residual"], t["gate"], t["x"], t["shift"], t["scale"], EPS, inv)
-    r, y, q = gated_residual_layer_norm_modulate_torch(*args)
+    r, y, q = gated_residual_layer_norm_modulate_torch(*args, mod_index=t.get("mod_index"))
     bits = contract.bf16_bits
-    r_want = contract.gated_residual(bits(t["residual"]), bits(t["gate"]), bits(t["x"]))
+    r_want = contract.gated_residual(
+        bits(t["residual"]), bits(t["gate"]), bits(t["x"]), mod_index=index_of(t)
+    )
     y_want, q_want = emulated_producer(t, r_want)
     contract.assert_same_encodings(r, contract.as_bf16(r_want), f"{case}: r")
     contract.assert_same_encodings(y, y_want, f"{case}: y")

@@ -36,10 +36,22 @@ def _tensors(width: int):
     return act, mods, inverse_scale(torch.tensor(0.01))
 
 
+def _per_token(width: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """gate, shift, scale as [2B, D] rows and the Edit-2511 index: token 0 of each sample on its own row,
+    the others on the t = 0 rows B..2B-1."""
+    g = torch.Generator().manual_seed(1)
+    mods = [torch.randn(2 * B, width, generator=g).to(BF16) for _ in range(3)]
+    index = torch.arange(B, dtype=torch.int32)[:, None] + B * (torch.arange(L) > 0).int()
+    return mods, index.int()
+
+
 def _variants(width: int = 48):
     """(name, call, expected dtype per returned slot, None where absent) for every entry point and mode."""
     (res, x), (gate, shift, scale), inv = _tensors(width)
     p2 = (res, gate, x, shift, scale, 1e-6)
+    (gate_t, shift_t, scale_t), index = _per_token(width)
+    p1_t = (x, shift_t, scale_t, 1e-6)
+    p2_t = (res, gate_t, x, shift_t, scale_t, 1e-6)
     return [
         ("quant", lambda: static_quant_fp8_triton(x, inv), FP8),
         ("p1 y", lambda: layer_norm_modulate_triton(x, shift, scale, 1e-6), (BF16, None)),
@@ -51,6 +63,25 @@ def _variants(width: int = 48):
         ("p2 q", lambda: gated_residual_layer_norm_modulate_triton(*p2, inv, False), (BF16, None, FP8)),
         ("p2 r", lambda: gated_residual_layer_norm_modulate_triton(*p2, None, False), (BF16, None, None)),
         ("residual", lambda: gated_residual_triton(res, gate, x), BF16),
+        ("p1 y token", lambda: layer_norm_modulate_triton(*p1_t, mod_index=index), (BF16, None)),
+        ("p1 y+q token", lambda: layer_norm_modulate_triton(*p1_t, inv, mod_index=index), (BF16, FP8)),
+        ("p1 q token", lambda: layer_norm_modulate_triton(*p1_t, inv, False, index), (None, FP8)),
+        (
+            "p2 y token",
+            lambda: gated_residual_layer_norm_modulate_triton(*p2_t, mod_index=index),
+            (BF16, BF16, None),
+        ),
+        (
+            "p2 y+q token",
+            lambda: gated_residual_layer_norm_modulate_triton(*p2_t, inv, True, index),
+            (BF16, BF16, FP8),
+        ),
+        (
+            "p2 q token",
+            lambda: gated_residual_layer_norm_modulate_triton(*p2_t, inv, False, index),
+            (BF16, None, FP8),
+        ),
+        ("residual token", lambda: gated_residual_triton(res, gate_t, x, index), BF16),
         ("gelu", lambda: gelu_tanh_triton(x), BF16),
         ("gelu q", lambda: gelu_tanh_quant_triton(x, inv), (None, FP8)),
         ("gelu g+q", lambda: gelu_tanh_quant_triton(x, inv, True), (BF16, FP8)),
@@ -83,9 +114,9 @@ def compile_report() -> dict:
         "gelu": gelu_quant._gelu_tanh_quant_kernel,
     }
     calls = {name: record_launches(kernel) for name, kernel in kernels.items()}
-    # the unfused path's producer launch (y only) and every fused mode of each kernel
+    # the unfused path's producer launch (y only) and every fused mode of each kernel, per sample or token
     for name, call, _ in _variants(3072):
-        if name not in ("p1 none", "p2 r", "residual"):
+        if name not in ("p1 none", "p2 r", "residual", "residual token"):
             call()
     report = {}
     for name, kernel in kernels.items():
@@ -103,7 +134,7 @@ def report() -> dict:
     return report_from_subprocess(__file__)
 
 
-@pytest.mark.parametrize("name, launches", [("quant", 1), ("producer1", 3), ("producer2", 3), ("gelu", 3)])
+@pytest.mark.parametrize("name, launches", [("quant", 1), ("producer1", 6), ("producer2", 6), ("gelu", 3)])
 def test_fused_and_unfused_launches_share_one_binary(report, name, launches):
     assert report[name]["launches"] == launches
     assert report[name]["keys"] == 1

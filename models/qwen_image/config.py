@@ -12,7 +12,7 @@ PIPELINE_CLASS = "QwenImagePipeline"  # model_index.json `_class_name` of a text
 DEFAULT_VAE_DOWNSAMPLE = (False, True, True)  # AutoencoderKLQwenImage's default temperal_downsample
 DEFAULT_VAE_Z_DIM = 16
 
-UNSUPPORTED_FLAGS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
+UNSUPPORTED_FLAGS = ("use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class QwenImageConfig:
     num_attention_heads: int = 24
     joint_attention_dim: int = 3584
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    zero_cond_t: bool = False  # Edit-2511: reference-image tokens modulated from t = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -51,12 +52,13 @@ class QwenImageConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "QwenImageConfig":
-        """Build from a diffusers config dict; refuses variant flags this text-to-image model lacks."""
+        """Build from a diffusers config dict; refuses variant flags this model lacks (Qwen-Image-Layered's
+        `use_additional_t_cond` / `use_layer3d_rope`, guidance embeddings)."""
         enabled = [flag for flag in UNSUPPORTED_FLAGS if raw.get(flag)]
         if enabled:
             raise CheckpointError(
-                f"transformer config enables {', '.join(enabled)}: only the text-to-image Qwen-Image "
-                "architecture is supported"
+                f"transformer config enables {', '.join(enabled)}: only the Qwen-Image and Qwen-Image-Edit "
+                "architectures (zero_cond_t included) are supported"
             )
         names = {f.name for f in fields(cls)} - {"extra"}
         known = {k: v for k, v in raw.items() if k in names}

@@ -4,6 +4,7 @@ Each mirrors diffusers' arithmetic exactly (same ops, same dtypes), which the or
 """
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -49,26 +50,60 @@ class Rope(NamedTuple):
     txt: torch.Tensor
 
 
+Grid = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """The image tokens of one forward: the target's F x H x W grid, then each reference image's grid,
+    appended in order (Edit: the input images' latents; diffusers' `img_shapes` of one sample). Host data
+    only and hashable, so it keys RoPE caches and CUDA-graph captures; nothing in it syncs a step."""
+
+    target: Grid
+    references: tuple[Grid, ...] = ()
+
+    @classmethod
+    def of(cls, layout: "ImageLayout | Grid") -> "ImageLayout":
+        """A layout, or a single grid (text-to-image) as the layout of that one image."""
+        return layout if isinstance(layout, ImageLayout) else cls(tuple(layout))
+
+    @property
+    def grids(self) -> tuple[Grid, ...]:
+        return (self.target, *self.references)
+
+    @property
+    def target_tokens(self) -> int:
+        return math.prod(self.target)
+
+    @property
+    def tokens(self) -> int:
+        return sum(math.prod(grid) for grid in self.grids)
+
+
 def rope_frequencies(
     tables: tuple[torch.Tensor, torch.Tensor],
     axes_dims: tuple[int, int, int],
-    grid: tuple[int, int, int],
+    layout: ImageLayout | Grid,
     text_len: int,
 ) -> Rope:
-    """Image and text rotations for an F x H x W latent grid with centered image positions."""
-    frames, height, width = grid
+    """Image and text rotations with centered image positions: image i of the layout takes frame index i
+    onward (diffusers' `QwenEmbedRope`), the text starts after the largest half-extent of all images."""
+    layout = ImageLayout.of(layout)
     splits = [d // 2 for d in axes_dims]
     pos = tables[0].split(splits, dim=1)
     neg = tables[1].split(splits, dim=1)
-    f = pos[0][:frames].view(frames, 1, 1, -1).expand(frames, height, width, -1)
-    h = torch.cat([neg[1][-(height - height // 2) :], pos[1][: height // 2]], dim=0)
-    h = h.view(1, height, 1, -1).expand(frames, height, width, -1)
-    w = torch.cat([neg[2][-(width - width // 2) :], pos[2][: width // 2]], dim=0)
-    w = w.view(1, 1, width, -1).expand(frames, height, width, -1)
-    image = torch.cat([f, h, w], dim=-1).reshape(frames * height * width, -1)
-    start = max(height // 2, width // 2)
+    images = []
+    for index, (frames, height, width) in enumerate(layout.grids):
+        f = pos[0][index : index + frames].view(frames, 1, 1, -1).expand(frames, height, width, -1)
+        h = torch.cat([neg[1][-(height - height // 2) :], pos[1][: height // 2]], dim=0)
+        h = h.view(1, height, 1, -1).expand(frames, height, width, -1)
+        w = torch.cat([neg[2][-(width - width // 2) :], pos[2][: width // 2]], dim=0)
+        w = w.view(1, 1, width, -1).expand(frames, height, width, -1)
+        images.append(torch.cat([f, h, w], dim=-1).reshape(frames * height * width, -1))
+    start = max(max(height // 2, width // 2) for _, height, width in layout.grids)
     return Rope(
-        torch.view_as_real(image.contiguous()), torch.view_as_real(tables[0][start : start + text_len])
+        torch.view_as_real(torch.cat(images).contiguous()),
+        torch.view_as_real(tables[0][start : start + text_len]),
     )
 
 

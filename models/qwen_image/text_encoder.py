@@ -53,20 +53,28 @@ def encode_prompts(
         output_hidden_states=True,
         logits_to_keep=1,
     )
-    valid = tokens.attention_mask.bool()
-    kept = valid.sum(dim=1).tolist()
-    warn_dropped_tokens(tokenizer, texts, kept, max_sequence_length)
-    rows = torch.split(output.hidden_states[-1][valid], kept, dim=0)
-    rows = [row[DROP_TOKENS:] for row in rows]
+    warn_dropped_tokens(tokenizer, texts, tokens.attention_mask.sum(dim=1).tolist(), max_sequence_length)
+    embeds, mask = padded_prompt_rows(output.hidden_states[-1], tokens.attention_mask, DROP_TOKENS)
+    embeds = embeds.to(dtype=dtype, device=device)[:, :max_sequence_length].contiguous()
+    mask = mask[:, :max_sequence_length].contiguous()
+    return embeds, None if mask.all() else mask
+
+
+def padded_prompt_rows(
+    hidden_states: torch.Tensor, attention_mask: torch.Tensor, drop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt's valid rows of the last hidden state without its first `drop` (template) tokens,
+    right-padded with zeros to the longest: (embeds [B, L, hidden], long mask [B, L]), as diffusers'
+    `_extract_masked_hidden` and the stacking after it."""
+    valid = attention_mask.bool()
+    rows = torch.split(hidden_states[valid], valid.sum(dim=1).tolist(), dim=0)
+    rows = [row[drop:] for row in rows]
     lengths = torch.tensor([row.size(0) for row in rows], device=rows[0].device)
     longest = int(lengths.max())
     embeds = torch.stack(
         [torch.cat([row, row.new_zeros(longest - row.size(0), row.size(1))]) for row in rows]
     )
-    mask = (torch.arange(longest, device=lengths.device) < lengths[:, None]).long()
-    embeds = embeds.to(dtype=dtype, device=device)[:, :max_sequence_length].contiguous()
-    mask = mask[:, :max_sequence_length].contiguous()
-    return embeds, None if mask.all() else mask
+    return embeds, (torch.arange(longest, device=lengths.device) < lengths[:, None]).long()
 
 
 def warn_dropped_tokens(

@@ -3,6 +3,12 @@
 Norm, modulate, gated-residual and q/k norm+RoPE steps go through `kernels.seam`; the producer modules
 (`NormModulate`, `ResidualNormModulate`) are where `post_load_weights` plugs in fused FP8 paths,
 so the block forward below stays free of special cases.
+
+Edit-2511's `zero_cond_t` is data, not a branch: the image stream's conditioning `temb` has 2B rows (the
+step's t, then t = 0) and `mod_index` [B, L] names each image token's modulation row (target tokens row b,
+reference-image tokens row B + b); the text stream and `norm_out` use the first B rows. Without it `temb`
+has B rows and `mod_index` is None (per-sample rows). The image token layout (`ImageLayout`: target grid,
+then reference grids) is host data, so a step stays free of host syncs and capturable in a CUDA graph.
 """
 
 import torch
@@ -20,6 +26,7 @@ from kernels.seam import (
     residual_norm_modulate,
     residual_norm_modulate_quant,
 )
+from models.errors import InputError
 from models.fp8 import Fp8Linear, QuantizedActivation
 from models.fusion import (
     FusionReport,
@@ -32,6 +39,8 @@ from models.modelopt import QuantConfig
 from models.numerics import NumericsAware, set_numerics
 from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.math import (
+    Grid,
+    ImageLayout,
     Rope,
     joint_attention,
     joint_key_mask,
@@ -83,14 +92,20 @@ class Producer(NumericsAware, nn.Module):
 
 
 class NormModulate(Producer):
-    """Producer 1: `modulate(LN(x), shift, scale)` feeding Q/K/V (or the output projection)."""
+    """Producer 1: `modulate(LN(x), shift, scale)` feeding Q/K/V (or the output projection); modulation
+    rows per sample, or per token through `mod_index` (kernels.seam)."""
 
     def forward(
-        self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+        self,
+        x: torch.Tensor,
+        shift: torch.Tensor,
+        scale: torch.Tensor,
+        mod_index: torch.Tensor | None = None,
     ) -> torch.Tensor | QuantizedActivation:
         if self.quant is None:
-            return norm_modulate(x, shift, scale, self.eps, self.numerics)
-        y, q = norm_modulate_quant(x, shift, scale, self.eps, self.quant.inv_scale, self.quant.write_y)
+            return norm_modulate(x, shift, scale, self.eps, self.numerics, mod_index)
+        quant = self.quant
+        y, q = norm_modulate_quant(x, shift, scale, self.eps, quant.inv_scale, quant.write_y, mod_index)
         return self.quantized(y, q, x.dtype)
 
 
@@ -104,11 +119,12 @@ class ResidualNormModulate(Producer):
         x: torch.Tensor,
         shift: torch.Tensor,
         scale: torch.Tensor,
+        mod_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | QuantizedActivation]:
         if self.quant is None:
-            return residual_norm_modulate(residual, gate, x, shift, scale, self.eps, self.numerics)
+            return residual_norm_modulate(residual, gate, x, shift, scale, self.eps, self.numerics, mod_index)
         r, y, q = residual_norm_modulate_quant(
-            residual, gate, x, shift, scale, self.eps, self.quant.inv_scale, self.quant.write_y
+            residual, gate, x, shift, scale, self.eps, self.quant.inv_scale, self.quant.write_y, mod_index
         )
         return r, self.quantized(y, q, r.dtype)
 
@@ -116,8 +132,14 @@ class ResidualNormModulate(Producer):
 class GatedResidual(NumericsAware, nn.Module):
     """`residual + gate * x` after the MLP."""
 
-    def forward(self, residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return residual_add(residual, gate, x, self.numerics)
+    def forward(
+        self,
+        residual: torch.Tensor,
+        gate: torch.Tensor,
+        x: torch.Tensor,
+        mod_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return residual_add(residual, gate, x, self.numerics, mod_index)
 
 
 class GeluProjection(Producer):
@@ -220,20 +242,23 @@ class QwenImageTransformerBlock(nn.Module):
         key_mask: torch.Tensor | None,
         temb: torch.Tensor,
         rope: Rope,
+        mod_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
-        txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+        txt_mod1, txt_mod2 = self.txt_mod(temb[: encoder_hidden_states.shape[0]]).chunk(2, dim=-1)
         img_shift1, img_scale1, img_gate1 = img_mod1.chunk(3, dim=-1)
         img_shift2, img_scale2, img_gate2 = img_mod2.chunk(3, dim=-1)
         txt_shift1, txt_scale1, txt_gate1 = txt_mod1.chunk(3, dim=-1)
         txt_shift2, txt_scale2, txt_gate2 = txt_mod2.chunk(3, dim=-1)
 
-        img_in = self.img_norm1(hidden_states, img_shift1, img_scale1)
+        img_in = self.img_norm1(hidden_states, img_shift1, img_scale1, mod_index)
         txt_in = self.txt_norm1(encoder_hidden_states, txt_shift1, txt_scale1)
         img_attn, txt_attn = self.attn(img_in, txt_in, key_mask, rope)
 
-        hidden_states, img_mlp_in = self.img_norm2(hidden_states, img_gate1, img_attn, img_shift2, img_scale2)
-        hidden_states = self.img_residual(hidden_states, img_gate2, self.img_mlp(img_mlp_in))
+        hidden_states, img_mlp_in = self.img_norm2(
+            hidden_states, img_gate1, img_attn, img_shift2, img_scale2, mod_index
+        )
+        hidden_states = self.img_residual(hidden_states, img_gate2, self.img_mlp(img_mlp_in), mod_index)
 
         encoder_hidden_states, txt_mlp_in = self.txt_norm2(
             encoder_hidden_states, txt_gate1, txt_attn, txt_shift2, txt_scale2
@@ -275,11 +300,12 @@ class TransformerBlocks(nn.ModuleList):
         key_mask: torch.Tensor | None,
         temb: torch.Tensor,
         rope: Rope,
+        mod_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Image rows after every block (the text rows only feed the attention)."""
         for block in self:
             encoder_hidden_states, hidden_states = block(
-                hidden_states, encoder_hidden_states, key_mask, temb, rope
+                hidden_states, encoder_hidden_states, key_mask, temb, rope, mod_index
             )
         return hidden_states
 
@@ -325,14 +351,16 @@ class OutputNorm(nn.Module):
 class QwenImageTransformer(nn.Module):
     """The Qwen-Image DiT; `forward` matches diffusers' `QwenImageTransformer2DModel.forward`."""
 
-    # Ulysses sequence parallelism (models/sequence_parallel.py): the blocks' image rows, text rows and
-    # their RoPE rows split over the ranks (the key mask stays whole); image rows gather before `proj_out`.
+    # Ulysses sequence parallelism (models/sequence_parallel.py): the blocks' image rows, text rows, their
+    # RoPE rows and the image rows' modulation index split over the ranks (the key mask stays whole); image
+    # rows gather before `proj_out`.
     sequence_parallel_plan = SequencePlan(
         split="transformer_blocks",
         image_rows="hidden_states",
         text_rows="encoder_hidden_states",
         rope="rope",
         gather="norm_out",
+        image_index="mod_index",
     )
 
     def __init__(self, config: QwenImageConfig) -> None:
@@ -384,15 +412,28 @@ class QwenImageTransformer(nn.Module):
         )
         return self.fusion_report
 
-    def rope(self, grid: tuple[int, int, int], text_len: int, device: torch.device) -> Rope:
-        """Cached image and text RoPE rotations on `device` (computed once per grid and text length)."""
-        key = (grid, text_len, device)
+    def rope(self, layout: ImageLayout, text_len: int, device: torch.device) -> Rope:
+        """Cached image and text RoPE rotations on `device` (computed once per layout and text length)."""
+        key = (layout, text_len, device)
         if key not in self._rope_cache:
             if device not in self._device_rope_tables:  # copied to the device once, not per shape
                 self._device_rope_tables[device] = tuple(t.to(device) for t in self._rope_tables)
             tables = self._device_rope_tables[device]
-            self._rope_cache[key] = rope_frequencies(tables, self.config.axes_dims_rope, grid, text_len)
+            self._rope_cache[key] = rope_frequencies(tables, self.config.axes_dims_rope, layout, text_len)
         return self._rope_cache[key]
+
+    def conditioning_timesteps(self, timestep: torch.Tensor) -> torch.Tensor:
+        """The timesteps of `temb`'s rows: [B], or with `zero_cond_t` [2B], the step's then t = 0."""
+        return torch.cat([timestep, timestep * 0]) if self.config.zero_cond_t else timestep
+
+    def modulation_index(self, layout: ImageLayout, batch: int, device: torch.device) -> torch.Tensor | None:
+        """Per-token modulation rows of the image stream (int32 [B, L]): with `zero_cond_t`, sample b's
+        target tokens take row b of `temb`, its reference tokens row B + b (diffusers' `modulate_index`).
+        Made on the device from host ints: no copy from the host, nothing to sync."""
+        if not self.config.zero_cond_t:
+            return None
+        reference = (torch.arange(layout.tokens, device=device) >= layout.target_tokens).to(torch.int32)
+        return torch.arange(batch, dtype=torch.int32, device=device)[:, None] + batch * reference
 
     def forward(
         self,
@@ -400,20 +441,28 @@ class QwenImageTransformer(nn.Module):
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_mask: torch.Tensor | None,
         timestep: torch.Tensor,
-        grid: tuple[int, int, int],
+        layout: ImageLayout | Grid,
     ) -> torch.Tensor:
-        """Velocity for packed latents [B, F*H*W, 64] at sigma `timestep` [B] (already divided by 1000)."""
+        """Velocity for packed latents [B, tokens, 64] at sigma `timestep` [B] (already divided by 1000).
+
+        `layout`: the image tokens' grids, target first (a plain (F, H, W) grid for text-to-image); the
+        output covers every image token, the caller keeps the target's (Edit: `out[:, :target_tokens]`).
+        """
+        layout = ImageLayout.of(layout)
+        if hidden_states.shape[1] != layout.tokens:
+            raise InputError(f"{hidden_states.shape[1]} image tokens, but {layout} has {layout.tokens}")
         hidden_states = self.img_in(hidden_states)
         timestep = timestep.to(hidden_states.dtype)
         encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))
         mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
-        temb = self.time_text_embed(timestep, hidden_states.dtype)
-        rope = self.rope(grid, encoder_hidden_states.shape[1], hidden_states.device)
+        temb = self.time_text_embed(self.conditioning_timesteps(timestep), hidden_states.dtype)
+        device, batch = hidden_states.device, hidden_states.shape[0]
         hidden_states = self.transformer_blocks(
             hidden_states=hidden_states,
             encoder_hidden_states=encoder_hidden_states,
             key_mask=joint_key_mask(mask, hidden_states.shape[1]),
             temb=temb,
-            rope=rope,
+            rope=self.rope(layout, encoder_hidden_states.shape[1], device),
+            mod_index=self.modulation_index(layout, batch, device),
         )
-        return self.proj_out(self.norm_out(hidden_states, temb))
+        return self.proj_out(self.norm_out(hidden_states, temb[:batch]))

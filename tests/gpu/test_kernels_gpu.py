@@ -6,7 +6,12 @@
   bf16 encoding plus normal data: fused == unfused byte for byte and from the same compiled binary;
   r equal to the twin's (NaN where NaN); y explained by LN statistics within the sum-order slack, and
   differing from the twin in at most 1e-4 of the values; g within tanh's last-bit slack of the contract;
-  q == the quantizer of the kernel's own y / g, byte-exact.
+  q == the quantizer of the kernel's own y / g, byte-exact;
+- both producers with per-token modulation rows (`mod_index`, Edit-2511's `zero_cond_t`), at rows
+  {1, 127, 1024, 4096, 8192} x the same widths, every bf16 encoding in the activations and in the shift /
+  scale / gate rows (every row reached), and Edit-2511's layout (target rows, then reference rows on the
+  t = 0 modulation): the same checks, for each of the 8 input scales, per-token launches reusing the
+  per-sample binary; an index naming each token's own sample gives the per-sample bytes.
 Mismatch counts vs the twins are printed (run with -s).
 """
 
@@ -29,6 +34,7 @@ from kernels.norm_modulate import (
     _layer_norm_modulate_kernel,
     gated_residual_layer_norm_modulate_torch,
     gated_residual_layer_norm_modulate_triton,
+    gated_residual_triton,
     layer_norm_modulate,
     layer_norm_modulate_torch,
     layer_norm_modulate_triton,
@@ -97,17 +103,20 @@ def check_producer_against_twin(
     shift: torch.Tensor,
     scale: torch.Tensor,
     inv: torch.Tensor,
+    mod_index: torch.Tensor | None = None,
 ) -> None:
     """A producer's (y, q) against its torch twin's: y differs in at most 1e-4 of the values and is
-    explained by the LN statistics of `ln_input` in the overflow-safe rows; q is the quantizer of y."""
+    explained by the LN statistics of `ln_input` in the overflow-safe rows (or NaN where the twin's is:
+    modulation rows may hold NaN); q is the quantizer of y."""
     (y, q), (y_twin, q_twin) = fused, twin
     ok = safe_rows(ln_input)
     bad_y = report(f"{tag} y", y, y_twin, ok)
     report(f"{tag} q", q, q_twin, ok)
     assert bad_y <= max(8, y_twin.numel() // 10_000)
-    assert bool(
-        explained_by_ln_statistics(y, ln_input, shift, scale, interpreter=False)[ok.expand_as(y)].all()
+    explained = explained_by_ln_statistics(y, ln_input, shift, scale, False, mod_index) | (
+        y.isnan() & y_twin.isnan()
     )
+    assert bool(explained[ok.expand_as(y)].all())
     assert same_bytes(q, static_quant_fp8_torch(y, inv))
 
 
@@ -202,6 +211,114 @@ def test_gelu(rows, width):
     report(f"gelu rows={rows} D={width} g", g_fused, gelu_tanh_torch(h), everywhere)
     assert bool(within_tanh_slack(g_fused, h, tol=0).all())
     assert same_bytes(q_fused, static_quant_fp8_torch(g_fused, inv))
+
+
+PER_TOKEN_CASES = [
+    (rows, width, layout)
+    for rows in [*ROWS, 8192]
+    for width in WIDTHS
+    for layout in ("every row", "Edit-2511")
+]
+
+
+def every_encoding_rows(width: int, seed: int) -> torch.Tensor:
+    """[R, D] bf16 modulation rows holding all 65536 encodings, shuffled (the last row's rest normal)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = -(-(1 << 16) // width)
+    values = (0.5 * torch.randn(rows * width, device="cuda", generator=g)).bfloat16()
+    values[: 1 << 16] = all_bf16().cuda()[torch.randperm(1 << 16, device="cuda", generator=g)]
+    return values.view(rows, width)
+
+
+def per_token_modulation(
+    x: torch.Tensor, layout: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, shift, scale rows and the int32 [B, L] index: "every row": three [R, D] tensors of every
+    encoding, tokens spread over all rows (each reached once there are R tokens); "Edit-2511": strided
+    chunks of a [2B, 6D] modulation output, the first third of each sample's tokens on rows 0..B-1, the
+    rest on the t = 0 rows B..2B-1."""
+    batch, seq, width = x.shape
+    if layout == "Edit-2511":
+        gate, shift, scale = modulation(2 * batch, width, seed)
+        reference = (torch.arange(seq, device="cuda") >= seq // 3).int()
+        index = torch.arange(batch, dtype=torch.int32, device="cuda")[:, None] + batch * reference
+        return gate, shift, scale, index.int().contiguous()
+    gate, shift, scale = (every_encoding_rows(width, seed + k) for k in range(3))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    index = torch.randperm(batch * seq, device="cuda", generator=g) % gate.shape[0]
+    return gate, shift, scale, index.view(batch, seq).int()
+
+
+@pytest.mark.parametrize("rows, width, layout", PER_TOKEN_CASES)
+def test_producer1_per_token(rows, width, layout):
+    x = activations(rows, width, seed=rows + width + 7)
+    _, shift, scale, index = per_token_modulation(x, layout, seed=rows)
+    args = (x, shift, scale, EPS)
+    layer_norm_modulate_triton(x, *modulation(x.shape[0], width, seed=rows)[1:], EPS)  # per sample
+    compiled = binaries(_layer_norm_modulate_kernel)
+    y_unfused, _ = layer_norm_modulate_triton(*args, mod_index=index)
+    for s in INPUT_SCALES:
+        inv = inverse_scale(torch.tensor(s, device="cuda"))
+        q_unfused = static_quant_fp8_triton(y_unfused, inv)
+        y_fused, q_fused = layer_norm_modulate_triton(*args, inv, mod_index=index)
+        _, q_only = layer_norm_modulate_triton(*args, inv, write_y=False, mod_index=index)
+        assert same_bytes(y_fused, y_unfused)
+        assert same_bytes(q_fused, q_unfused) and same_bytes(q_only, q_unfused), s
+    assert binaries(_layer_norm_modulate_kernel) == compiled  # per token, fused or not: the same binary
+
+    y_ref, q_ref = layer_norm_modulate_torch(*args, inv, mod_index=index)
+    check_producer_against_twin(
+        f"p1 per token ({layout}) rows={rows} D={width}", x, (y_fused, q_fused), (y_ref, q_ref),
+        shift, scale, inv, index,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("rows, width, layout", PER_TOKEN_CASES)
+def test_producer2_per_token(rows, width, layout):
+    residual = activations(rows, width, seed=rows + width + 8)
+    x = (3 * torch.randn_like(residual, dtype=torch.float32)).bfloat16()
+    gate, shift, scale, index = per_token_modulation(x, layout, seed=rows + 1)
+    args = (residual, gate, x, shift, scale, EPS)
+    kernel = _gated_residual_layer_norm_modulate_kernel
+    per_sample_gate, per_sample_shift, per_sample_scale = modulation(x.shape[0], width, seed=rows)
+    gated_residual_layer_norm_modulate_triton(
+        residual, per_sample_gate, x, per_sample_shift, per_sample_scale, EPS
+    )
+    compiled = binaries(kernel)
+    r_unfused, y_unfused, _ = gated_residual_layer_norm_modulate_triton(*args, mod_index=index)
+    for s in INPUT_SCALES:
+        inv = inverse_scale(torch.tensor(s, device="cuda"))
+        q_unfused = static_quant_fp8_triton(y_unfused, inv)
+        r_fused, y_fused, q_fused = gated_residual_layer_norm_modulate_triton(*args, inv, mod_index=index)
+        r_only, _, q_only = gated_residual_layer_norm_modulate_triton(
+            *args, inv, write_y=False, mod_index=index
+        )
+        assert same_bytes(r_fused, r_unfused) and same_bytes(r_only, r_unfused)
+        assert same_bytes(y_fused, y_unfused)
+        assert same_bytes(q_fused, q_unfused) and same_bytes(q_only, q_unfused), s
+    assert same_bytes(gated_residual_triton(residual, gate, x, index), r_unfused)
+    assert binaries(kernel) == compiled
+
+    r_ref, y_ref, q_ref = gated_residual_layer_norm_modulate_torch(*args, inv, mod_index=index)
+    assert int(step_distance(r_fused, r_ref).max()) == 0  # no reduction: equal values, NaN where NaN
+    check_producer_against_twin(
+        f"p2 per token ({layout}) rows={rows} D={width}", r_fused, (y_fused, q_fused), (y_ref, q_ref),
+        shift, scale, inv, index,
+    )  # fmt: skip
+
+
+def test_per_token_index_of_own_sample_gives_the_per_sample_bytes():
+    x = activations(4096, 3072, seed=5)
+    gate, shift, scale = modulation(x.shape[0], 3072, seed=6)
+    own = torch.arange(x.shape[0], dtype=torch.int32, device="cuda")[:, None].expand(x.shape[:2]).contiguous()
+    inv = inverse_scale(torch.tensor(0.02, device="cuda"))
+    args = (x, gate, x.flip(1).contiguous(), shift, scale, EPS, inv)
+    for got, want in zip(
+        gated_residual_layer_norm_modulate_triton(*args, mod_index=own),
+        gated_residual_layer_norm_modulate_triton(*args),
+        strict=True,
+    ):
+        assert same_bytes(got, want)
 
 
 def test_dispatch_on_cuda_uses_triton(monkeypatch):

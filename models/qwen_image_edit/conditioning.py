@@ -1,0 +1,269 @@
+"""Image conditioning of the Qwen-Image-Edit family (Edit, Edit-2509, Edit-2511), bit-identical to diffusers
+0.42's `QwenImageEditPipeline` (one image) and `QwenImageEditPlusPipeline` (several images): the input
+images, the prompt embeddings with vision tokens (transformers' own Qwen2.5-VL vision tower and processor)
+and the VAE latents of the reference images. Plain functions: the family-neutral pipeline calls them.
+
+What the pipeline must do, in diffusers' order:
+1. Images: `load_edit_image` each input (EXIF rotation, RGB: diffusers' `load_image`; its pipelines fail on
+   RGBA or palette images given directly); then `prepare_edit_images`. The output size defaults to
+   `default_size` (from the first image for Edit, the last for Plus), floored to multiples of 16.
+2. Text: `encode_edit_prompts(..., images.condition)` for the prompt, and for a negative prompt with the same
+   images (true CFG); Plus takes one prompt per call, Edit one image per prompt.
+3. Reference latents: `encode_reference_latents(vae, images.pixels, ...)` once: packed 2x2, concatenated in
+   image order, repeated over the batch; with them the transformer's `ImageLayout` (target grid first,
+   then `grids`).
+4. Every step: the transformer input is `cat([latents, reference_latents], dim=1)` (target tokens first)
+   with the layout; its output is cut to the target, `out[:, :latents.shape[1]]`, before true CFG
+   (`comb = neg + s * (cond - neg)`, then `comb * ||cond|| / ||comb||` over channels per token) and the
+   scheduler step. The scheduler's `mu` counts the target's tokens only (`latents.shape[1]`), with
+   diffusers' fallbacks `max_image_seq_len` 4096 and `max_shift` 1.15 where the scheduler config lacks them.
+   Edit-2511 (`zero_cond_t`) needs nothing more here: the transformer derives the per-token modulation
+   rows from the layout.
+5. Edit's prompt encoding ignores `max_sequence_length` (diffusers passes it nowhere), unlike text-to-image.
+"""
+
+import functools
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import PIL.Image
+import PIL.ImageOps
+import torch
+from diffusers import AutoencoderKLQwenImage
+from diffusers.image_processor import VaeImageProcessor
+from transformers import (
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
+)
+
+from models.errors import CheckpointError, InputError
+from models.loading import read_json
+from models.qwen_image.math import pack_latents
+from models.qwen_image.text_encoder import padded_prompt_rows
+from models.qwen_image.tokenizer import load_tokenizer
+
+Grid = tuple[int, int, int]
+
+SYSTEM_PROMPT = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a "
+    "new image that meets the user's requirements while maintaining consistency with the original input "
+    "where appropriate.<|im_end|>\n<|im_start|>user\n"
+)
+VISION_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
+EDIT_TEMPLATE = SYSTEM_PROMPT + VISION_SLOT + "{}<|im_end|>\n<|im_start|>assistant\n"
+PLUS_TEMPLATE = SYSTEM_PROMPT + "{}<|im_end|>\n<|im_start|>assistant\n"
+PICTURE_LABEL = "Picture {}: " + VISION_SLOT
+EDIT_DROP_TOKENS = 64  # the system part and "<|im_start|>user\n"
+VAE_AREA = 1024 * 1024
+CONDITION_AREA = 384 * 384  # Plus: the images the vision tower sees
+
+
+@dataclass(frozen=True)
+class EditKind:
+    """What differs between the two Edit pipelines of diffusers (chosen by model_index.json's class name)."""
+
+    pipeline_class: str
+    plus: bool  # several images, "Picture N:" labels, 384x384-area vision images; one prompt per call
+
+    @property
+    def template(self) -> str:
+        return PLUS_TEMPLATE if self.plus else EDIT_TEMPLATE
+
+
+EDIT_KINDS = {
+    kind.pipeline_class: kind
+    for kind in (EditKind("QwenImageEditPipeline", False), EditKind("QwenImageEditPlusPipeline", True))
+}
+
+
+def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
+    """(width, height) with about `target_area` pixels at aspect `ratio`, each rounded to a multiple of 32
+    (diffusers' `calculate_dimensions`)."""
+    width = math.sqrt(target_area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def load_edit_image(image: PIL.Image.Image) -> PIL.Image.Image:
+    """An input image as diffusers' `load_image` returns it: EXIF orientation applied, converted to RGB."""
+    return PIL.ImageOps.exif_transpose(image).convert("RGB")
+
+
+@dataclass(frozen=True)
+class EditImages:
+    """The prepared input images: what the vision tower sees, the VAE's pixels ([1, 3, 1, H, W] in
+    [-1, 1] each), and the output size (width, height) the images suggest."""
+
+    condition: list[PIL.Image.Image]
+    pixels: list[torch.Tensor]
+    default_size: tuple[int, int]
+
+
+@functools.cache
+def _vae_image_processor(vae_scale_factor: int) -> VaeImageProcessor:
+    """diffusers' image processor as the Edit pipelines build it (LANCZOS resize, [-1, 1])."""
+    return VaeImageProcessor(vae_scale_factor=vae_scale_factor * 2)
+
+
+def prepare_edit_images(
+    images: list[PIL.Image.Image],
+    kind: EditKind,
+    vae_scale_factor: int,
+    vae_area: float = VAE_AREA,
+    condition_area: float = CONDITION_AREA,
+) -> EditImages:
+    """Resize and normalize RGB images as the Edit pipelines do: Edit resizes its one image to `vae_area`
+    for both the vision tower and the VAE; Plus gives the vision tower each image at `condition_area` and
+    the VAE each image at `vae_area`. The areas are parameters so tests can run small."""
+    if not images:
+        raise InputError("an edit needs at least one input image")
+    if not kind.plus and len(images) > 1:
+        raise InputError(f"{kind.pipeline_class} takes one input image, got {len(images)}")
+    processor = _vae_image_processor(vae_scale_factor)
+    if kind.plus:
+        condition, pixels = [], []
+        for image in images:
+            width, height = calculate_dimensions(condition_area, _ratio(image))
+            condition.append(processor.resize(image, height, width))
+            width, height = calculate_dimensions(vae_area, _ratio(image))
+            pixels.append(processor.preprocess(image, height, width).unsqueeze(2))
+        return EditImages(condition, pixels, calculate_dimensions(VAE_AREA, _ratio(images[-1])))
+    width, height = calculate_dimensions(vae_area, _ratio(images[0]))
+    resized = processor.resize(images[0], height, width)
+    pixels = processor.preprocess(resized, height, width).unsqueeze(2)
+    return EditImages([resized], [pixels], calculate_dimensions(VAE_AREA, _ratio(images[0])))
+
+
+def _ratio(image: PIL.Image.Image) -> float:
+    return image.size[0] / image.size[1]
+
+
+def edit_prompt_texts(prompts: list[str], image_count: int, kind: EditKind) -> list[str]:
+    """The templated texts: Plus labels every image ("Picture 1: <vision>Picture 2: <vision>...")."""
+    labels = "".join(PICTURE_LABEL.format(i + 1) for i in range(image_count)) if kind.plus else ""
+    return [kind.template.format(labels + prompt) for prompt in prompts]
+
+
+@torch.no_grad()
+def encode_edit_prompts(
+    text_encoder: Qwen2_5_VLForConditionalGeneration,
+    processor: Qwen2VLProcessor,
+    prompts: list[str],
+    images: list[PIL.Image.Image],
+    kind: EditKind,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt embeddings [B, L, hidden] and their long mask (None when every token is valid), the same ops
+    as diffusers' `encode_prompt(prompts, image=images)` of the Edit pipeline `kind`: the processor puts
+    each image's vision tokens in its slot, the first 64 tokens of the last hidden state are dropped."""
+    if not prompts:
+        raise InputError("at least one prompt is needed")
+    if kind.plus and len(prompts) != 1:
+        raise InputError(f"{kind.pipeline_class} encodes one prompt per call, got {len(prompts)}")
+    if not kind.plus and len(images) != len(prompts):
+        raise InputError(
+            f"{kind.pipeline_class} encodes one image per prompt: "
+            f"{len(prompts)} prompt(s), {len(images)} image(s)"
+        )
+    inputs = processor(
+        text=edit_prompt_texts(prompts, len(images), kind), images=images, padding=True, return_tensors="pt"
+    ).to(device)
+    output = text_encoder(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        pixel_values=inputs["pixel_values"],
+        image_grid_thw=inputs["image_grid_thw"],
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    embeds, mask = padded_prompt_rows(output.hidden_states[-1], inputs["attention_mask"], EDIT_DROP_TOKENS)
+    return embeds.to(dtype=dtype, device=device), None if mask.all() else mask
+
+
+@torch.no_grad()
+def encode_reference_latents(
+    vae: AutoencoderKLQwenImage,
+    pixels: list[torch.Tensor],
+    batch: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, tuple[Grid, ...]]:
+    """Packed reference latents [batch, tokens, 4 z] in image order and each image's token grid (F, H, W).
+
+    As diffusers' `_encode_vae_image` + `prepare_latents`: pixels in `dtype` (the prompt embeddings'),
+    the mode of the latent distribution, `(z - latents_mean) / latents_std`, repeated over the batch.
+    """
+    z_dim = vae.config.z_dim
+    packed, grids = [], []
+    for image in pixels:
+        latents = vae.encode(image.to(device=device, dtype=dtype)).latent_dist.mode()
+        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        latents = ((latents - mean) / std)[:, :, 0]
+        if batch % latents.shape[0]:
+            raise InputError(f"cannot repeat {latents.shape[0]} reference image(s) over a batch of {batch}")
+        latents = torch.cat([latents] * (batch // latents.shape[0]), dim=0)
+        packed.append(pack_latents(latents))
+        grids.append((1, latents.shape[2] // 2, latents.shape[3] // 2))
+    return torch.cat(packed, dim=1), tuple(grids)
+
+
+class ImageTextProcessor(Qwen2VLProcessor):
+    """transformers' Qwen2-VL processor for images and text, without a video processor: the parent's
+    constructor checks the video processor's class, and that class needs torchvision. Calls are the
+    parent's, unchanged (they touch the video processor only for videos)."""
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
+        if argument_name == "video_processor" and argument is None:
+            return type(None)
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def torchvision_available() -> bool:
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def load_processor(directory: Path, backend: str = "auto") -> Qwen2VLProcessor:
+    """The Qwen2-VL processor of a checkpoint's `processor/` folder. Backend "torchvision": transformers'
+    own `Qwen2VLProcessor.from_pretrained` (its default, torchvision image processor); "pil": the same
+    folder's image processor with the PIL backend (`Qwen2VLImageProcessorPil`) and its tokenizer; "auto":
+    torchvision where it is installed, else PIL (our CPU install has no torchvision)."""
+    if not (directory / "preprocessor_config.json").is_file():
+        raise CheckpointError(f"processor folder {directory} has no preprocessor_config.json")
+    if backend == "auto":
+        backend = "torchvision" if torchvision_available() else "pil"
+    if backend not in ("pil", "torchvision"):
+        raise ValueError(f"processor backend must be auto, pil or torchvision, got {backend!r}")
+    try:
+        if backend == "torchvision":
+            return Qwen2VLProcessor.from_pretrained(directory, local_files_only=True)
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, ImportError... for a bad folder
+        raise CheckpointError(f"processor in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
+    tokenizer: PreTrainedTokenizerBase = load_tokenizer(directory)
+    return ImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+VISION_KEYS = ("patch_size", "temporal_patch_size", "merge_size")
+
+
+def check_processor_fits(directory: Path) -> None:
+    """Refuse, before weights are read, a `processor/` whose patching differs from the text encoder's
+    vision tower (patch size, temporal patch size, merge size), naming both values."""
+    processor = read_json(directory / "processor" / "preprocessor_config.json")
+    vision = read_json(directory / "text_encoder" / "config.json").get("vision_config", {})
+    vision_names = {"merge_size": "spatial_merge_size"}
+    for key in VISION_KEYS:
+        theirs = vision.get(vision_names.get(key, key))
+        if processor.get(key) is not None and theirs is not None and processor[key] != theirs:
+            raise CheckpointError(
+                f"{directory}: processor {key} {processor[key]} differs from the text encoder's vision "
+                f"{vision_names.get(key, key)} {theirs}"
+            )
