@@ -1,13 +1,14 @@
 """LayerNorm + AdaLN modulate producers (and the gated residual before them): torch twins and Triton.
 
-Every function follows the rounding contract of DESIGN §4: fp32 math, one bf16 rounding per written
-tensor, no FMA contraction (each torch op rounds on its own; Triton launches with fp fusion off), IEEE
-sqrt and division. The torch twins use only machine-independent arithmetic (kernels/fp32.py: LN sums in
-a pinned order, correctly rounded sqrt), so they give the same bytes on every CPU. Activations are [B, L, D]; `shift`, `scale` and `gate` are modulation rows [R, D]
-(rows may be strided, e.g. chunks of the modulation output). Without `mod_index` the rows are per sample
-(R = B, token (b, l) takes row b); with `mod_index`, an int32 [B, L] tensor, token (b, l) takes row
-`mod_index[b, l]`: per-token modulation, as Edit-2511's `zero_cond_t` needs (reference-image tokens use the
-rows of t = 0). Selecting a row is exact, so the per-token contract is the per-sample one, row by row.
+Every function follows the rounding contract of DESIGN §4: fp32 math, one bf16 rounding per written tensor,
+no FMA contraction (each torch op rounds on its own; Triton launches with fp fusion off), IEEE sqrt and
+division. The torch twins use only machine-independent arithmetic (kernels/fp32.py: LN sums in a pinned
+order, correctly rounded sqrt), so they give the same bytes on every CPU. Activations are [B, L, D];
+`shift`, `scale` and `gate` are modulation rows [R, D] (rows may be strided, e.g. chunks of the modulation
+output). Without `mod_index` the rows are per sample (R = B, token (b, l) takes row b); with `mod_index`, an
+int32 [B, L] tensor, token (b, l) takes row `mod_index[b, l]`: per-token modulation, as Edit-2511's
+`zero_cond_t` needs (reference-image tokens use the rows of t = 0). Selecting a row is exact, so the per-
+token contract is the per-sample one, row by row.
 
 Each Triton producer is ONE compiled binary whose outputs and row selection are picked by runtime int
 flags (never specialized), so the unfused path (write y, then quantize it) and the fused one (write q) run

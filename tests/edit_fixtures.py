@@ -8,8 +8,8 @@ ModelOpt-style FP8 version and step inputs over an Edit layout (target grid, the
 
 Without torchvision (our CPU install) transformers cannot build `Qwen2VLProcessor` itself (its video
 processor needs torchvision), so `diffusers_edit_pipeline` hands diffusers the processor that
-`models.qwen_image_edit.conditioning.load_processor` builds from the same folder; `small_edit_areas` shrinks diffusers' fixed
-1024x1024 and 384x384 image areas so the pipelines run in seconds on a CPU.
+`models.qwen_image_edit.conditioning.load_processor` builds from the same folder; `small_edit_areas` shrinks
+diffusers' fixed 1024x1024 and 384x384 image areas so the pipelines run in seconds on a CPU.
 """
 
 import json

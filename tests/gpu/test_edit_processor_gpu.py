@@ -1,10 +1,10 @@
 """The Qwen2-VL processor's two image backends on the machine that has torchvision (the H200 box): does
 transformers' torchvision backend (what `AutoProcessor` / diffusers' loading pick) give the same
 `pixel_values` and `image_grid_thw` as the PIL backend (`Qwen2VLImageProcessorPil`, what a CPU install
-without torchvision uses through `models.qwen_image_edit.conditioning.load_processor`)? Checked on the fixture's processor folder
-for small, odd, large, RGBA- and palette-converted images and the Edit / Plus prepared images; then
-diffusers' own `from_pretrained` (no processor handed in) against our PIL-backend prompt embeddings.
-Mismatch counts are printed (run with -s); the answer goes into docs/DESIGN.md.
+without torchvision uses through `models.qwen_image_edit.conditioning.load_processor`)? Checked on the
+fixture's processor folder for small, odd, large, RGBA- and palette-converted images and the Edit / Plus
+prepared images; then diffusers' own `from_pretrained` (no processor handed in) against our PIL-backend
+prompt embeddings. Mismatch counts are printed (run with -s); the answer goes into docs/DESIGN.md.
 """
 
 import pytest
