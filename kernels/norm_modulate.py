@@ -7,8 +7,8 @@ order, correctly rounded sqrt), so they give the same bytes on every CPU. Activa
 `shift`, `scale` and `gate` are modulation rows [R, D] (rows may be strided, e.g. chunks of the modulation
 output). Without `mod_index` the rows are per sample (R = B, token (b, l) takes row b); with `mod_index`, an
 int32 [B, L] tensor, token (b, l) takes row `mod_index[b, l]`: per-token modulation, as Edit-2511's
-`zero_cond_t` needs (reference-image tokens use the rows of t = 0). Selecting a row is exact, so the per-
-token contract is the per-sample one, row by row.
+`zero_cond_t` needs (reference-image tokens use the rows of t = 0). Selecting a row is exact, so the
+per-token contract is the per-sample one, row by row.
 
 Each Triton producer is ONE compiled binary whose outputs and row selection are picked by runtime int
 flags (never specialized), so the unfused path (write y, then quantize it) and the fused one (write q) run
