@@ -1,6 +1,7 @@
 """Reading and writing diffusers-layout transformer directories (config.json + safetensors shards)."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +132,12 @@ def transformer_from_state(
     dtype: torch.dtype,
     where: Path,
     origins: dict[str, Path] | None = None,
+    model_class: Callable[[Any], torch.nn.Module] = QwenImageTransformer,
 ) -> QwenImageTransformer:
-    """A transformer holding `state` (validated first; FP8 layers swapped in), after `post_load_weights`."""
+    """A transformer holding `state` (validated first; FP8 layers swapped in), after `post_load_weights`;
+    `model_class(config)` builds it (another model family passes its own)."""
     with torch.device("meta"):
-        model = QwenImageTransformer(config)
+        model = model_class(config)
         swap_fp8_linears(model, state, quant, where)
     check_state_dict(model.state_dict(), state, where, origins)
     model.load_state_dict({k: _cast(k, v, dtype) for k, v in state.items()}, strict=True, assign=True)
