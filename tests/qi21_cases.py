@@ -125,15 +125,17 @@ REQUESTS = {
 def diffusers_forward(
     ref: QwenImage21Transformer2DModel, request: Request, latents, text, sigma, cache=None, mode=None
 ) -> torch.Tensor:
-    """diffusers' transformer as its pipeline calls it; returns every joint row it returns."""
+    """diffusers' transformer as its pipeline calls it (masks on the latents' device); returns every joint
+    row it returns."""
+    text_mask = request.text_mask()
     with torch.no_grad():
         return ref(
             hidden_states=latents,
             encoder_hidden_states=text,
             timestep=sigma,
             img_shapes=[request.img_shapes] * request.batch,
-            img_mask=request.img_mask(),
-            encoder_hidden_states_mask=request.text_mask(),
+            img_mask=request.img_mask().to(latents.device),
+            encoder_hidden_states_mask=None if text_mask is None else text_mask.to(latents.device),
             kv_cache=cache,
             kv_cache_mode=mode,
             return_dict=False,

@@ -32,16 +32,21 @@ def bf16_dir(tmp_path_factory):
     return directory
 
 
+def request_inputs(model, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """REQUEST's BF16 inputs from `seed` on the model's device."""
+    latents, text, sigma = REQUEST.inputs(model.config, torch.bfloat16, seed)
+    return latents.to(model.device), text.to(model.device), sigma.to(model.device)
+
+
 def run_steps(model, steps: int = 2, seed: int = 5) -> list[torch.Tensor]:
     """A request's full pass filling a KV cache, then `steps` target-only steps (other latents, sigmas)."""
-    dtype = model.img_in.weight.dtype
     layout = model.layout(REQUEST.img_mask(), REQUEST.img_shapes, REQUEST.text_mask())
     cache = model.new_kv_cache(layout, torch.bfloat16)
-    latents, text, sigma = REQUEST.inputs(model.config, torch.bfloat16, seed)
+    latents, text, sigma = request_inputs(model, seed)
     with torch.no_grad():
         outs = [model(latents, text, sigma, layout, cache)]
         for step in range(steps):
-            target, _, sigma = REQUEST.inputs(model.config, dtype, seed + 1 + step)
+            target, _, sigma = request_inputs(model, seed + 1 + step)
             outs.append(model.forward_cached(target[:, -layout.target_len :], sigma, layout, cache))
     return outs
 
