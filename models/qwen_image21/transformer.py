@@ -81,7 +81,9 @@ class TanhResidual(nn.Module):
         super().__init__()
         self.numerics = Numerics.REFERENCE
 
-    def forward(self, residual: torch.Tensor, gate: TanhGate, x: torch.Tensor, rows: ModulationRows):
+    def forward(
+        self, residual: torch.Tensor, gate: TanhGate, x: torch.Tensor, rows: ModulationRows
+    ) -> torch.Tensor:
         return tanh_residual(residual, gate, x, rows, self.numerics)
 
 
@@ -103,7 +105,9 @@ class SwiGLU(Producer):
         return self.out(self.quantized(y, q, g.dtype))
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None):
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """SDPA over [B, S, H, D] inputs as diffusers' native backend calls it."""
     q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
@@ -302,7 +306,6 @@ class QwenImage21Transformer(nn.Module):
         )
         self.norm_out = OutputNorm(dim, eps)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels, bias=False)
-        self.numerics = Numerics.REFERENCE
         self.quant_config: QuantConfig | None = None
         self._rope_tables = rope_tables(config.axes_dims_rope)
 
@@ -426,7 +429,9 @@ class QwenImage21Transformer(nn.Module):
         if kv_cache.layout is not layout:
             raise ValueError("the KV cache belongs to another layout (one cache per request and CFG branch)")
 
-    def _run(self, x: torch.Tensor, timestep: torch.Tensor, plan: PassPlan, kv) -> torch.Tensor:
+    def _run(
+        self, x: torch.Tensor, timestep: torch.Tensor, plan: PassPlan, kv: TransientKV | PrefixKVCache
+    ) -> torch.Tensor:
         """Modulation, the blocks and the output layer over the pass's rows; returns the target rows."""
         timestep = timestep.to(x.dtype)
         if self.config.causal_condition:  # an extra t = 0 row: the prefix modulates from it
