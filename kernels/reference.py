@@ -55,3 +55,28 @@ def rms_norm_rope_reference(
     """Per-head q/k RMSNorm then RoPE, as diffusers' attention processor; `rope` [S, D/2, 2] is the real
     view of the complex rotations."""
     return rope_reference(rms_norm_reference(x, weight, eps), torch.view_as_complex(rope))
+
+
+def layer_norm_scale_reference(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen-Image 2.1's `_modulate`: `LN(x) * (1 + scale)` in the activation dtype; `scale` already holds each
+    token's row ([B, L, D] or [B, 1, D]), as diffusers selects it."""
+    return F.layer_norm(x, (x.shape[-1],), eps=eps) * (1 + scale)
+
+
+def tanh_gated_residual_reference(
+    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """2.1's residual `residual + gate.tanh() * x` in the activation dtype (`gate` rows already selected)."""
+    return residual + gate.tanh() * x
+
+
+def swiglu_reference(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """2.1's `QwenImage21SwiGLUFeedForward` product `silu(gate_layer(x)) * proj(x)`, activation dtype."""
+    return F.silu(g) * p
+
+
+def zero_centered_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen-Image 2.1's text-input RMSNorm: weight stored as `scale - 1`, applied as `weight + 1`, in fp32."""
+    xf = x.float()
+    rrms = torch.rsqrt(torch.mean(xf**2, dim=-1, keepdim=True) + eps)
+    return (xf * rrms * (weight.float() + 1)).to(x.dtype)

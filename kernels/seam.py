@@ -15,7 +15,22 @@ from kernels.gelu_quant import gelu_tanh, gelu_tanh_quant
 from kernels.norm_modulate import gated_residual, gated_residual_layer_norm_modulate, layer_norm_modulate
 from kernels.numerics import Numerics
 from kernels.qk_norm_rope import rms_norm_rope
-from kernels.reference import gated_residual_reference, layer_norm_modulate_reference, rms_norm_rope_reference
+from kernels.reference import (
+    gated_residual_reference,
+    layer_norm_modulate_reference,
+    layer_norm_scale_reference,
+    rms_norm_rope_reference,
+    swiglu_reference,
+    tanh_gated_residual_reference,
+)
+from kernels.scale_modulate import (
+    ModulationRows,
+    TanhGate,
+    layer_norm_scale,
+    tanh_gated_residual,
+    tanh_residual_layer_norm_scale,
+)
+from kernels.swiglu_quant import silu_mul, silu_mul_quant
 
 
 def _contract(numerics: Numerics, x: torch.Tensor) -> bool:
@@ -126,3 +141,81 @@ def gelu_quant(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Fused GELU(tanh) + static FP8 quant for the MLP down-projection: `(g or None, q)`."""
     return gelu_tanh_quant(x, inv_scale, write_g)
+
+
+# Qwen-Image 2.1 (DESIGN §4.1): scale-only modulation with per-token rows, tanh gates, SwiGLU.
+
+
+def norm_scale(
+    x: torch.Tensor, scale: torch.Tensor, rows: ModulationRows, eps: float, numerics: Numerics
+) -> torch.Tensor:
+    """`LN(x) * (1 + scale[row])`, each token reading its modulation row of `scale` [R, D]."""
+    if not _contract(numerics, x):
+        return layer_norm_scale_reference(x, rows.select(scale), eps)
+    return layer_norm_scale(x, scale, rows.index, eps)[0]
+
+
+def norm_scale_quant(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    rows: ModulationRows,
+    eps: float,
+    inv_scale: torch.Tensor,
+    write_y: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Fused producer (a): `(y or None, q)`."""
+    return layer_norm_scale(x, scale, rows.index, eps, inv_scale, write_y)
+
+
+def tanh_residual_norm_scale(
+    residual: torch.Tensor,
+    gate: TanhGate,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    rows: ModulationRows,
+    eps: float,
+    numerics: Numerics,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`r = residual + tanh(gate[row]) * x; y = LN(r) * (1 + scale[row])`; returns `(r, y)`."""
+    if not _contract(numerics, x):
+        r = tanh_gated_residual_reference(residual, rows.select(gate.rows), x)
+        return r, layer_norm_scale_reference(r, rows.select(scale), eps)
+    r, y, _ = tanh_residual_layer_norm_scale(residual, gate.tanh, x, scale, rows.index, eps)
+    return r, y
+
+
+def tanh_residual_norm_scale_quant(
+    residual: torch.Tensor,
+    gate: TanhGate,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    rows: ModulationRows,
+    eps: float,
+    inv_scale: torch.Tensor,
+    write_y: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Fused producer (b): `(r, y or None, q)`."""
+    return tanh_residual_layer_norm_scale(residual, gate.tanh, x, scale, rows.index, eps, inv_scale, write_y)
+
+
+def tanh_residual(
+    residual: torch.Tensor, gate: TanhGate, x: torch.Tensor, rows: ModulationRows, numerics: Numerics
+) -> torch.Tensor:
+    """`residual + tanh(gate[row]) * x` (after the MLP)."""
+    if not _contract(numerics, x):
+        return tanh_gated_residual_reference(residual, rows.select(gate.rows), x)
+    return tanh_gated_residual(residual, gate.tanh, x, rows.index)
+
+
+def swiglu(g: torch.Tensor, p: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+    """`silu(g) * p` of the MLP's gate_layer and proj outputs."""
+    if not _contract(numerics, g):
+        return swiglu_reference(g, p)
+    return silu_mul(g, p)
+
+
+def swiglu_quant(
+    g: torch.Tensor, p: torch.Tensor, inv_scale: torch.Tensor, write_y: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Fused producer (c), SwiGLU + static FP8 quant for the MLP's `out`: `(y or None, q)`."""
+    return silu_mul_quant(g, p, inv_scale, write_y)

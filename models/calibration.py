@@ -1,10 +1,16 @@
-"""Forward hooks recording each linear's running max |input|: FP8 calibration, the input-clipping check."""
+"""Static FP8 calibration, for every family: hooks recording each linear's running max |input| (also the
+input-clipping check), one input scale per group of linears reading one activation, and the ModelOpt
+FP8 state dict (DESIGN §3)."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from kernels.quant import FP8_MAX
+from models.fp8 import MIN_AMAX, quantize_weight
+from models.modelopt import QuantConfig
 
 
 @contextmanager
@@ -31,3 +37,34 @@ def record_input_amax(linears: dict[str, nn.Module]) -> Iterator[dict[str, torch
     missing = sorted(set(linears) - set(amax))
     if missing:
         raise RuntimeError(f"calibration never reached {missing[:3]}")
+
+
+def quantizable_linears(model: nn.Module, ignore: Sequence[str]) -> dict[str, nn.Linear]:
+    """The Linears that become FP8: every one not matched by an ignore glob."""
+    config = QuantConfig("FP8", tuple(ignore))
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not config.ignores(n)}
+
+
+def share_group_amax(
+    amax: dict[str, torch.Tensor], groups: Sequence[Sequence[str]]
+) -> dict[str, torch.Tensor]:
+    """One input amax for the sibling linears of each group that read the same activation (Q/K/V)."""
+    shared = dict(amax)
+    for name in amax:
+        prefix, _, leaf = name.rpartition(".")
+        for group in groups:
+            members = [f"{prefix}.{m}" if prefix else m for m in group]
+            if leaf in group and all(m in amax for m in members):
+                shared[name] = torch.stack([amax[m] for m in members]).max()
+    return shared
+
+
+def fp8_state_dict(
+    model: nn.Module, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The ModelOpt FP8 state dict (on the model's device): e4m3 weights, fp32 scalar scales, BF16 biases."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    for name, linear in linears.items():
+        state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_weight(linear.weight.detach())
+        state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(())
+    return state

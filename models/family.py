@@ -95,6 +95,7 @@ class QuantRecipe:
 
     bf16_fallback: tuple[str, ...]
     shared_inputs: tuple[tuple[str, ...], ...]
+    all_blocks_fp8: tuple[str, ...]  # the fallback that quantizes every block linear (benchmarks, tests)
 
 
 @dataclass(frozen=True)

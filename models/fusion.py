@@ -139,10 +139,12 @@ def _dual_output_note(consumers: list[tuple[str, nn.Module]]) -> str:
 
 @dataclass(frozen=True)
 class FusionReport:
-    """All path decisions of a model: `block` paths (norm producers) and `mlp` paths (GELU producers)."""
+    """All path decisions of a model: `block` paths (norm producers) and `mlp` paths (the MLP activation's
+    producers, named by `mlp_label`)."""
 
     block: tuple[PathDecision, ...]
     mlp: tuple[PathDecision, ...]
+    mlp_label: str = "GELU"
 
     @property
     def fused(self) -> int:
@@ -153,7 +155,8 @@ class FusionReport:
         lines = [f"FP8 norm+quant fusion: {self.fused}/{len(self.block)} block paths"]
         lines += _reasons(self.block)
         if self.mlp:
-            lines.append(f"FP8 GELU+quant fusion: {sum(d.fused for d in self.mlp)}/{len(self.mlp)} MLP paths")
+            fused = sum(d.fused for d in self.mlp)
+            lines.append(f"FP8 {self.mlp_label}+quant fusion: {fused}/{len(self.mlp)} MLP paths")
             lines += _reasons(self.mlp)
         return "\n".join(lines)
 

@@ -17,13 +17,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kernels.quant import FP8_MAX
-from models.calibration import record_input_amax
+from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
 from models.errors import InputError
-from models.fp8 import MIN_AMAX, quantize_weight
 from models.loading import save_tensors
 from models.lora_files import LoraFile
-from models.modelopt import QuantConfig
 from pipelines.pipeline import Pipeline, load_pipeline
 from pipelines.presets import get_preset
 
@@ -38,12 +35,6 @@ DEFAULT_CALIBRATION_PROMPTS = (
     "macro photograph of a dew drop on a green leaf",
 )
 PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
-
-
-def quantizable_linears(model: nn.Module, ignore: Sequence[str]) -> dict[str, nn.Linear]:
-    """The Linears that become FP8: every one not matched by an ignore glob."""
-    config = QuantConfig("FP8", tuple(ignore))
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not config.ignores(n)}
 
 
 def calibrate(
@@ -73,31 +64,6 @@ def calibrate(
     finally:
         pipe.cuda_graphs = graphs
     return amax
-
-
-def share_group_amax(
-    amax: dict[str, torch.Tensor], groups: Sequence[Sequence[str]]
-) -> dict[str, torch.Tensor]:
-    """One input amax for the sibling linears of each group that read the same activation (Q/K/V)."""
-    shared = dict(amax)
-    for name in amax:
-        prefix, _, leaf = name.rpartition(".")
-        for group in groups:
-            members = [f"{prefix}.{m}" for m in group]
-            if leaf in group and all(m in amax for m in members):
-                shared[name] = torch.stack([amax[m] for m in members]).max()
-    return shared
-
-
-def fp8_state_dict(
-    model: nn.Module, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The ModelOpt FP8 state dict (on the model's device): e4m3 weights, fp32 scalar scales, BF16 biases."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    for name, linear in linears.items():
-        state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_weight(linear.weight.detach())
-        state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(())
-    return state
 
 
 def write_fp8_transformer(

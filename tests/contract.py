@@ -103,6 +103,18 @@ def token_rows(mod_bits: np.ndarray, mod_index: np.ndarray | None) -> np.ndarray
     return mod[:, None, :] if mod_index is None else mod[mod_index]
 
 
+def layer_norm(x_bits: np.ndarray, eps: float, narrow: Narrow = round_bf16) -> np.ndarray:
+    """`n = bf16(x_hat)` of x [B, L, D] (bf16 encodings in, out): the LayerNorm every producer shares."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        x = widen(x_bits)
+        width = F32(x.shape[-1])
+        mean = row_sum(x) / width
+        centered = x - mean
+        var = row_sum(centered * centered) / width
+        rstd = F32(1.0) / np.sqrt(var + F32(eps))
+        return narrow(centered * rstd)
+
+
 def layer_norm_modulate(
     x_bits: np.ndarray,
     shift_bits: np.ndarray,
@@ -112,14 +124,8 @@ def layer_norm_modulate(
     mod_index: np.ndarray | None = None,
 ) -> np.ndarray:
     """y of producer 1 for x [B, L, D] and shift / scale rows (bf16 encodings in, out), see `token_rows`."""
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        x = widen(x_bits)
-        width = F32(x.shape[-1])
-        mean = row_sum(x) / width
-        centered = x - mean
-        var = row_sum(centered * centered) / width
-        rstd = F32(1.0) / np.sqrt(var + F32(eps))
-        normed = narrow(centered * rstd)
+    normed = layer_norm(x_bits, eps, narrow)
+    with np.errstate(over="ignore", invalid="ignore"):
         one_plus_scale = F32(1.0) + token_rows(scale_bits, mod_index)
         return narrow(widen(normed) * one_plus_scale + token_rows(shift_bits, mod_index))
 
@@ -161,6 +167,43 @@ def rms_norm_rope(
         cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # [S, 1, D/2]: the same for every head
         real, imag = narrow(a * cos - b * sin), narrow(a * sin + b * cos)
         return np.stack([real, imag], axis=-1).reshape(x.shape)
+
+
+def tanh_rows(gate_bits: np.ndarray) -> np.ndarray:
+    """Qwen-Image 2.1's `t = fp32(tanh(gate))`: numpy's float64 tanh rounded to fp32 once (DESIGN §4.1)."""
+    with np.errstate(invalid="ignore"):
+        return np.tanh(widen(gate_bits).astype(np.float64)).astype(F32)
+
+
+def layer_norm_scale(
+    x_bits: np.ndarray, scale_bits: np.ndarray, index: np.ndarray, eps: float, narrow: Narrow = round_bf16
+) -> np.ndarray:
+    """2.1 producer (a): `y = bf16(fp32(n) * (1 + fp32(scale[row])))` for x [B, L, D], scale rows [R, D] and
+    each token's row `index` [B, L]."""
+    normed = layer_norm(x_bits, eps, narrow)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return narrow(widen(normed) * (F32(1.0) + widen(scale_bits)[index]))
+
+
+def tanh_gated_residual(
+    residual_bits: np.ndarray,
+    tanh_gate: np.ndarray,
+    index: np.ndarray,
+    x_bits: np.ndarray,
+    narrow: Narrow = round_bf16,
+) -> np.ndarray:
+    """2.1's `r = bf16(fp32(residual) + t[row] * fp32(x))` with fp32 tanh rows `t` [R, D] (`tanh_rows`)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return narrow(widen(residual_bits) + tanh_gate[index] * widen(x_bits))
+
+
+def silu_mul(g_bits: np.ndarray, p_bits: np.ndarray, narrow: Narrow = round_bf16) -> np.ndarray:
+    """2.1 producer (c): `y = bf16(v / (1 + e) * fp32(p))`, v = fp32(g), e = numpy's float64 exp(-v) rounded
+    to fp32 once."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = widen(g_bits)
+        e = np.exp(-v.astype(np.float64)).astype(F32)
+        return narrow(v / (F32(1.0) + e) * widen(p_bits))
 
 
 def as_e4m3(codes: np.ndarray) -> torch.Tensor:

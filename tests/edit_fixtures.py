@@ -31,22 +31,17 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwen
 from helpers import fill_deterministic
 from transformers import Qwen2VLImageProcessorPil
 
+from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
 from models.loading import transformer_from_state
 from models.modelopt import QuantConfig
 from models.qwen_image.components import default_scheduler
 from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.math import ImageLayout
+from models.qwen_image.model import QUANTIZATION
 from models.qwen_image.text_encoder import build_tiny_text_encoder
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer
 from models.qwen_image_edit.conditioning import load_processor
-from pipelines.quantize import (
-    ALL_BLOCKS_FP8,
-    fp8_state_dict,
-    quantizable_linears,
-    record_input_amax,
-    share_group_amax,
-)
 
 PIPELINES = {cls.__name__: cls for cls in (QwenImageEditPipeline, QwenImageEditPlusPipeline)}
 TEXT_HIDDEN = 64
@@ -166,15 +161,21 @@ def tiny_edit_transformer(config: QwenImageConfig = EDIT_2511, seed: int = 5) ->
     return model.to(torch.bfloat16).eval()
 
 
+def meta_transformer(config: QwenImageConfig) -> QwenImageTransformer:
+    """Our DiT for `config` on the meta device (shapes only), for `transformer_from_state`."""
+    with torch.device("meta"):
+        return QwenImageTransformer(config)
+
+
 def fp8_edit_transformer(config: QwenImageConfig = EDIT_2511, seed: int = 5) -> QwenImageTransformer:
     """`tiny_edit_transformer` in ModelOpt FP8 (every block linear), calibrated on one Edit step."""
     model = tiny_edit_transformer(config, seed)
-    linears = quantizable_linears(model, ALL_BLOCKS_FP8)
+    linears = quantizable_linears(model, QUANTIZATION.all_blocks_fp8)
     with torch.no_grad(), record_input_amax(linears) as amax:
         model(*edit_step_inputs(2, EDIT_LAYOUT, 9, torch.bfloat16, True), EDIT_LAYOUT)
-    state = fp8_state_dict(model, linears, share_group_amax(amax))
-    quant = QuantConfig("FP8", tuple(ALL_BLOCKS_FP8))
-    return transformer_from_state(config, state, quant, torch.bfloat16, Path("edit-fp8"))
+    state = fp8_state_dict(model, linears, share_group_amax(amax, QUANTIZATION.shared_inputs))
+    quant = QuantConfig("FP8", tuple(QUANTIZATION.all_blocks_fp8))
+    return transformer_from_state(meta_transformer(config), state, quant, torch.bfloat16, Path("edit-fp8"))
 
 
 @contextmanager

@@ -25,18 +25,11 @@ from models.qwen_image.components import Components, load_components, save_compo
 from models.qwen_image.math import pack_latents, unpack_latents
 from models.qwen_image.text_encoder import encode_prompts
 
+OUTSIDE_BLOCKS = ("img_in", "txt_in", "time_text_embed.*", "norm_out.linear", "proj_out")
 QUANTIZATION = QuantRecipe(
-    bf16_fallback=(
-        "img_in",
-        "txt_in",
-        "time_text_embed.*",
-        "norm_out.linear",
-        "proj_out",
-        "*.img_mod.1",
-        "*.txt_mod.1",
-        "*.img_mlp.net.2",
-    ),
+    bf16_fallback=(*OUTSIDE_BLOCKS, "*.img_mod.1", "*.txt_mod.1", "*.img_mlp.net.2"),
     shared_inputs=(("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")),
+    all_blocks_fp8=(*OUTSIDE_BLOCKS, "*.img_mod.1", "*.txt_mod.1"),
 )
 
 

@@ -21,17 +21,16 @@ from kernels.seam import (
     gelu_quant,
     norm_modulate,
     norm_modulate_quant,
-    norm_rope,
     residual_add,
     residual_norm_modulate,
     residual_norm_modulate_quant,
 )
+from models.blocks import EPS, Producer, QKNorm
 from models.errors import InputError
 from models.fp8 import Fp8Linear, QuantizedActivation
 from models.fusion import (
     FusionReport,
     PathDecision,
-    ProducerQuant,
     configure_fp8_norm_quant,
     fusion_enabled_by_env,
 )
@@ -50,8 +49,6 @@ from models.qwen_image.math import (
 )
 from models.sequence_parallel import SequencePlan
 
-EPS = 1e-6
-
 
 class RMSNorm(nn.Module):
     """RMSNorm with weight, rounding as diffusers' `RMSNorm`."""
@@ -63,32 +60,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(x, self.weight, self.eps)
-
-
-class QKNorm(NumericsAware, nn.Module):
-    """Per-head RMSNorm of q or k (diffusers' `RMSNorm` weight), then RoPE; writes rows of a joint buffer."""
-
-    def __init__(self, dim: int, eps: float = EPS) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return norm_rope(x, self.weight, rope, self.eps, self.numerics, out)
-
-
-class Producer(NumericsAware, nn.Module):
-    """Base of the modules whose output feeds linears: set by `post_load_weights` to write FP8 or not."""
-
-    writes_y = True  # capability for the gate: the fused kernels can also write BF16 `y`
-
-    def __init__(self, eps: float = EPS) -> None:
-        super().__init__()
-        self.eps = eps
-        self.quant: ProducerQuant | None = None
-
-    def quantized(self, y: torch.Tensor | None, q: torch.Tensor, dtype: torch.dtype) -> QuantizedActivation:
-        return QuantizedActivation(q, self.quant.input_scale, dtype, self.quant.quant_key, y)
 
 
 class NormModulate(Producer):

@@ -13,23 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
-from edit_fixtures import EDIT_2511, EDIT_LAYOUT, edit_step_inputs
+from edit_fixtures import EDIT_2511, EDIT_LAYOUT, edit_step_inputs, meta_transformer
 from helpers import step_without_host_sync
 
 import kernels.norm_modulate as norm_modulate
+from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
 from models.loading import transformer_from_state
 from models.modelopt import QuantConfig
 from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.math import ImageLayout
+from models.qwen_image.model import QUANTIZATION
 from models.qwen_image.transformer import QwenImageTransformer
 from pipelines.cuda_graph import GraphedStep
-from pipelines.quantize import (
-    ALL_BLOCKS_FP8,
-    fp8_state_dict,
-    quantizable_linears,
-    record_input_amax,
-    share_group_amax,
-)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -53,13 +48,15 @@ def fp8_model() -> QwenImageTransformer:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = QwenImageTransformer(FULL_WIDTH).bfloat16().eval()
-    linears = quantizable_linears(model, ALL_BLOCKS_FP8)
+    linears = quantizable_linears(model, QUANTIZATION.all_blocks_fp8)
     with torch.no_grad(), record_input_amax(linears) as amax:
         model(*step_inputs(FULL_WIDTH, LAYOUT), LAYOUT)
-    state = fp8_state_dict(model, linears, share_group_amax(amax))
+    state = fp8_state_dict(model, linears, share_group_amax(amax, QUANTIZATION.shared_inputs))
     del model
-    quant = QuantConfig("FP8", tuple(ALL_BLOCKS_FP8))
-    return transformer_from_state(FULL_WIDTH, state, quant, torch.bfloat16, Path("edit-2511-gpu"))
+    quant = QuantConfig("FP8", tuple(QUANTIZATION.all_blocks_fp8))
+    return transformer_from_state(
+        meta_transformer(FULL_WIDTH), state, quant, torch.bfloat16, Path("edit-2511-gpu")
+    )
 
 
 def test_every_path_fused_with_triton_and_equal_to_unfused(fp8_model, monkeypatch):
