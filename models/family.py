@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from models.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -116,10 +118,12 @@ class Conditioning:
 @dataclass(frozen=True)
 class StepCall:
     """One transformer step as the pipeline runs it: `FamilyModel.run_step(*tensors, *static)`, where
-    `static` (hashable) and the tensors' shapes key a captured CUDA graph."""
+    `static` (hashable) and the tensors' shapes key a captured CUDA graph. `graphable` False runs it eagerly
+    (e.g. a first step that fills a cache the later, captured steps read)."""
 
     tensors: tuple[torch.Tensor | None, ...]
     static: tuple
+    graphable: bool = True
 
 
 class FamilyModel(ABC):
@@ -135,12 +139,22 @@ class FamilyModel(ABC):
     quantization: QuantRecipe
 
     @abstractmethod
-    def encode(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
-        """The conditioning of one CFG branch for `prompts`."""
+    def encode(
+        self, prompts: list[str], max_sequence_length: int, images: list[PIL.Image.Image] | None = None
+    ) -> Conditioning:
+        """The conditioning of one CFG branch for `prompts` (each seeing the request's input `images`)."""
 
     @abstractmethod
-    def canvas(self, width: int, height: int) -> Any:
-        """The latent geometry of a `width` x `height` request."""
+    def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> Any:
+        """The latent geometry of a `width` x `height` request (and its input images' latents, if any)."""
+
+    def default_size(self, images: list[PIL.Image.Image]) -> tuple[int, int] | None:
+        """(width, height) a request with these input images defaults to; None: the checkpoint's defaults."""
+        return None
+
+    def sigmas(self, steps: int) -> np.ndarray:
+        """The sigma grid of `steps` steps, before the scheduler's shift (diffusers' Qwen-Image default)."""
+        return np.linspace(1.0, 1 / steps, steps)
 
     @abstractmethod
     def initial_latents(self, canvas: Any, batch: int, seed: int) -> torch.Tensor:

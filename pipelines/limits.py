@@ -84,8 +84,12 @@ def check_generation_args(
         raise InputError(
             f"max_sequence_length {max_sequence_length} must be between 1 and {MAX_SEQUENCE_LENGTH}"
         )
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise InputError(f"seed {seed} must be an integer in [0, 2**63)")
+    seeds = seed if isinstance(seed, list) else [seed]
+    if isinstance(seed, list) and len(seed) != len(prompts):
+        raise InputError(f"{len(seed)} seeds for {len(prompts)} prompts: give one seed, or one per prompt")
+    for each in seeds:
+        if each is not None and (not _is_int(each) or not 0 <= each < 2**63):
+            raise InputError(f"seed {each} must be an integer in [0, 2**63)")
 
 
 def _is_int(value: object) -> bool:
@@ -94,3 +98,30 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+MAX_INPUT_PIXELS = 4096 * 4096  # an input image larger than this is refused (models resize to ~1 MP)
+
+
+def check_images(images: object, max_images: int, required: bool, model: str) -> list:
+    """The request's input images as a list (PIL images; empty without any), checked against what the model
+    takes: InputError for a model that takes none, too many, a non-image or an image above the pixel cap."""
+    import PIL.Image
+
+    found = [] if images is None else list(images) if isinstance(images, list | tuple) else [images]
+    if not found:
+        if required:
+            raise InputError(f"{model} edits images: give at least one input image")
+        return found
+    if max_images == 0:
+        raise InputError(f"{model} generates from text only and takes no input images")
+    if len(found) > max_images:
+        raise InputError(f"{len(found)} input images, but {model} takes at most {max_images}")
+    for i, each in enumerate(found, 1):
+        if not isinstance(each, PIL.Image.Image):
+            raise InputError(f"input image {i} is a {type(each).__name__}, not a PIL image")
+        if each.width * each.height > MAX_INPUT_PIXELS:
+            raise InputError(
+                f"input image {i} is {each.width}x{each.height}: at most {MAX_INPUT_PIXELS / 1e6:.1f} MP"
+            )
+    return found

@@ -26,7 +26,7 @@ from models.family import (
 from models.lora import MergeReport
 from models.lora_files import LoraFile
 from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
-from pipelines.limits import as_prompt_list, check_generation_args
+from pipelines.limits import as_prompt_list, check_generation_args, check_images
 from pipelines.lora import LoadedLora, LoraSet
 from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
 from pipelines.presets import get_preset
@@ -40,7 +40,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 class RunInfo:
     """What the last `generate` call did: seed, size, variant and seconds per stage."""
 
-    seed: int
+    seed: int | list[int]
     width: int
     height: int
     num_inference_steps: int
@@ -248,9 +248,15 @@ class Pipeline:
             return "FP8 norm+quant fusion: off (BF16 weights)"
         return self.transformer.fusion_report.summary()
 
-    def encode(self, prompts: list[str], max_sequence_length: int, copies: int = 1) -> Conditioning:
+    def encode(
+        self,
+        prompts: list[str],
+        max_sequence_length: int,
+        copies: int = 1,
+        images: list[PIL.Image.Image] | None = None,
+    ) -> Conditioning:
         """One branch's conditioning, each prompt repeated `copies` times in a row."""
-        return self.model.encode(prompts, max_sequence_length).repeat(copies)
+        return self.model.encode(prompts, max_sequence_length, images).repeat(copies)
 
     @torch.no_grad()
     def generate(
@@ -261,16 +267,22 @@ class Pipeline:
         height: int | None = None,
         num_inference_steps: int | None = None,
         true_cfg_scale: float | None = None,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
         num_images_per_prompt: int = 1,
         max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
         preset: str | None = None,
         lora_scales: dict[str, float] | None = None,
+        image: PIL.Image.Image | list[PIL.Image.Image] | None = None,
     ) -> list[PIL.Image.Image]:
-        """Generate images; see docs/API.md. Details of the run land in `self.last_run`."""
+        """Generate (or, with input `image`s, edit) images; see docs/API.md. `seed` may give one seed per
+        prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
+        of the run land in `self.last_run`."""
         prompts = as_prompt_list(prompt, "prompt")
+        images = check_images(image, self.spec.max_images, self.spec.images_required, self.model_name)
+        if images and width is None and height is None:
+            width, height = self.model.default_size(images) or (None, None)
         negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
         run_preset = get_preset(preset)
@@ -300,13 +312,13 @@ class Pipeline:
                 seed = self.ranks.share_seed(seed)
         timer = _StageTimer(self.device)
 
-        branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt)]
+        branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt, images)]
         if negatives is not None and true_cfg_scale > 1:
             negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
-            branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt))
+            branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt, images))
         timer.lap("text_encoding")
 
-        canvas = self.model.canvas(width, height)
+        canvas = self.model.canvas(width, height, images)
         latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)
         timer.lap("denoising")
         images = self.model.decode(latents, canvas)
@@ -330,17 +342,21 @@ class Pipeline:
         canvas: object,
         steps: int,
         true_cfg_scale: float,
-        seed: int,
+        seed: int | list[int],
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
         scheduler: FlowMatchEulerDiscreteScheduler | None = None,
     ) -> torch.Tensor:
         """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
-        (true CFG); `canvas` is the model's geometry of the request (`model.canvas`); `scheduler` defaults
-        to the checkpoint's. Returns the final packed latents."""
+        (true CFG); `canvas` is the model's geometry of the request (`model.canvas`); `seed` a list gives
+        each prompt's rows their own seed; `scheduler` defaults to the checkpoint's. Returns the final
+        packed latents."""
         scheduler = self.model.scheduler if scheduler is None else scheduler
-        latents = self.model.initial_latents(canvas, branches[0].embeds.shape[0], seed)
-        timesteps = flow_timesteps(scheduler, steps, latents.shape[1], self.device)
+        batch = branches[0].embeds.shape[0]
+        seeds = seed if isinstance(seed, list) else [seed]
+        rows = batch // len(seeds)
+        latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
+        timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
         step = self._step(canvas)
 
         def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -357,7 +373,7 @@ class Pipeline:
 
         def step(latents: torch.Tensor, branch: Conditioning, sigma: torch.Tensor) -> torch.Tensor:
             call = self.model.step_call(latents, sigma, branch, canvas)
-            if not self.cuda_graphs:
+            if not (self.cuda_graphs and call.graphable):
                 return self.model.run_step(*call.tensors, *call.static)
             return self._graphed(*call.tensors, static=call.static)
 

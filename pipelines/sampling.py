@@ -31,12 +31,11 @@ def shift_mu(scheduler: FlowMatchEulerDiscreteScheduler, image_tokens: int) -> f
 
 
 def flow_timesteps(
-    scheduler: FlowMatchEulerDiscreteScheduler, steps: int, image_tokens: int, device: torch.device
+    scheduler: FlowMatchEulerDiscreteScheduler, sigmas: np.ndarray, image_tokens: int, device: torch.device
 ) -> torch.Tensor:
-    """Set the scheduler to `steps` sigmas linspace(1, 1/steps) with the dynamic shift for `image_tokens`."""
-    sigmas = np.linspace(1.0, 1 / steps, steps)
+    """Set the scheduler to `sigmas` with the dynamic shift for `image_tokens` (one step per sigma)."""
     mu = shift_mu(scheduler, image_tokens)
-    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+    timesteps, _ = retrieve_timesteps(scheduler, len(sigmas), device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
     return timesteps
 

@@ -29,7 +29,7 @@ from kernels.qk_norm_rope import (
     rms_norm_rope_torch,
     rms_norm_rope_triton,
 )
-from models import transformer
+from models.qwen_image import transformer
 from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.transformer import QwenImageTransformer
 

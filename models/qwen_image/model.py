@@ -87,14 +87,16 @@ class QwenImageModel(FamilyModel):
     ) -> "QwenImageModel":
         return cls(load_components(directory, dtype, device, vae_dtype), device, dtype)
 
-    def encode(self, prompts: list[str], max_sequence_length: int) -> Conditioning:
+    def encode(
+        self, prompts: list[str], max_sequence_length: int, images: list[PIL.Image.Image] | None = None
+    ) -> Conditioning:
         c = self.components
         embeds, mask = encode_prompts(
             c.text_encoder, c.tokenizer, prompts, self.device, self.dtype, max_sequence_length
         )
         return Conditioning(embeds, mask)
 
-    def canvas(self, width: int, height: int) -> LatentCanvas:
+    def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> LatentCanvas:
         return latent_size(width, height, self.vae_scale_factor)
 
     def initial_latents(self, canvas: LatentCanvas, batch: int, seed: int) -> torch.Tensor:
