@@ -58,3 +58,23 @@ def is_fp8_transformer(directory: Path) -> bool:
     """Whether a transformer directory declares ModelOpt FP8 weights (its quantization config)."""
     raw = read_json(directory / "config.json")
     return "quantization_config" in raw or read_hf_quant_config(directory) is not None
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """Safetensors files of a component directory: the shards of its index, or its single file."""
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = read_json(indexes[0]).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{indexes[0]} has no weight_map")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{directory}: shards listed in {indexes[0].name} are missing: {missing[:3]}"
+            )
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors weights in {directory}")
+    return files

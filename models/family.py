@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch import nn
 
+    from models.memory import MemoryProfile
+
 DEFAULTS_KEY = "_generation_defaults"  # model_index.json: this checkpoint's own defaults (diffusers skips _)
 DEFAULT_TRUE_CFG_SCALE = 4.0
 MAX_SEQUENCE_LENGTH = 1024  # text tokens a prompt may keep (diffusers' Qwen-Image pipelines)
@@ -134,7 +136,7 @@ class FamilyModel(ABC):
 
     transformer: nn.Module
     components: Any
-    device: torch.device
+    device: torch.device  # where it computes (a memory plan may load the weights on the host first)
     dtype: torch.dtype
     quantization: QuantRecipe
 
@@ -218,6 +220,14 @@ class ModelFamily(ABC):
     @abstractmethod
     def convert_lora(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """diffusers' key conversion of a LoRA file for this family (to `transformer.<module>.lora_A/B`)."""
+
+    def memory_profile(
+        self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int
+    ) -> MemoryProfile | None:
+        """Torch-free: its components' device bytes (from the safetensors headers, loaded at `dtype_bytes`
+        per element, the VAE at `vae_dtype_bytes`) and activations, for the GPU-memory planner; None: this
+        family does not plan memory (everything is loaded onto the device)."""
+        return None
 
 
 def parameter_summary(module: nn.Module) -> str:

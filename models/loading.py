@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.utils import logging as transformers_logging
 
-from models.checkpoint import read_hf_quant_config, read_json
+from models.checkpoint import read_hf_quant_config, read_json, weight_files
 from models.errors import CheckpointError
 from models.modelopt import (
     SCALE_SUFFIXES,
@@ -28,26 +28,6 @@ from models.modelopt import (
 
 WEIGHTS_STEM = "diffusion_pytorch_model"
 SHARD_BYTES = 5 * 1024**3
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """Safetensors files of a component directory: the shards of its index, or its single file."""
-    indexes = sorted(directory.glob("*.safetensors.index.json"))
-    if indexes:
-        weight_map = read_json(indexes[0]).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{indexes[0]} has no weight_map")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{directory}: shards listed in {indexes[0].name} are missing: {missing[:3]}"
-            )
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no .safetensors weights in {directory}")
-    return files
 
 
 def read_state_dict(

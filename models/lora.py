@@ -51,9 +51,12 @@ class LoraLinear(NumericsAware, nn.Module):
     """A Linear or `Fp8Linear` (`base_layer`) with named LoRA adapters applied beside it or merged into it;
     `scales` (the user scale of each adapter by name) is the owner's mapping, not a copy."""
 
-    def __init__(self, base_layer: nn.Module, scales: Mapping[str, float]) -> None:
+    def __init__(
+        self, base_layer: nn.Module, scales: Mapping[str, float], device: torch.device | None = None
+    ) -> None:
         super().__init__()
         self.base_layer = base_layer
+        self.device = base_layer.weight.device if device is None else device  # where its LoRA math runs
         self.adapters: dict[str, LoraFactors] = {}  # on the base's device, in the activation dtype
         self.scales = scales
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # contract branch factors
@@ -117,12 +120,13 @@ class LoraLinear(NumericsAware, nn.Module):
         self._stacked = (down, up)
 
     def delta_weight(self) -> torch.Tensor | None:
-        """fp32 `sum(scaling * B @ A)` over the adapters with a non-zero scaling (None when there is none)."""
+        """fp32 `sum(scaling * B @ A)` over the adapters with a non-zero scaling (None when there is none), on
+        the layer's device (a streamed layer keeps its factors in host memory between steps)."""
         delta = None
         for name, f in self.adapters.items():
             s = self.scaling(name)
             if s != 0:
-                term = (f.up.float() @ f.down.float()) * s
+                term = (f.up.to(self.device).float() @ f.down.to(self.device).float()) * s
                 delta = term if delta is None else delta + term
         return delta
 
@@ -143,8 +147,8 @@ class LoraLinear(NumericsAware, nn.Module):
                 self._original = tuple(t.detach().to("cpu", copy=True) for t in kept)
             if isinstance(base, Fp8Linear):
                 self.merge_stats = _merge_fp8(base, delta)
-            else:
-                base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
+            else:  # computed where the delta is, written back wherever the weight waits
+                base.weight.copy_((base.weight.to(delta.device).float() + delta).to(base.weight.dtype))
         self._merged = key
 
     @torch.no_grad()
@@ -157,6 +161,25 @@ class LoraLinear(NumericsAware, nn.Module):
         targets = (self.base_layer.weight, getattr(self.base_layer, "weight_scale", None))
         for target, original in zip(targets, self._original, strict=False):
             target.copy_(original)
+
+    def stream_state(self) -> dict[tuple[str, ...], torch.Tensor]:
+        """The tensors its forward reads besides its base layer's (each adapter's factors, the stacked branch
+        factors), for models/streaming.py to keep in host memory between calls like the weights."""
+        state = {}
+        for name, f in self.adapters.items():
+            state["adapter", name, "down"], state["adapter", name, "up"] = f.down, f.up
+        if self._stacked is not None:
+            state["stacked", "down"], state["stacked", "up"] = self._stacked
+        return state
+
+    def load_stream_state(self, state: dict[tuple[str, ...], torch.Tensor]) -> None:
+        """Hold these tensors in the places `stream_state` named."""
+        for key, tensor in state.items():
+            if key[0] == "adapter":
+                self.adapters[key[1]] = replace(self.adapters[key[1]], **{key[2]: tensor})
+            else:
+                down, up = self._stacked
+                self._stacked = (tensor, up) if key[1] == "down" else (down, tensor)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         result = self.base_layer(x)
@@ -185,8 +208,9 @@ class LoraLinear(NumericsAware, nn.Module):
 
 
 def _merge_fp8(base: Fp8Linear, delta: torch.Tensor) -> Fp8MergeStats:
-    """Dequantize, add, requantize with a new per-tensor scale (`amax / 448`); input scale untouched."""
-    merged = base.dequantized_weight() + delta
+    """Dequantize, add, requantize with a new per-tensor scale (`amax / 448`); input scale untouched. Runs
+    where the delta is; the weight may wait in host memory (a streamed layer)."""
+    merged = base.weight.to(delta.device).float() * base.weight_scale.float() + delta
     q, scale = quantize_weight(merged)
     stats = Fp8MergeStats(
         weights=merged.numel(),
@@ -239,21 +263,27 @@ def check_lora_fits(model: nn.Module, lora: LoraFile) -> dict[str, nn.Module]:
 
 
 def mount_lora(
-    model: nn.Module, name: str, lora: LoraFile, scales: Mapping[str, float], dtype: torch.dtype
+    model: nn.Module,
+    name: str,
+    lora: LoraFile,
+    scales: Mapping[str, float],
+    dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> int:
     """Add adapter `name` (its scale in `scales`) to every layer `lora` targets, wrapping the layer first
-    where needed; returns the number of layers. Everything is validated and copied to the device before the
-    first layer changes."""
+    where needed; returns the number of layers. Everything is validated and copied to `device` (default: each
+    layer's weight's) before the first layer changes."""
     targets = check_lora_fits(model, lora)
     placed = {}
     for module_name, f in lora.factors.items():
         target = targets[module_name]
-        device = (target.base_layer if isinstance(target, LoraLinear) else target).weight.device
-        placed[module_name] = replace(f, down=f.down.to(device, dtype), up=f.up.to(device, dtype))
+        where = (target.base_layer if isinstance(target, LoraLinear) else target).weight.device
+        where = where if device is None else device
+        placed[module_name] = replace(f, down=f.down.to(where, dtype), up=f.up.to(where, dtype))
     for module_name, f in placed.items():
         target = targets[module_name]
         if not isinstance(target, LoraLinear):
-            target = LoraLinear(target, scales)
+            target = LoraLinear(target, scales, device)
             _set_module(model, module_name, target)
         target.add_adapter(name, f)
     return len(placed)

@@ -35,9 +35,12 @@ class LoadedLora:
 class LoraSet:
     """The LoRAs mounted on one transformer: files and layer counts by name, scales, mode, merge report."""
 
-    def __init__(self, transformer: nn.Module, dtype: Any, convert: LoraConverter) -> None:
+    def __init__(
+        self, transformer: nn.Module, dtype: Any, convert: LoraConverter, device: Any = None
+    ) -> None:
         self._transformer = transformer
         self._dtype = dtype
+        self._device = device  # where LoRA math runs (None: each layer's weight's device)
         self._convert = convert
         self._files: dict[str, tuple[Path, int]] = {}  # name -> (path, layers)
         self.scales: dict[str, float] = {}  # the one copy; every LoraLinear reads it
@@ -65,7 +68,7 @@ class LoraSet:
         name = lora_name(lora.path, self._files) if name is None else name
         self.scales[name] = check_lora_scale(scale, name)
         try:
-            layers = mount_lora(self._transformer, name, lora, self.scales, self._dtype)
+            layers = mount_lora(self._transformer, name, lora, self.scales, self._dtype, self._device)
         except BaseException:
             del self.scales[name]
             raise

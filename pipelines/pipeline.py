@@ -25,9 +25,11 @@ from models.family import (
 )
 from models.lora import MergeReport
 from models.lora_files import LoraFile
+from models.memory import ENCODE, Workload
 from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
 from pipelines.limits import as_prompt_list, check_generation_args, check_images
 from pipelines.lora import LoadedLora, LoraSet
+from pipelines.memory import GpuMemory, in_phase, plan_for
 from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
 from pipelines.presets import get_preset
 from pipelines.sampling import Step, branch_velocities, euler_loop, flow_timesteps
@@ -120,9 +122,15 @@ class Pipeline:
     shared weights, LoRAs stack on them, and a parallel plan shares each image with other ranks."""
 
     def __init__(
-        self, model: FamilyModel, spec: CheckpointSpec, precision: Precision, variant: str = AUTO
+        self,
+        model: FamilyModel,
+        spec: CheckpointSpec,
+        precision: Precision,
+        variant: str = AUTO,
+        memory: GpuMemory | None = None,
     ) -> None:
         self.model = model
+        self.memory = memory  # where the weights live for a GPU-memory budget (None: all on the device)
         self.spec = spec
         self.model_name = spec.name
         self.defaults = spec.defaults
@@ -132,8 +140,10 @@ class Pipeline:
         self.last_run: RunInfo | None = None
         self.cuda_graphs = self.device.type == "cuda" and cuda_graphs_enabled_by_env()
         self._graphed = GraphedStep(model.run_step, cut_collectives=cut_collectives_by_env())
+        if memory is not None:  # the plan counts one graph pool per CFG branch
+            self._graphed.max_graphs = memory.plan.calls_per_step
         self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
-        self.lora = LoraSet(model.transformer, self.dtype, spec.family.convert_lora)
+        self.lora = LoraSet(model.transformer, self.dtype, spec.family.convert_lora, device=self.device)
         self.variant = ""
         self.set_variant(variant)
 
@@ -144,17 +154,31 @@ class Pipeline:
         variant: str = AUTO,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        gpu_memory: int | str | None = None,
+        workload: Workload | None = None,
     ) -> "Pipeline":
         """Load a local diffusers-layout checkpoint of any registered family, or the embedded default
-        (`directory` None). Every argument and config is checked before any weight is read."""
+        (`directory` None). Every argument and config is checked before any weight is read. On CUDA the
+        weights are placed for `gpu_memory` (bytes or a size such as "24GiB"; default: what the device has
+        free) and the largest request `workload` (default: the checkpoint's default size): see
+        pipelines/memory_plan.py. On a CPU an explicit `gpu_memory` places them the same way, the CPU
+        standing in for the device (what the CI tests run)."""
         spec = inspect_checkpoint(directory)
         device, dtype = pick_device(device), check_dtype(dtype)
         chosen = resolve_variant(
             variant, spec.fp8, prefer_reference=dtype is None and not native_bf16(device)
         )
         precision = pick_precision(dtype, device, chosen)
-        model = spec.family.load(spec, precision.dtype, device, precision.vae_dtype)
-        return cls(model, spec, precision, chosen.name if variant == AUTO else variant)
+        planned = plan_for(spec, precision.dtype, precision.vae_dtype, device, gpu_memory, workload)
+        host = planned is not None and not planned[1].resident  # load on the host, place from there
+        model = spec.family.load(
+            spec, precision.dtype, torch.device("cpu") if host else device, precision.vae_dtype
+        )
+        memory = None
+        if planned is not None:
+            model.device = device
+            memory = GpuMemory.for_model(model, *planned)
+        return cls(model, spec, precision, chosen.name if variant == AUTO else variant, memory)
 
     @classmethod
     def from_model(cls, model: FamilyModel, spec: CheckpointSpec, variant: str = AUTO) -> "Pipeline":
@@ -206,6 +230,8 @@ class Pipeline:
             report = self.transformer.post_load_weights(fuse=variant.fused)
             self.variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
         self._graphed.graphs.clear()
+        if self.memory is not None:
+            self.memory.refresh()
 
     def load_lora(self, path: str | Path | LoraFile, scale: float = 1.0, name: str | None = None) -> str:
         """Mount a LoRA file (any layout diffusers reads for this family) at `scale`; returns its name.
@@ -303,6 +329,10 @@ class Pipeline:
             seed,
             self.size_multiple,
         )
+        if self.memory is not None:
+            true_cfg = negatives is not None and true_cfg_scale > 1
+            batch = len(prompts) * num_images_per_prompt
+            self.memory.request(Workload(width, height, batch, len(prompts), max_sequence_length, true_cfg))
         if lora_scales:
             self.set_lora_scales(lora_scales)
         scheduler = self.model.scheduler if run_preset is None else run_preset.make_scheduler()
@@ -312,10 +342,11 @@ class Pipeline:
                 seed = self.ranks.share_seed(seed)
         timer = _StageTimer(self.device)
 
-        branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt, images)]
-        if negatives is not None and true_cfg_scale > 1:
-            negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
-            branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt, images))
+        with in_phase(self.memory, ENCODE):
+            branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt, images)]
+            if negatives is not None and true_cfg_scale > 1:
+                negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
+                branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt, images))
         timer.lap("text_encoding")
 
         canvas = self.model.canvas(width, height, images)
@@ -334,6 +365,8 @@ class Pipeline:
             preset=preset or "",
             loras=self.lora.summary(),
         )
+        if self.memory is not None:
+            self.memory.prefetch()  # the text encoder comes back while the caller looks at the images
         return images
 
     def denoise(
@@ -409,14 +442,20 @@ def load_pipeline(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     parallel: ParallelPlan | str | None = None,
+    gpu_memory: int | str | None = None,
+    workload: Workload | None = None,
 ) -> Pipeline:
     """A new pipeline for `model` (None: the embedded default). `parallel` ("auto" or a ParallelPlan)
-    makes this process one rank of a launched group; a plan that does not fit is refused before loading."""
+    makes this process one rank of a launched group; a plan that does not fit is refused before loading.
+    `gpu_memory` (bytes or "24GiB") caps this process's GPU memory, and the weights are placed to fit it
+    for requests up to `workload` (docs/API.md)."""
     plan = resolve_plan(parallel, model)
     device = pick_device(device)
     if plan is not None:
         device = join_ranks(device)
-    pipe = Pipeline.from_pretrained(model, variant=variant, device=device, dtype=dtype)
+    pipe = Pipeline.from_pretrained(
+        model, variant=variant, device=device, dtype=dtype, gpu_memory=gpu_memory, workload=workload
+    )
     if plan is not None:
         pipe.set_parallel(plan)
     return pipe
@@ -429,10 +468,11 @@ def generate(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     parallel: ParallelPlan | str | None = None,
+    gpu_memory: int | str | None = None,
     **kwargs,
 ) -> list[PIL.Image.Image]:
-    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel) to reuse."""
-    key = (str(model), variant, str(pick_device(device)), check_dtype(dtype), parallel)
+    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel, gpu_memory)."""
+    key = (str(model), variant, str(pick_device(device)), check_dtype(dtype), parallel, gpu_memory)
     if key not in _CACHE:
-        _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel)
+        _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel, gpu_memory)
     return _CACHE[key].generate(prompt, **kwargs)

@@ -252,6 +252,8 @@ def launch(
     limits: dict[str, Any] | None = None,
     auth: list[tuple[str, str]] | None = None,
     on_start: Callable[[int, Limits], None] | None = None,
+    gpu_memory: int | str | None = None,
+    workload: Any = None,
 ) -> None:
     """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`).
 
@@ -259,9 +261,18 @@ def launch(
     are mounted at scale 0 (on every rank) for the LoRA sliders. `limits`: Limits fields to override on
     the device's defaults; `auth`: (user, password) accounts; `on_start(port, limits)` runs once the page
     is up. Gradio's share link stays off whatever the environment says (GRADIO_SHARE), and so does its
-    MCP server; uploads are refused (the page takes none).
+    MCP server; uploads are refused (the page takes none). `gpu_memory` and `workload`: the memory plan
+    (pipelines.load_pipeline).
     """
-    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype, parallel=parallel)
+    pipe = load_pipeline(
+        model=model,
+        variant=variant,
+        device=device,
+        dtype=dtype,
+        parallel=parallel,
+        gpu_memory=gpu_memory,
+        workload=workload,
+    )
     if lora_files is not None:
         load_lora_files(pipe, lora_files)
     applied = Limits.for_device(torch.device(pipe.device).type, **(limits or {}))

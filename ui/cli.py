@@ -48,6 +48,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help=f"{', '.join(VARIANTS)} or {AUTO} (fp8-fused on FP8 checkpoints; else contract, or reference "
         "in fp32 on a CPU without native BF16)",
     )
+    parser.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="GPU memory this process may use, e.g. 24GiB, 24GB or 20000MiB (default: what the GPU has "
+        "free): the weights are placed to fit (text encoder offloaded, transformer blocks streamed from host "
+        "memory), same images; `qwen-image info --gpu-memory SIZE` prints the plan",
+    )
 
 
 def _add_gpus_arg(parser: argparse.ArgumentParser, what: str) -> None:

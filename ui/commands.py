@@ -11,8 +11,10 @@ import PIL.Image
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import CheckpointSpec
+from models.memory import Workload
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
+from pipelines.memory_plan import parse_size, plan_memory
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
 from pipelines.variants import resolve_variant
 from ui.access import check_access, is_loopback, read_accounts
@@ -59,15 +61,52 @@ def read_loras(specs: list[LoraSpec], spec: CheckpointSpec) -> list[tuple[Any, f
     return loras
 
 
-def load(args: argparse.Namespace, parallel: Any = None) -> Any:
+def load(
+    args: argparse.Namespace, parallel: Any = None, gpu_memory: int | None = None, workload: Any = None
+) -> Any:
     from pipelines import load_pipeline
 
     if is_leader_process():
         where = "" if parallel is None else f" as {parallel.describe()}"
         print(f"loading {args.model or 'the embedded default model'}{where} ...", file=sys.stderr)
     return load_pipeline(
-        args.model, variant=args.variant, device=args.device, dtype=args.dtype, parallel=parallel
+        args.model,
+        variant=args.variant,
+        device=args.device,
+        dtype=args.dtype,
+        parallel=parallel,
+        gpu_memory=gpu_memory,
+        workload=workload,
     )
+
+
+def memory_budget(args: argparse.Namespace) -> int | None:
+    """--gpu-memory in bytes (None: what the GPU has free), checked without torch."""
+    if args.gpu_memory is None:
+        return None
+    if args.gpus > 1 or launched_world_size() > 1:
+        raise InputError("--gpu-memory does not combine with several GPUs yet: leave out one of them")
+    return parse_size(args.gpu_memory)
+
+
+def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int, workload: Workload) -> Any:
+    """The plan `budget` gives on a CUDA GPU (BF16 unless --dtype fp32), from the configs and safetensors
+    headers only: a budget that cannot work is refused here, before torch is imported."""
+    size = 4 if args.dtype == "fp32" else 2
+    profile = spec.family.memory_profile(spec, size, size)
+    if profile is None:
+        raise InputError(
+            f"the {spec.family.name} family does not plan GPU memory yet: leave out --gpu-memory"
+        )
+    return plan_memory(profile, budget, workload)
+
+
+def request_workload(args: argparse.Namespace, spec: CheckpointSpec) -> Workload:
+    """The request `generate` will run, as the memory planner sees it."""
+    width = spec.defaults.width if args.width is None else args.width
+    height = spec.defaults.height if args.height is None else args.height
+    images = args.num_images_per_prompt
+    return Workload(width, height, images, 1, args.max_sequence_length, true_cfg_on(args, spec))
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
@@ -137,6 +176,10 @@ def check_generate_args(args: argparse.Namespace, spec: CheckpointSpec) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
     check_generate_args(args, spec)
+    budget = memory_budget(args)
+    workload = request_workload(args, spec)
+    if budget is not None and not (args.device or "cuda").startswith("cpu"):
+        gpu_memory_plan(args, spec, budget, workload)
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     chosen = plan(args, spec, true_cfg_on(args, spec))
     if chosen is not None and launched_world_size() == 1:
@@ -144,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         return
     check_device(args.device)
     loras = read_loras(lora_specs, spec)
-    pipe = load(args, chosen)
+    pipe = load(args, chosen, budget, workload)
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
     pipe.set_lora_mode(args.lora_mode)
@@ -181,6 +224,8 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
     )
     print(run.fusion_summary)
     print(f"parallel: {pipe.parallel_summary()}")
+    if pipe.memory is not None and not pipe.memory.plan.resident:
+        print(f"memory: {pipe.memory.plan.summary()}")
     if run.preset:
         print(f"preset: {get_preset(run.preset).describe()}")
     if run.loras:
@@ -191,11 +236,17 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
 
 def cmd_info(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
+    budget = memory_budget(args)
+    if budget is not None:  # the plan for a CUDA GPU, from the configs: printed even where there is none
+        plan = gpu_memory_plan(args, spec, budget, Workload(spec.defaults.width, spec.defaults.height))
+        print("\n".join(plan.describe()), flush=True)
     check_device(args.device)
     from pipelines.info import describe, describe_plans
+    from pipelines.pipeline import pick_device
 
     plans = describe_plans(args.gpus, spec) if args.gpus > 1 else None
-    print(describe(load(args)))
+    on_gpu = pick_device(args.device).type == "cuda"
+    print(describe(load(args, gpu_memory=budget if on_gpu else None)))
     if plans:
         print(plans)
 
@@ -251,6 +302,10 @@ def ui_accounts(args: argparse.Namespace) -> list[tuple[str, str]]:
 def cmd_ui(args: argparse.Namespace) -> None:
     accounts = ui_accounts(args)  # an open address is refused before anything loads or any rank starts
     spec = check_model_args(args)
+    budget = memory_budget(args)
+    workload = ui_workload(spec)
+    if budget is not None and not (args.device or "cuda").startswith("cpu"):
+        gpu_memory_plan(args, spec, budget, workload)
     lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
     chosen = plan(args, spec, true_cfg=True)
     if chosen is not None and launched_world_size() == 1:
@@ -276,6 +331,8 @@ def cmd_ui(args: argparse.Namespace) -> None:
         device=args.device,
         dtype=args.dtype,
         parallel=chosen,
+        gpu_memory=budget,
+        workload=workload,
         lora_files=lora_files,
         limits=limits,
         auth=accounts or None,
@@ -283,6 +340,16 @@ def cmd_ui(args: argparse.Namespace) -> None:
             serving_message(args.host, port, len(accounts), applied), flush=True
         ),
     )
+
+
+def ui_workload(spec: CheckpointSpec) -> Workload:
+    """The request the demo's memory plan holds: its largest aspect preset (or the model's default size),
+    one image, true CFG; a larger request is refused with the reason when it would not fit."""
+    from ui.generation import ASPECT_RATIOS
+
+    sizes = [*ASPECT_RATIOS.values(), (spec.defaults.width, spec.defaults.height)]
+    width, height = max(sizes, key=lambda size: size[0] * size[1])
+    return Workload(width, height)
 
 
 def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:

@@ -66,6 +66,11 @@ class QwenImageFamily(ModelFamily):
         with torch.device("meta"):
             return build_transformer(read_json(spec.directory / "transformer" / "config.json"))
 
+    def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
+        from models.qwen_image.memory import memory_profile
+
+        return memory_profile(spec.directory, dtype_bytes, vae_dtype_bytes)
+
     def convert_lora(self, state):
         from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
 

@@ -1,0 +1,442 @@
+"""Weights that wait in host memory and come to the device when they run, byte for byte the same weights.
+
+A component placed by `PlacedWeights` keeps its resident tensors on the device as usual. The tensors of two
+or more dimensions of its streamed blocks (weight matrices, LoRA factors) live in pinned host memory; a
+block's forward pre-hook points its modules at a copy in one of `slots` device buffers (block j always
+uses slot j mod slots, so the addresses are fixed and a CUDA graph can capture the whole call), and its
+post-hook points them back at the host copy and starts loading the block that reuses the slot. The copies
+run on a side stream, ordered by events: a copy into a slot waits for the block that used it, a block waits
+for its copy. An `offload`ed component also keeps its other moving tensors on the host, and brings them to
+the device only inside `phase()` (prefetched with `prefetch()`, e.g. right after the previous request).
+
+Outside a forward every moving tensor is its host copy, so code that reads or changes weights (LoRA
+merging, the fusion gate, `state_dict()`) sees real data. Tensors below two dimensions (norms, biases,
+scales) never move: the fusion gate reads the device from them. After the weights change, `place()` again
+collects the tensors (new LoRA factors become host copies too).
+
+`Link` is where the copies happen: `CudaLink` (pinned host memory, a CUDA side stream, CUDA events) or
+`HostLink` (the CPU stands in for the device and copies at once), which runs the same placement and hooks
+on a machine without a GPU (the CI tests prove the schedule and the bytes with it).
+"""
+
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+ALIGN = 512  # bytes between tensor starts in a buffer: any dtype's alignment, whole memory transactions
+PAGE = 4096
+
+
+class Link(ABC):
+    """Copies between host memory and `device` on a copy side that runs beside the compute side."""
+
+    device: torch.device
+
+    @abstractmethod
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer the copy side can read asynchronously."""
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    @abstractmethod
+    def event(self) -> Any: ...
+
+    @abstractmethod
+    def fork(self) -> None:
+        """Copies issued from now on wait for the compute work issued so far."""
+
+    @abstractmethod
+    def join(self) -> None:
+        """Compute issued from now on waits for every copy issued so far."""
+
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`dst <- src` on the copy side."""
+
+    @abstractmethod
+    def after_compute(self, event: Any) -> None:
+        """Record `event` after the compute work issued so far."""
+
+    @abstractmethod
+    def copies_wait(self, event: Any) -> None:
+        """Copies issued from now on wait for `event`."""
+
+    @abstractmethod
+    def after_copies(self, event: Any) -> None:
+        """Record `event` after the copies issued so far."""
+
+    @abstractmethod
+    def compute_waits(self, event: Any) -> None:
+        """Compute issued from now on waits for `event`."""
+
+
+class CudaLink(Link):
+    """Pinned host memory, a CUDA side stream for the copies, CUDA events between the two streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Page-locked in place (cudaHostRegister, exact size: torch's pinned allocator rounds each block
+        up to a power of two); unregistered when the buffer is freed."""
+        from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
+
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        buffer = raw[start : start + nbytes]
+        if nbytes:
+            pin_memory(buffer.data_ptr(), nbytes)
+            weakref.finalize(raw, unpin_memory, buffer.data_ptr())
+        return buffer
+
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def fork(self) -> None:
+        self.stream.wait_stream(self._compute())
+
+    def join(self) -> None:
+        self._compute().wait_stream(self.stream)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def after_compute(self, event: torch.cuda.Event) -> None:
+        event.record(self._compute())
+
+    def copies_wait(self, event: torch.cuda.Event) -> None:
+        self.stream.wait_event(event)
+
+    def after_copies(self, event: torch.cuda.Event) -> None:
+        event.record(self.stream)
+
+    def compute_waits(self, event: torch.cuda.Event) -> None:
+        self._compute().wait_event(event)
+
+
+class HostLink(Link):
+    """The CPU as the device: buffers in ordinary memory, every copy done when it is issued."""
+
+    device = torch.device("cpu")
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def event(self) -> None:
+        return None
+
+    def fork(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def after_compute(self, event: None) -> None:
+        pass
+
+    def copies_wait(self, event: None) -> None:
+        pass
+
+    def after_copies(self, event: None) -> None:
+        pass
+
+    def compute_waits(self, event: None) -> None:
+        pass
+
+
+def link_for(device: torch.device) -> Link:
+    return CudaLink(device) if device.type == "cuda" else HostLink()
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """One place a module keeps a tensor: a parameter, a buffer, or an entry of its `stream_state()`."""
+
+    module: nn.Module
+    kind: str
+    key: Any
+
+    def set(self, tensor: torch.Tensor) -> None:
+        if self.kind == "param":
+            self.module._parameters[self.key] = tensor
+        elif self.kind == "buffer":
+            self.module._buffers[self.key] = tensor
+        else:
+            self.module.load_stream_state({self.key: tensor})
+
+    def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as this place holds it (a parameter stays a parameter)."""
+        return nn.Parameter(tensor, requires_grad=False) if self.kind == "param" else tensor
+
+
+@dataclass
+class _Moving:
+    """A tensor that may leave the device, every place holding it, and its host copy once made."""
+
+    tensor: torch.Tensor
+    refs: list[_Ref] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def show(self, tensor: torch.Tensor) -> None:
+        for ref in self.refs:
+            ref.set(ref.wrap(tensor))
+
+
+def _tensor_places(module: nn.Module) -> Iterator[tuple[str, Any, torch.Tensor | None]]:
+    yield from (("param", k, t) for k, t in module._parameters.items())
+    yield from (("buffer", k, t) for k, t in module._buffers.items())
+    state = getattr(module, "stream_state", None)
+    if state is not None:
+        yield from (("state", k, t) for k, t in state().items())
+
+
+def moving_tensors(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[_Moving]:
+    """The tensors of two or more dimensions `root` holds, outside the modules in `skip`: parameters,
+    buffers and what modules keeping tensors elsewhere declare in `stream_state()` (LoRA factors), each
+    with every place holding it (a tied weight is one tensor)."""
+    skipped = {id(m) for s in skip for m in s.modules()}
+    found: dict[int, _Moving] = {}
+    for module in root.modules():
+        if id(module) in skipped:
+            continue
+        for kind, key, tensor in _tensor_places(module):
+            if tensor is not None and tensor.dim() >= 2:
+                found.setdefault(id(tensor), _Moving(tensor)).refs.append(_Ref(module, kind, key))
+    return list(found.values())
+
+
+def still_tensors(root: nn.Module) -> Iterator[tuple[_Ref, torch.Tensor]]:
+    """The tensors below two dimensions `root` holds: they never leave the device."""
+    for module in root.modules():
+        for kind, key, tensor in _tensor_places(module):
+            if tensor is not None and tensor.dim() < 2:
+                yield _Ref(module, kind, key), tensor
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+class _Group:
+    """Tensors that come to the device together (a block, or an offloaded component's other tensors), laid
+    out at aligned offsets of one device buffer; `host` holds their host copies."""
+
+    def __init__(self, moving: list[_Moving]) -> None:
+        self.moving = moving
+        self.offsets, offset = [], 0
+        for m in moving:
+            self.offsets.append(offset)
+            offset += _aligned(m.nbytes)
+        self.nbytes = offset
+        self.host: list[torch.Tensor] = [m.tensor for m in moving]
+        self._shown: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]] = []  # what each place holds
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's place in `buffer` (uint8), with its dtype and shape."""
+        return [
+            buffer[offset : offset + m.nbytes].view(m.tensor.dtype).view(m.tensor.shape)
+            for m, offset in zip(self.moving, self.offsets, strict=True)
+        ]
+
+    def load(self, link: Link, views: list[torch.Tensor]) -> None:
+        for view, host in zip(views, self.host, strict=True):
+            link.copy(view, host)
+
+    def show(self, tensors: list[torch.Tensor]) -> None:
+        """Point every place at `tensors` (the host copies, or views of a device buffer); the wrapped
+        objects are made once per list, so a call swaps references only."""
+        shown = next((objects for listed, objects in self._shown if listed is tensors), None)
+        if shown is None:
+            shown = [[ref.wrap(t) for ref in m.refs] for m, t in zip(self.moving, tensors, strict=True)]
+            self._shown.append((tensors, shown))
+        for m, objects in zip(self.moving, shown, strict=True):
+            for ref, obj in zip(m.refs, objects, strict=True):
+                ref.set(obj)
+
+    def forget(self, tensors: list[torch.Tensor] | None) -> None:
+        """Drop what `show` made for a list that is going away (a released device buffer's views)."""
+        self._shown = [(listed, objects) for listed, objects in self._shown if listed is not tensors]
+
+
+class PlacedWeights:
+    """One component's weights placed on `link`'s device as a memory plan says: blocks of `blocks` streamed
+    through slots at every call (hooks), and with `offload` its other moving tensors on the device only
+    inside `phase()`. `place()` may be called again with another placement, or after the weights changed."""
+
+    def __init__(self, root: nn.Module, blocks: nn.ModuleList | None, link: Link) -> None:
+        self.root, self.blocks, self.link = root, blocks, link
+        self.streamed: tuple[int, ...] = ()
+        self.slots = 0
+        self.offload = False
+        self._hooks: list[Any] = []
+        self._arenas: list[torch.Tensor] = []  # the host buffers holding the host copies
+        self._groups: list[_Group] = []
+        self._phase: _Group | None = None
+        self._slot_views: list[list[torch.Tensor]] = []
+        self._phase_views: list[torch.Tensor] | None = None
+        self._phase_buffer: torch.Tensor | None = None
+        self._loaded: list[Any] = []
+        self._freed: list[Any] = []
+        self._phase_loaded = link.event()
+
+    @torch.no_grad()
+    def place(self, streamed: Sequence[int] = (), slots: int = 0, offload: bool = False) -> None:
+        """Put every tensor where the placement wants it: small and resident ones on the device, streamed
+        blocks' and (with `offload`) the others' moving tensors in host memory."""
+        if streamed and (self.blocks is None or slots < 1):
+            raise ValueError("streaming blocks needs a block list and at least one slot")
+        self._remove_hooks()
+        self._drop_phase()
+        self.streamed, self.slots, self.offload = tuple(streamed), slots if streamed else 0, offload
+        streamed_blocks = [self.blocks[i] for i in self.streamed]
+        self._groups = [_Group(moving_tensors(block)) for block in streamed_blocks]
+        outside = moving_tensors(self.root, skip=streamed_blocks)
+        self._phase = _Group(outside) if offload else None
+        for ref, tensor in still_tensors(self.root):
+            if tensor.device != self.link.device:
+                ref.set(ref.wrap(tensor.to(self.link.device)))
+        if not offload:
+            for m in outside:
+                if m.tensor.device != self.link.device or self.is_host_copy(m.tensor):
+                    m.show(m.tensor.to(self.link.device, copy=True))
+        self._to_host([*self._groups, *([self._phase] if offload else [])])
+        slot_bytes = max((g.nbytes for g in self._groups), default=0)
+        self._slot_bytes = slot_bytes
+        if self._groups and not offload:  # fixed buffers: a captured graph keeps their addresses
+            buffers = [self.link.device_buffer(slot_bytes) for _ in range(self.slots)]
+            self._slot_views = [g.views(buffers[j % self.slots]) for j, g in enumerate(self._groups)]
+        self._loaded = [self.link.event() for _ in range(self.slots)]
+        self._freed = [self.link.event() for _ in range(self.slots)]
+        if self._groups:
+            self._hooks.append(self.root.register_forward_pre_hook(self._begin_call))
+            self._hooks.append(self.root.register_forward_hook(self._end_call, always_call=True))
+            for j, block in enumerate(streamed_blocks):
+                self._hooks.append(block.register_forward_pre_hook(lambda *_, j=j: self._block_starts(j)))
+                self._hooks.append(
+                    block.register_forward_hook(lambda *_, j=j: self._block_ends(j), always_call=True)
+                )
+
+    def is_host_copy(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lives in one of this placement's host buffers."""
+        return any(self._holds(arena, tensor) for arena in self._arenas)
+
+    def _to_host(self, groups: list[_Group]) -> None:
+        """Host copies for the groups' tensors that have none yet, in one new host buffer; host buffers no
+        tensor lives in any more are let go."""
+        fresh = [(g, i) for g in groups for i, m in enumerate(g.moving) if not self.is_host_copy(m.tensor)]
+        kept = [a for a in self._arenas if any(self._holds(a, m.tensor) for g in groups for m in g.moving)]
+        offsets, total = [], 0
+        for g, i in fresh:
+            offsets.append(total)
+            total += _aligned(g.moving[i].nbytes)
+        self._arenas = kept + ([self.link.host_buffer(total)] if fresh else [])
+        for (g, i), offset in zip(fresh, offsets, strict=True):
+            m = g.moving[i]
+            host = self._arenas[-1][offset : offset + m.nbytes].view(m.tensor.dtype).view(m.tensor.shape)
+            host.copy_(m.tensor)
+            m.show(host)
+            m.tensor = g.host[i] = host
+
+    @staticmethod
+    def _holds(arena: torch.Tensor, tensor: torch.Tensor) -> bool:
+        return arena.device == tensor.device and 0 <= tensor.data_ptr() - arena.data_ptr() < arena.numel()
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # The schedule of one call: the first `slots` blocks load at its start; block j waits for its copy,
+    # and when it ends the copy of block j + slots into its slot starts, after j's compute.
+    def _begin_call(self, *_: Any) -> None:
+        if self.offload and self._phase_views is None:
+            raise RuntimeError("an offloaded component ran outside its phase")
+        self.link.fork()
+        for j in range(min(self.slots, len(self._groups))):
+            self._issue(j)
+
+    def _issue(self, j: int) -> None:
+        slot = j % self.slots
+        if j >= self.slots:
+            self.link.copies_wait(self._freed[slot])
+        self._groups[j].load(self.link, self._slot_views[j])
+        self.link.after_copies(self._loaded[slot])
+
+    def _block_starts(self, j: int) -> None:
+        self.link.compute_waits(self._loaded[j % self.slots])
+        self._groups[j].show(self._slot_views[j])
+
+    def _block_ends(self, j: int) -> None:
+        self._groups[j].show(self._groups[j].host)
+        self.link.after_compute(self._freed[j % self.slots])
+        if j + self.slots < len(self._groups):
+            self._issue(j + self.slots)
+
+    def _end_call(self, *_: Any) -> None:
+        self.link.join()
+
+    def prefetch(self) -> None:
+        """Start loading an offloaded component's tensors (a no-op when loaded or not offloaded)."""
+        if not self.offload or self._phase_buffer is not None:
+            return
+        phase = self._phase
+        buffer = self.link.device_buffer(phase.nbytes + self.slots * self._slot_bytes)
+        slots = [buffer[phase.nbytes + s * self._slot_bytes :][: self._slot_bytes] for s in range(self.slots)]
+        self._slot_views = [g.views(slots[j % self.slots]) for j, g in enumerate(self._groups)]
+        self._phase_buffer, self._phase_views = buffer, phase.views(buffer[: phase.nbytes])
+        self.link.fork()
+        phase.load(self.link, self._phase_views)
+        self.link.after_copies(self._phase_loaded)
+
+    @contextmanager
+    def phase(self) -> Iterator[None]:
+        """Inside, an offloaded component's tensors are on the device (its streamed blocks still stream);
+        after, they are host copies again and the device buffer is free."""
+        if not self.offload:
+            yield
+            return
+        self.prefetch()
+        self.link.compute_waits(self._phase_loaded)
+        self._phase.show(self._phase_views)
+        try:
+            yield
+        finally:
+            self._phase.show(self._phase.host)
+            self._drop_phase()
+
+    def _drop_phase(self) -> None:
+        if self._phase_buffer is not None:
+            self.link.join()  # no copy into the buffer may still be running when it is reused
+            self._phase.forget(self._phase_views)
+            for g, views in zip(self._groups, self._slot_views, strict=True):
+                g.forget(views)
+            self._slot_views = []
+        self._phase_buffer, self._phase_views = None, None
+
+    def device_bytes(self) -> int:
+        """Bytes of this component's tensors on the device right now (outside a forward: its host copies
+        excluded, also where the CPU stands in for the device)."""
+        seen: dict[int, int] = {}
+        for module in self.root.modules():
+            for _, _, tensor in _tensor_places(module):
+                if tensor is not None and tensor.device == self.link.device and not self.is_host_copy(tensor):
+                    seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return sum(seen.values())

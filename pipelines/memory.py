@@ -1,0 +1,154 @@
+"""A memory plan (pipelines/memory_plan.py) applied to a loaded model: each component placed on the device
+as the plan says (models/streaming.py), the text encoder brought in for encoding and prefetched after each
+request, the VAE tiled when a request needs it, and the plan kept true when LoRAs change the weights.
+Family-neutral: components are the family model's by the names its memory profile gives."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+
+import torch
+
+from models.errors import InputError
+from models.family import CheckpointSpec, FamilyModel
+from models.memory import DECODE, MemoryProfile, PartSizes, Workload
+from models.streaming import Link, PlacedWeights, link_for, moving_tensors, still_tensors
+from pipelines.cuda_graph import cuda_graphs_enabled_by_env
+from pipelines.memory_plan import (
+    OFFLOAD,
+    RESERVE_BYTES,
+    MemoryPlan,
+    gib,
+    parse_size,
+    phase_peaks,
+    plan_memory,
+    with_workload,
+)
+
+DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+
+
+def budget_bytes(gpu_memory: int | str) -> int:
+    """A budget given as bytes or as a size such as "24GiB" (InputError otherwise)."""
+    if isinstance(gpu_memory, int) and not isinstance(gpu_memory, bool):
+        if gpu_memory <= 0:
+            raise InputError(f"GPU memory {gpu_memory} bytes must be above zero")
+        return gpu_memory
+    return parse_size(gpu_memory)
+
+
+def plan_for(
+    spec: CheckpointSpec,
+    dtype: torch.dtype,
+    vae_dtype: torch.dtype,
+    device: torch.device,
+    gpu_memory: int | str | None,
+    workload: Workload | None,
+) -> tuple[MemoryProfile, MemoryPlan] | None:
+    """The memory plan a pipeline loads with: on CUDA always (default budget: what the device has free),
+    on a CPU only for an explicit budget; None otherwise, or when the family plans no memory. An explicit
+    budget on CUDA also caps this process's allocations there (torch's per-process memory fraction)."""
+    budget = None if gpu_memory is None else budget_bytes(gpu_memory)
+    if budget is None and device.type != "cuda":
+        return None
+    profile = spec.family.memory_profile(spec, DTYPE_BYTES[dtype], DTYPE_BYTES[vae_dtype])
+    if profile is None:
+        if budget is not None:
+            raise InputError(
+                f"the {spec.family.name} family does not plan GPU memory yet: leave out the budget"
+            )
+        return None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if budget is not None and budget > total:
+            raise InputError(f"GPU memory {gib(budget)} is more than the {gib(total)} this GPU has")
+        if budget is not None:
+            torch.cuda.set_per_process_memory_fraction(budget / total, device)
+        budget = free if budget is None else budget
+    graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
+    fixed = RESERVE_BYTES if device.type == "cuda" else 0
+    return profile, plan_memory(profile, budget, workload or default_workload(spec), graphs, fixed)
+
+
+def default_workload(spec: CheckpointSpec) -> Workload:
+    """The request a plan holds unless told otherwise: the checkpoint's default size, one image, true CFG."""
+    return Workload(spec.defaults.width, spec.defaults.height)
+
+
+class GpuMemory:
+    """One pipeline's components placed for `plan` on `link`'s device."""
+
+    def __init__(self, model: FamilyModel, profile: MemoryProfile, plan: MemoryPlan, link: Link) -> None:
+        self.model, self.profile, self.plan, self.link = model, profile, plan, link
+        self.placed: dict[str, PlacedWeights] = {}
+        for part in profile.parts:
+            module = getattr(model.components, part.name)
+            blocks = None if part.block_path is None else module.get_submodule(part.block_path)
+            self.placed[part.name] = PlacedWeights(module, blocks, link)
+
+    @classmethod
+    def for_model(cls, model: FamilyModel, profile: MemoryProfile, plan: MemoryPlan) -> "GpuMemory":
+        """Place a model loaded on the host (or the device) on its compute device as `plan` says."""
+        memory = cls(model, profile, plan, link_for(model.device))
+        memory.place()
+        return memory
+
+    def place(self) -> None:
+        for placement in self.plan.placements:
+            placed = self.placed[placement.part.name]
+            placed.place(placement.streamed, placement.slots, offload=placement.mode == OFFLOAD)
+
+    def phase(self, phase: str):
+        """A context inside which the component of `phase` is on the device."""
+        part = self.profile.part(phase)
+        return self.placed[part.name].phase()
+
+    def prefetch(self) -> None:
+        """Start bringing the offloaded components back for the next request (after one has finished)."""
+        for placed in self.placed.values():
+            placed.prefetch()
+
+    def request(self, workload: Workload) -> MemoryPlan:
+        """The plan for one request (InputError when it does not fit); sets the VAE's tiling for it."""
+        plan = with_workload(self.plan, self.profile, workload)
+        vae = getattr(self.model.components, self.profile.part(DECODE).name)
+        vae.enable_tiling() if plan.tiled_decode else vae.disable_tiling()
+        return plan
+
+    def refresh(self) -> None:
+        """After the weights changed (LoRAs, variant): their sizes measured again, the placements kept while
+        they still fit the budget (else planned again), and every new tensor put where its block goes."""
+        live = replace(self.profile, parts=tuple(self._live_sizes(p) for p in self.profile.parts))
+        placements = tuple(replace(p, part=live.part(p.part.phase)) for p in self.plan.placements)
+        peaks = phase_peaks(live, placements, self.plan.workload, self.plan.tiled_decode, self.plan.graphs)
+        if self.plan.fits(peaks):
+            self.plan = replace(self.plan, placements=placements, peaks=peaks)
+        else:
+            plan = self.plan
+            self.plan = plan_memory(live, plan.budget, plan.workload, plan.graphs, plan.fixed_reserve)
+        self.profile = live
+        self.place()
+
+    def _live_sizes(self, part: PartSizes) -> PartSizes:
+        """`part`'s sizes from the tensors it holds now (LoRA factors included)."""
+        placed = self.placed[part.name]
+        blocks = [] if placed.blocks is None else list(placed.blocks)
+
+        def size(tensors) -> int:
+            return sum(m.nbytes for m in tensors)
+
+        small = sum(t.numel() * t.element_size() for _, t in still_tensors(placed.root))
+        block_bytes = tuple(size(moving_tensors(block)) for block in blocks)
+        return replace(
+            part, small=small, fixed=size(moving_tensors(placed.root, skip=blocks)), blocks=block_bytes
+        )
+
+    def describe(self) -> list[str]:
+        return self.plan.describe()
+
+
+@contextmanager
+def in_phase(memory: GpuMemory | None, phase: str) -> Iterator[None]:
+    """`memory.phase(phase)`, or nothing without a memory plan."""
+    with nullcontext() if memory is None else memory.phase(phase):
+        yield

@@ -1,0 +1,299 @@
+"""The GPU-memory planner (torch-free): where each component's weights live for a budget, a pure function of
+the components' sizes (models/memory.py), the budget and the largest request the plan must hold.
+
+In order of cost, the first that fits wins:
+1. everything resident;
+2. the text encoder on the device only while it encodes (a pinned host copy, loaded back asynchronously
+   after each request so that the next one finds it there);
+3. that, with transformer blocks streamed from pinned host memory on a side stream one block ahead of
+   compute (`prefetch`), as many blocks resident as the budget allows, the streamed ones spread evenly;
+   the text encoder streams its layers too when even its whole copy does not fit beside them.
+Among plans that fit, the one moving the fewest bytes per denoising step wins, then per request. Each phase
+(encoding, denoising, decoding) must fit: the weights on the device then, plus its activations, plus the
+pools of the captured CUDA graphs (one per CFG branch, kept across phases), plus a reserve for the CUDA
+libraries' workspaces and the allocator's rounding. The VAE decodes in tiles when whole images do not fit.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+from models.errors import InputError
+from models.memory import DECODE, DENOISE, ENCODE, MemoryProfile, PartSizes, Workload
+
+GiB = 1024**3
+UNITS = {
+    "": GiB,  # a bare number is GiB, what nvidia-smi and the cards' spec sheets mean
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": GiB,
+    "tib": 1024**4,
+}
+RESERVE_BYTES = 768 * 1024**2  # cuBLAS/cuDNN workspaces, CUDA-graph bookkeeping
+RESERVE_FRACTION = 0.04  # the caching allocator's rounding and fragmentation
+PREFETCH = 1  # blocks loaded ahead of the one computing: slots = PREFETCH + 1
+RESIDENT, OFFLOAD, STREAM = "resident", "offload", "stream"
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as "24GiB", "24GB", "24 GiB" or "24" (GiB); InputError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = None if match is None else UNITS.get(match.group(2).lower())
+    if unit is None:
+        raise InputError(f"GPU memory {text!r} is not a size: use e.g. 24GiB, 24GB or 16000MiB")
+    size = round(float(match.group(1)) * unit)
+    if size <= 0:
+        raise InputError(f"GPU memory {text!r} must be above zero")
+    return size
+
+
+def gib(size: int) -> str:
+    """A size as people read it: GiB with one decimal, MiB below one GiB."""
+    return f"{size / GiB:.1f} GiB" if size >= GiB else f"{size / 1024**2:.0f} MiB"
+
+
+def reserve(budget: int, fixed: int = RESERVE_BYTES) -> int:
+    """What a budget keeps free of weights and activations (`fixed`: the CUDA libraries' part, none on a
+    CPU)."""
+    return fixed + round(RESERVE_FRACTION * budget)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one component's weights live: `resident`; `offload` (on the device only in its phase, its
+    `streamed` blocks copied one at a time through `slots` buffers meanwhile); `stream` (on the device
+    always, but its `streamed` blocks, which are copied in through `slots` buffers at every call)."""
+
+    part: PartSizes
+    mode: str
+    streamed: tuple[int, ...] = ()
+    slots: int = 0
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.part.blocks[i] for i in self.streamed)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots * max((self.part.blocks[i] for i in self.streamed), default=0)
+
+    @property
+    def moving_bytes(self) -> int:
+        """Bytes of this component that leave the device at some point."""
+        if self.mode == OFFLOAD:
+            return self.part.fixed + sum(self.part.blocks)
+        return self.streamed_bytes
+
+    def always(self) -> int:
+        """Device bytes outside its phase."""
+        if self.mode == OFFLOAD:
+            return self.part.small
+        return self.part.total - self.streamed_bytes + self.slot_bytes
+
+    def during(self) -> int:
+        """Device bytes while it runs."""
+        if self.mode == OFFLOAD:
+            return self.part.total - self.streamed_bytes + self.slot_bytes
+        return self.always()
+
+    def describe(self) -> str:
+        name = self.part.name.replace("_", " ")
+        blocks = len(self.part.blocks)
+        ahead = f"{self.slots - 1} block{'s' if self.slots > 2 else ''} ahead"
+        if self.mode == RESIDENT:
+            return f"{name}: resident ({self.part.total / 1e9:.2f} GB)"
+        if self.mode == OFFLOAD:
+            streamed = (
+                f", {len(self.streamed)} of its {blocks} blocks streamed {ahead}" if self.streamed else ""
+            )
+            return (
+                f"{name}: on the device only while it runs{streamed}; "
+                f"{self.moving_bytes / 1e9:.2f} GB copied from pinned host memory per request"
+            )
+        return (
+            f"{name}: {blocks - len(self.streamed)} of {blocks} blocks resident, {len(self.streamed)} "
+            f"streamed from pinned host memory {ahead} ({self.streamed_bytes / 1e9:.2f} GB per call)"
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A placement of every component for a budget and a workload, with the peaks it expects."""
+
+    budget: int
+    workload: Workload
+    placements: tuple[Placement, ...]
+    tiled_decode: bool
+    graphs: bool  # CUDA graphs capture the transformer call (their pools stay allocated)
+    peaks: dict[str, int] = field(default_factory=dict, compare=False)
+    fixed_reserve: int = RESERVE_BYTES
+
+    @property
+    def reserve(self) -> int:
+        return reserve(self.budget, self.fixed_reserve)
+
+    def fits(self, peaks: dict[str, int]) -> bool:
+        return max(peaks.values()) + self.reserve <= self.budget
+
+    def placement(self, name: str) -> Placement:
+        return next(p for p in self.placements if p.part.name == name)
+
+    @property
+    def resident(self) -> bool:
+        return all(p.mode == RESIDENT for p in self.placements)
+
+    @property
+    def calls_per_step(self) -> int:
+        return 2 if self.workload.true_cfg else 1
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Host-to-device bytes of one denoising step (every CFG branch's transformer call)."""
+        return sum(p.streamed_bytes for p in self.placements if p.part.phase == DENOISE) * self.calls_per_step
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Host-to-device bytes once per request (components on the device only in their phase)."""
+        return sum(p.moving_bytes for p in self.placements if p.part.phase != DENOISE)
+
+    def summary(self) -> str:
+        """One line: what moves and how much (the generate summary)."""
+        moving = [
+            f"{p.part.name.replace('_', ' ')} {'offloaded' if p.mode == OFFLOAD else 'streamed'}"
+            + (
+                f" ({len(p.part.blocks) - len(p.streamed)}/{len(p.part.blocks)} blocks resident)"
+                if p.streamed
+                else ""
+            )
+            for p in self.placements
+            if p.mode != RESIDENT
+        ]
+        return (
+            f"{gib(self.budget)} plan: {', '.join(moving)}; {self.bytes_per_step / 1e9:.2f} GB per step, "
+            f"{self.bytes_per_request / 1e9:.2f} GB per request from pinned host memory"
+        )
+
+    def describe(self) -> list[str]:
+        """Lines for `qwen-image info --gpu-memory` and the generate summary."""
+        decode = (
+            "VAE decodes in tiles (whole images do not fit)" if self.tiled_decode else "VAE decodes whole"
+        )
+        peaks = ", ".join(f"{phase} {gib(size)}" for phase, size in self.peaks.items())
+        return [
+            f"GPU memory plan for {gib(self.budget)} ({self.workload.describe()}):",
+            *(f"  {p.describe()}" for p in self.placements),
+            f"  {decode}",
+            f"  host to device: {self.bytes_per_step / 1e9:.2f} GB per step, "
+            f"{self.bytes_per_request / 1e9:.2f} GB per request",
+            f"  expected peaks: {peaks}, plus {gib(self.reserve)} kept free",
+        ]
+
+
+def evenly(count: int, blocks: int) -> tuple[int, ...]:
+    """`count` of `blocks` indices spread evenly, the last block included and the first ones kept, so the
+    first streamed block's copy overlaps the compute of the blocks before it."""
+    return tuple(blocks - 1 - math.floor(i * blocks / count) for i in range(count))[::-1] if count else ()
+
+
+def _placement(part: PartSizes, mode: str, resident_blocks: int) -> Placement:
+    """`part` with `resident_blocks` of its blocks kept (the others streamed through PREFETCH + 1 slots)."""
+    streamed = evenly(len(part.blocks) - resident_blocks, len(part.blocks))
+    return Placement(part, mode, streamed, PREFETCH + 1 if streamed else 0)
+
+
+def phase_peaks(
+    profile: MemoryProfile,
+    placements: tuple[Placement, ...],
+    workload: Workload,
+    tiled: bool,
+    graphs: bool,
+) -> dict[str, int]:
+    """Device bytes each phase needs at most: weights there then, activations, graph pools, reserve
+    excluded."""
+    act = profile.activations
+    step = act.step(workload)
+    pools = (2 if workload.true_cfg else 1) * step if graphs else 0
+    always = sum(p.always() for p in placements)
+    extra = {p.part.phase: p.during() - p.always() for p in placements}
+    return {
+        ENCODE: always + extra.get(ENCODE, 0) + act.encode(workload) + pools,
+        DENOISE: always + extra.get(DENOISE, 0) + pools + step,  # one more call while a graph is captured
+        DECODE: always + extra.get(DECODE, 0) + act.decode(workload, tiled) + pools,
+    }
+
+
+def plan_memory(
+    profile: MemoryProfile,
+    budget: int,
+    workload: Workload,
+    graphs: bool = True,
+    fixed_reserve: int = RESERVE_BYTES,
+) -> MemoryPlan:
+    """The cheapest placement that fits `budget` bytes for `workload`; InputError naming the smallest
+    budget that would work when none does. `graphs`: the transformer call is captured in CUDA graphs;
+    `fixed_reserve`: what the CUDA libraries need besides (0 on a CPU)."""
+    empty = MemoryPlan(budget, workload, (), False, graphs, fixed_reserve=fixed_reserve)
+    candidates = [plan for plan in _candidates(profile, empty) if plan is not None]
+    if not candidates:
+        need = minimum_budget(profile, workload, graphs, fixed_reserve)
+        raise InputError(
+            f"GPU memory {gib(budget)} cannot hold this model for {workload.describe()}: it needs at least "
+            f"{gib(need)} (weights streamed, text encoder streamed, tiled decoding)"
+        )
+    return min(candidates, key=lambda p: (p.bytes_per_step, p.bytes_per_request, p.tiled_decode))
+
+
+def _candidates(profile: MemoryProfile, empty: MemoryPlan):
+    """For each way of holding the text encoder, the plan keeping the most transformer blocks resident."""
+    text, transformer, vae = (profile.part(phase) for phase in (ENCODE, DENOISE, DECODE))
+    text_options = [
+        lambda: _placement(text, RESIDENT, len(text.blocks)),
+        *(lambda k=k: _placement(text, OFFLOAD, k) for k in range(len(text.blocks), -1, -1)),
+    ]
+    for text_option in text_options:
+        yield _best_transformer(profile, empty, text_option(), transformer, vae)
+
+
+def _best_transformer(profile: MemoryProfile, empty: MemoryPlan, text: Placement, transformer, vae):
+    blocks = len(transformer.blocks)
+    for resident in range(blocks, -1, -1):
+        mode = RESIDENT if resident == blocks else STREAM
+        placements = (text, _placement(transformer, mode, resident), Placement(vae, RESIDENT))
+        for tiled in (False, True):
+            peaks = phase_peaks(profile, placements, empty.workload, tiled, empty.graphs)
+            if empty.fits(peaks):
+                return replace(empty, placements=placements, tiled_decode=tiled, peaks=peaks)
+    return None
+
+
+def minimum_budget(
+    profile: MemoryProfile, workload: Workload, graphs: bool = True, fixed_reserve: int = RESERVE_BYTES
+) -> int:
+    """The smallest budget any plan fits: everything that can leave the device streamed, tiled decoding."""
+    text, transformer, vae = (profile.part(phase) for phase in (ENCODE, DENOISE, DECODE))
+    placements = (
+        _placement(text, OFFLOAD, 0),
+        _placement(transformer, STREAM, 0),
+        Placement(vae, RESIDENT),
+    )
+    need = max(phase_peaks(profile, placements, workload, True, graphs).values())
+    return math.ceil((need + fixed_reserve) / (1 - RESERVE_FRACTION))
+
+
+def with_workload(plan: MemoryPlan, profile: MemoryProfile, workload: Workload) -> MemoryPlan:
+    """`plan`'s placements for another request: its peaks and whether it decodes in tiles; InputError when
+    the request does not fit the budget with these placements (the plan was made for a smaller one)."""
+    for tiled in (False, True):
+        peaks = phase_peaks(profile, plan.placements, workload, tiled, plan.graphs)
+        if plan.fits(peaks):
+            return replace(plan, workload=workload, tiled_decode=tiled, peaks=peaks)
+    raise InputError(
+        f"this request ({workload.describe()}) needs more than the {gib(plan.budget)} of GPU memory the "
+        f"model was placed for ({plan.workload.describe()}): make it smaller, or load with that request "
+        "as the largest one"
+    )
