@@ -10,6 +10,7 @@ from torch import nn
 
 from kernels.quant import FP8_MAX
 from models.fp8 import MIN_AMAX, quantize_weight
+from models.fp8_weight_only import quantize_per_channel
 from models.modelopt import QuantConfig
 
 
@@ -60,11 +61,17 @@ def share_group_amax(
 
 
 def fp8_state_dict(
-    model: nn.Module, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
+    model: nn.Module,
+    linears: dict[str, nn.Linear],
+    input_amax: dict[str, torch.Tensor],
+    weight_only: dict[str, nn.Linear] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The ModelOpt FP8 state dict (on the model's device): e4m3 weights, fp32 scalar scales, BF16 biases."""
+    """The ModelOpt FP8 state dict (on the model's device): e4m3 weights, fp32 scalar scales, BF16 biases;
+    the `weight_only` linears with one weight scale per output channel and no input scale."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     for name, linear in linears.items():
         state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_weight(linear.weight.detach())
         state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(())
+    for name, linear in (weight_only or {}).items():
+        state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_per_channel(linear.weight.detach())
     return state

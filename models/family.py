@@ -100,6 +100,7 @@ class QuantRecipe:
     bf16_fallback: tuple[str, ...]
     shared_inputs: tuple[tuple[str, ...], ...]
     all_blocks_fp8: tuple[str, ...]  # the fallback that quantizes every block linear (benchmarks, tests)
+    weight_only: tuple[str, ...] = ()  # fallback globs `quantize --fp8-modulation` stores FP8 weight-only
 
 
 @dataclass(frozen=True)

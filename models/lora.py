@@ -33,6 +33,7 @@ from kernels.numerics import Numerics
 from kernels.quant import FP8_MAX
 from models.errors import CheckpointError
 from models.fp8 import Fp8Linear, QuantizedActivation, QuantSpec, quant_consumer_spec, quantize_weight
+from models.fp8_weight_only import Fp8WeightOnlyLinear, quantize_per_channel
 from models.lora_files import DOWN, LoraFactors, LoraFile
 from models.numerics import NumericsAware
 
@@ -142,11 +143,14 @@ class LoraLinear(NumericsAware, nn.Module):
         delta = self.delta_weight()
         base = self.base_layer
         if delta is not None:
+            fp8 = isinstance(base, (Fp8Linear, Fp8WeightOnlyLinear))
             if keep_original and not self._original:
-                kept = (base.weight, base.weight_scale) if isinstance(base, Fp8Linear) else (base.weight,)
+                kept = (base.weight, base.weight_scale) if fp8 else (base.weight,)
                 self._original = tuple(t.detach().to("cpu", copy=True) for t in kept)
             if isinstance(base, Fp8Linear):
                 self.merge_stats = _merge_fp8(base, delta)
+            elif isinstance(base, Fp8WeightOnlyLinear):
+                self.merge_stats = _merge_weight_only(base, delta)
             else:  # computed where the delta is, written back wherever the weight waits
                 base.weight.copy_((base.weight.to(delta.device).float() + delta).to(base.weight.dtype))
         self._merged = key
@@ -223,6 +227,23 @@ def _merge_fp8(base: Fp8Linear, delta: torch.Tensor) -> Fp8MergeStats:
     return stats
 
 
+def _merge_weight_only(base: Fp8WeightOnlyLinear, delta: torch.Tensor) -> Fp8MergeStats:
+    """Dequantize, add, requantize with new per-channel scales (each row's amax / 448); `scale_ratio` is the
+    largest new / old channel scale."""
+    old_scale = base.weight_scale.to(delta.device).float()
+    merged = base.dequantized_weight(delta.device) + delta
+    q, scale = quantize_per_channel(merged)
+    stats = Fp8MergeStats(
+        weights=merged.numel(),
+        clipped=int(((merged / scale[:, None]).abs() > FP8_MAX).sum()),
+        max_abs_error=float((q.float() * scale[:, None] - merged).abs().max()),
+        scale_ratio=float((scale / old_scale).max()),
+    )
+    base.weight.copy_(q)
+    base.weight_scale.copy_(scale)
+    return stats
+
+
 def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
     """The mounted LoRA wrappers of `model`, by module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
@@ -237,7 +258,7 @@ def lora_targets(model: nn.Module) -> dict[str, nn.Module]:
             continue
         if isinstance(module, LoraLinear):
             targets[name], inside = module, (*inside, f"{name}.")
-        elif isinstance(module, (nn.Linear, Fp8Linear)):
+        elif isinstance(module, (nn.Linear, Fp8Linear, Fp8WeightOnlyLinear)):
             targets[name] = module
     return targets
 

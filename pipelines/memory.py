@@ -58,16 +58,33 @@ def plan_for(
                 f"the {spec.family.name} family does not plan GPU memory yet: leave out the budget"
             )
         return None
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        if budget is not None and budget > total:
-            raise InputError(f"GPU memory {gib(budget)} is more than the {gib(total)} this GPU has")
-        if budget is not None:
-            torch.cuda.set_per_process_memory_fraction(budget / total, device)
-        budget = free if budget is None else budget
+    explicit = budget is not None
+    budget = device_budget(device, budget)
     graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
     fixed = RESERVE_BYTES if device.type == "cuda" else 0
-    return profile, plan_memory(profile, budget, workload or default_workload(spec), graphs, fixed)
+    plan = plan_memory(profile, budget, workload or default_workload(spec), graphs, fixed)
+    if explicit:
+        cap_device(device, budget)
+    return profile, plan
+
+
+def device_budget(device: torch.device, budget: int | None) -> int:
+    """On CUDA: None becomes what the GPU has free now plus what this process holds there already; an
+    explicit budget is refused above what the GPU has. Elsewhere the budget as given."""
+    if device.type != "cuda":
+        return budget
+    free, total = torch.cuda.mem_get_info(device)
+    if budget is not None and budget > total:
+        raise InputError(f"GPU memory {gib(budget)} is more than the {gib(total)} this GPU has")
+    return free + torch.cuda.memory_reserved(device) if budget is None else budget
+
+
+def cap_device(device: torch.device, budget: int | None) -> None:
+    """On CUDA, an explicit budget caps this process's allocations there (torch's per-process memory
+    fraction), so the plan's peaks are enforced, not hoped for; None lifts the cap (`replan`)."""
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else budget / total, device)
 
 
 def default_workload(spec: CheckpointSpec) -> Workload:
@@ -114,6 +131,18 @@ class GpuMemory:
         vae = getattr(self.model.components, self.profile.part(DECODE).name)
         vae.enable_tiling() if plan.tiled_decode else vae.disable_tiling()
         return plan
+
+    def replan(self, gpu_memory: int | str | None, workload: Workload | None = None) -> None:
+        """Place the weights for another budget (None: what the device has free) and largest request, in
+        place: tensors move between the device and host memory, nothing is read from disk again."""
+        explicit = None if gpu_memory is None else budget_bytes(gpu_memory)
+        budget = device_budget(self.link.device, explicit)
+        plan = self.plan
+        self.plan = plan_memory(
+            self.profile, budget, workload or plan.workload, plan.graphs, plan.fixed_reserve
+        )
+        self.place()
+        cap_device(self.link.device, explicit)
 
     def refresh(self) -> None:
         """After the weights changed (LoRAs, variant): their sizes measured again, the placements kept while

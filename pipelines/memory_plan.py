@@ -174,7 +174,8 @@ class MemoryPlan:
             if p.mode != RESIDENT
         ]
         return (
-            f"{gib(self.budget)} plan: {', '.join(moving)}; {self.bytes_per_step / 1e9:.2f} GB per step, "
+            f"{gib(self.budget)} plan: {', '.join(moving) or 'everything resident'}; "
+            f"{self.bytes_per_step / 1e9:.2f} GB per step, "
             f"{self.bytes_per_request / 1e9:.2f} GB per request from pinned host memory"
         )
 
@@ -200,7 +201,7 @@ def evenly(count: int, blocks: int) -> tuple[int, ...]:
     return tuple(blocks - 1 - math.floor(i * blocks / count) for i in range(count))[::-1] if count else ()
 
 
-def _placement(part: PartSizes, mode: str, resident_blocks: int) -> Placement:
+def place_part(part: PartSizes, mode: str, resident_blocks: int) -> Placement:
     """`part` with `resident_blocks` of its blocks kept (the others streamed through PREFETCH + 1 slots)."""
     streamed = evenly(len(part.blocks) - resident_blocks, len(part.blocks))
     return Placement(part, mode, streamed, PREFETCH + 1 if streamed else 0)
@@ -237,52 +238,72 @@ def plan_memory(
     """The cheapest placement that fits `budget` bytes for `workload`; InputError naming the smallest
     budget that would work when none does. `graphs`: the transformer call is captured in CUDA graphs;
     `fixed_reserve`: what the CUDA libraries need besides (0 on a CPU)."""
-    empty = MemoryPlan(budget, workload, (), False, graphs, fixed_reserve=fixed_reserve)
-    candidates = [plan for plan in _candidates(profile, empty) if plan is not None]
-    if not candidates:
+    plan = _cheapest(profile, MemoryPlan(budget, workload, (), False, graphs, fixed_reserve=fixed_reserve))
+    if plan is None:
         need = minimum_budget(profile, workload, graphs, fixed_reserve)
         raise InputError(
             f"GPU memory {gib(budget)} cannot hold this model for {workload.describe()}: it needs at least "
-            f"{gib(need)} (weights streamed, text encoder streamed, tiled decoding)"
+            f"{gib(need)}"
         )
-    return min(candidates, key=lambda p: (p.bytes_per_step, p.bytes_per_request, p.tiled_decode))
+    return plan
 
 
-def _candidates(profile: MemoryProfile, empty: MemoryPlan):
-    """For each way of holding the text encoder, the plan keeping the most transformer blocks resident."""
+def _cheapest(profile: MemoryProfile, empty: MemoryPlan) -> MemoryPlan | None:
+    """For each way of holding the text encoder, the plan keeping the most transformer blocks resident;
+    of those, the one moving the fewest bytes per step, then per request (None when none fits)."""
     text, transformer, vae = (profile.part(phase) for phase in (ENCODE, DENOISE, DECODE))
-    text_options = [
-        lambda: _placement(text, RESIDENT, len(text.blocks)),
-        *(lambda k=k: _placement(text, OFFLOAD, k) for k in range(len(text.blocks), -1, -1)),
-    ]
-    for text_option in text_options:
-        yield _best_transformer(profile, empty, text_option(), transformer, vae)
+    options = [place_part(text, RESIDENT, len(text.blocks))]
+    options += [place_part(text, OFFLOAD, k) for k in range(len(text.blocks), -1, -1)]
+    plans = [_best_transformer(profile, empty, option, transformer, vae) for option in options]
+    plans = [plan for plan in plans if plan is not None]
+    return min(plans, key=lambda p: (p.bytes_per_step, p.bytes_per_request, p.tiled_decode), default=None)
 
 
-def _best_transformer(profile: MemoryProfile, empty: MemoryPlan, text: Placement, transformer, vae):
+def _best_transformer(
+    profile: MemoryProfile, empty: MemoryPlan, text: Placement, transformer: PartSizes, vae: PartSizes
+) -> MemoryPlan | None:
+    """The plan with `text` keeping the most transformer blocks resident, decoding whole if it can (fewer
+    resident blocks never need more memory, so a bisection finds the most)."""
     blocks = len(transformer.blocks)
-    for resident in range(blocks, -1, -1):
+
+    def plan(resident: int, tiled: bool) -> MemoryPlan | None:
         mode = RESIDENT if resident == blocks else STREAM
-        placements = (text, _placement(transformer, mode, resident), Placement(vae, RESIDENT))
-        for tiled in (False, True):
-            peaks = phase_peaks(profile, placements, empty.workload, tiled, empty.graphs)
-            if empty.fits(peaks):
-                return replace(empty, placements=placements, tiled_decode=tiled, peaks=peaks)
-    return None
+        placements = (text, place_part(transformer, mode, resident), Placement(vae, RESIDENT))
+        peaks = phase_peaks(profile, placements, empty.workload, tiled, empty.graphs)
+        return (
+            replace(empty, placements=placements, tiled_decode=tiled, peaks=peaks)
+            if empty.fits(peaks)
+            else None
+        )
+
+    best = []
+    for tiled in (False, True):  # the most resident blocks each way; whole decoding breaks a tie
+        found = plan(blocks, tiled)  # all resident needs no slots: checked on its own
+        low, high = -1, blocks - 1  # plan(low) fits (or low is -1), plan(high + 1) does not
+        while found is None and low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if plan(middle, tiled) is not None else (low, middle - 1)
+        found = found or (plan(low, tiled) if low >= 0 else None)
+        best += [found] if found is not None else []
+    return min(best, key=lambda p: (p.bytes_per_step, p.tiled_decode), default=None)
 
 
 def minimum_budget(
     profile: MemoryProfile, workload: Workload, graphs: bool = True, fixed_reserve: int = RESERVE_BYTES
 ) -> int:
-    """The smallest budget any plan fits: everything that can leave the device streamed, tiled decoding."""
-    text, transformer, vae = (profile.part(phase) for phase in (ENCODE, DENOISE, DECODE))
-    placements = (
-        _placement(text, OFFLOAD, 0),
-        _placement(transformer, STREAM, 0),
-        Placement(vae, RESIDENT),
-    )
-    need = max(phase_peaks(profile, placements, workload, True, graphs).values())
-    return math.ceil((need + fixed_reserve) / (1 - RESERVE_FRACTION))
+    """The smallest budget some plan fits, to 1 MiB (a plan that fits a budget fits every larger one)."""
+    low, high = 0, 1024**2
+
+    def fits(budget: int) -> bool:
+        empty = MemoryPlan(budget, workload, (), False, graphs, fixed_reserve=fixed_reserve)
+        return _cheapest(profile, empty) is not None
+
+    while not fits(high):
+        low, high = high, 2 * high
+    while high - low > 1024**2:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
 
 
 def with_workload(plan: MemoryPlan, profile: MemoryProfile, workload: Workload) -> MemoryPlan:

@@ -256,6 +256,16 @@ class Pipeline:
         self.lora.set_mode(mode)
         self._resync()
 
+    def set_gpu_memory(self, gpu_memory: int | str | None, workload: Workload | None = None) -> None:
+        """Place the weights for another GPU-memory budget (None: what the GPU has free) and largest request
+        without reloading them; captured graphs are dropped. InputError when it cannot work, or when this
+        pipeline plans no memory (a CPU pipeline loaded without a budget)."""
+        if self.memory is None:
+            raise InputError("this pipeline was loaded without a memory plan: load it with gpu_memory")
+        self._graphed.graphs.clear()
+        self.memory.replan(gpu_memory, workload)
+        self._graphed.max_graphs = self.memory.plan.calls_per_step
+
     def set_parallel(self, plan: ParallelPlan | None) -> None:
         """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
         calls it at the same point; captured graphs are dropped."""

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
 from models.errors import InputError
+from models.fp8_weight_only import WEIGHT_ONLY_KEY
 from models.loading import save_tensors
 from models.lora_files import LoraFile
 from pipelines.pipeline import Pipeline, load_pipeline
@@ -67,9 +68,14 @@ def calibrate(
 
 
 def write_fp8_transformer(
-    model: nn.Module, state: dict[str, torch.Tensor], ignore: Sequence[str], directory: Path
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    ignore: Sequence[str],
+    directory: Path,
+    weight_only: Sequence[str] = (),
 ) -> None:
-    """config.json with a flat ModelOpt `quantization_config`, hf_quant_config.json, safetensors."""
+    """config.json with a flat ModelOpt `quantization_config`, hf_quant_config.json, safetensors;
+    `weight_only`: globs of the FP8 weight-only linears (our extension, models/fp8_weight_only.py)."""
     directory.mkdir(parents=True, exist_ok=True)
     quantization = {
         "quant_method": "modelopt",
@@ -84,9 +90,12 @@ def write_fp8_transformer(
             }
         },
     }
+    nested = {"quant_algo": "FP8", "exclude_modules": list(ignore)}
+    if weight_only:
+        quantization[WEIGHT_ONLY_KEY] = nested[WEIGHT_ONLY_KEY] = list(weight_only)
     config = model.config.to_dict() | {"quantization_config": quantization}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    hf_quant = {"producer": PRODUCER, "quantization": {"quant_algo": "FP8", "exclude_modules": list(ignore)}}
+    hf_quant = {"producer": PRODUCER, "quantization": nested}
     (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
     save_tensors({k: v.cpu() for k, v in state.items()}, directory)
 
@@ -102,10 +111,12 @@ def quantize_checkpoint(
     seed: int = 0,
     loras: Sequence[tuple[str | Path | LoraFile, float]] = (),
     preset: str | None = None,
+    fp8_modulation: bool = False,
 ) -> Path:
     """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`;
     `loras` (file, scale) are baked into the BF16 weights first, `preset` sets the calibration run;
-    `ignore` None keeps the family's BF16 fallback list."""
+    `ignore` None keeps the family's BF16 fallback list; `fp8_modulation` stores the family's weight-only
+    layers (Qwen-Image's modulation) in FP8 with per-channel scales instead of BF16."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"output {out} exists and is not an empty directory")
@@ -113,7 +124,8 @@ def quantize_checkpoint(
     pipe = load_pipeline(model, variant="contract", device=device)
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
-    return quantize_pipeline(pipe, out, prompts, ignore, steps, size, seed, pipe.spec.directory, preset)
+    source = pipe.spec.directory
+    return quantize_pipeline(pipe, out, prompts, ignore, steps, size, seed, source, preset, fp8_modulation)
 
 
 def quantize_pipeline(
@@ -126,6 +138,7 @@ def quantize_pipeline(
     seed: int = 0,
     source: Path | None = None,
     preset: str | None = None,
+    fp8_modulation: bool = False,
 ) -> Path:
     """Calibrate a loaded BF16 pipeline and write the FP8 checkpoint; its loaded LoRAs are baked into the
     weights first (so calibration sees the activations they cause); the other components (and the
@@ -136,6 +149,10 @@ def quantize_pipeline(
         raise InputError(f"{pipe.model_name} is already an FP8 checkpoint: quantize its BF16 source")
     recipe = pipe.model.quantization
     ignore = recipe.bf16_fallback if ignore is None else tuple(ignore)
+    weight_only_globs = recipe.weight_only if fp8_modulation else ()
+    if fp8_modulation and not weight_only_globs:
+        raise InputError(f"{pipe.model_name}: its family names no layers to store FP8 weight-only")
+    ignore = tuple(glob for glob in ignore if glob not in weight_only_globs)
     run_preset = get_preset(preset)
     steps = steps or (
         run_preset.num_inference_steps if run_preset else min(pipe.defaults.num_inference_steps, 20)
@@ -144,14 +161,19 @@ def quantize_pipeline(
     if pipe.loras:
         pipe.lora.bake()
         pipe.set_variant(pipe.variant)
-    linears = quantizable_linears(pipe.transformer, ignore)
+    linears = quantizable_linears(pipe.transformer, (*ignore, *weight_only_globs))
+    weight_only = {
+        name: module
+        for name, module in quantizable_linears(pipe.transformer, ignore).items()
+        if name not in linears
+    }
     amax = share_group_amax(
         calibrate(pipe, linears, prompts, steps, size, seed, preset), recipe.shared_inputs
     )
-    state = fp8_state_dict(pipe.transformer, linears, amax)
+    state = fp8_state_dict(pipe.transformer, linears, amax, weight_only)
     if source is None:
         pipe.model.save(out, skip=("transformer",), defaults=pipe.defaults)
     else:
         shutil.copytree(source, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
-    write_fp8_transformer(pipe.transformer, state, ignore, out / "transformer")
+    write_fp8_transformer(pipe.transformer, state, ignore, out / "transformer", weight_only_globs)
     return out

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 from helpers import REPO
-from memory_fixtures import header_only_checkpoint, write_header
 
+from bench.header_checkpoint import header_only_checkpoint, write_header
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.memory import DECODE, DENOISE, ENCODE, Workload, part_sizes, read_header

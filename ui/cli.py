@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-bf16",
         help="comma-separated module globs kept in BF16 (default: the DESIGN §3 fallback list)",
     )
+    quant.add_argument(
+        "--fp8-modulation",
+        action="store_true",
+        help="store the modulation linears (img_mod.1, txt_mod.1: 13.6 GB in BF16 at full size) in FP8 "
+        "with one scale per output channel, read by an FP8 GEMV; halves them, changes the images slightly "
+        "(BENCHMARKS.md: FP8 modulation)",
+    )
     _add_lora_args(quant, "bake into the BF16 weights before calibration")
     quant.add_argument(
         "--preset", choices=list(PRESETS), help="calibrate with a preset's steps, CFG and scheduler"

@@ -282,6 +282,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         device=args.device,
         loras=loras,
         preset=args.preset,
+        fp8_modulation=args.fp8_modulation,
     )
     print(f"wrote {written}")
     print(f"check it with: qwen-image info --model {written}")

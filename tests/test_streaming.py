@@ -1,0 +1,206 @@
+"""Weights placed for a memory budget give the same bytes as fully resident ones, on the CPU standing in for
+the device: the text encoder offloaded (and its layers streamed), transformer blocks streamed through two
+slots, for BF16 and FP8 (fused and unfused), with LoRAs in branch and merge mode, loaded before or after
+placing. The copies run either when issued (`HostLink`) or as late as a side stream may run them
+(`LateLink`: a block that did not wait for its copy would read the previous block's bytes, as a test here
+shows); the device holds exactly what the plan counts."""
+
+import math
+
+import pytest
+import torch
+from helpers import png_sha256
+from lora_files import block_modules, linear_shapes, random_factors, write_lightning
+from memory_fixtures import BF16, FP32, placed_pipeline
+
+from models.errors import InputError
+from models.memory import DENOISE, ENCODE, Workload
+from models.streaming import HostLink, PlacedWeights
+from pipelines import load_pipeline
+from pipelines.memory_plan import RESERVE_FRACTION
+from pipelines.quantize import quantize_checkpoint
+
+REQUEST = dict(prompt="a red circle on the left", seed=3, num_inference_steps=2, width=32, height=32)
+
+
+class LateLink(HostLink):
+    """The CPU as the device, with every copy run as late as a side stream may run it: queued, and run when
+    compute waits for an event recorded after it (or joins)."""
+
+    def __init__(self) -> None:
+        self.queue: list = []
+
+    def event(self) -> object:
+        return object()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.queue.append(lambda: dst.copy_(src))
+
+    def after_copies(self, event: object) -> None:
+        self.queue.append(event)
+
+    def compute_waits(self, event: object) -> None:
+        if not any(item is event for item in self.queue):
+            return  # recorded and passed already
+        while self.queue:
+            item = self.queue.pop(0)
+            if item is event:
+                return
+            if callable(item):
+                item()
+
+    def join(self) -> None:
+        while self.queue:
+            item = self.queue.pop(0)
+            if callable(item):
+                item()
+
+
+@pytest.fixture(scope="module")
+def resident():
+    """The embedded default with everything resident (diffusers' arithmetic in FP32 on this CPU), and
+    its image."""
+    pipe = load_pipeline(variant="reference", device="cpu", dtype="fp32")
+    return pipe, png_sha256(pipe.generate(**REQUEST)[0])
+
+
+@pytest.mark.parametrize(
+    ("text", "blocks", "link"),
+    [
+        (("offload", 2), None, LateLink),  # the text encoder offloaded whole
+        (("offload", 1), 2, LateLink),  # one text layer streamed, 2 of 6 blocks resident
+        (("offload", 0), 0, HostLink),  # everything streamed, copies at once
+        (("offload", 0), 0, LateLink),  # everything streamed, copies as late as they may run
+        (("resident", 2), 5, LateLink),  # text encoder resident, one block streamed
+    ],
+)
+def test_placed_weights_give_the_resident_bytes(resident, text, blocks, link):
+    pipe = placed_pipeline(None, "reference", text, blocks, link(), precision=FP32)
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
+
+
+def test_a_second_request_finds_the_prefetched_text_encoder(resident):
+    pipe = placed_pipeline(None, "reference", ("offload", 1), 3, LateLink(), precision=FP32)
+    for _ in range(2):
+        assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
+        assert pipe.memory.placed["text_encoder"]._phase_buffer is not None  # prefetched for the next
+
+
+def test_a_block_that_does_not_wait_for_its_copy_reads_stale_bytes(resident, monkeypatch):
+    """The test above can fail: without the wait, copies that run late leave the slot's old bytes."""
+
+    def starts_without_waiting(self: PlacedWeights, j: int) -> None:
+        self._groups[j].show(self._slot_views[j])
+
+    monkeypatch.setattr(PlacedWeights, "_block_starts", starts_without_waiting)
+    pipe = placed_pipeline(None, "reference", ("offload", 2), 0, LateLink(), precision=FP32)
+    assert png_sha256(pipe.generate(**REQUEST)[0]) != resident[1]
+
+
+def test_the_device_holds_what_the_plan_counts(resident):
+    """Outside a call: the small tensors, the transformer's fixed part, resident blocks and two slots; the
+    offloaded text encoder only its small tensors, and inside its phase its kept layers too. At rest every
+    weight reads as the resident pipeline's, byte for byte."""
+    pipe = placed_pipeline(None, "reference", ("offload", 1), 2, HostLink(), precision=FP32)
+    memory = pipe.memory
+    text, dit = memory.plan.placement("text_encoder"), memory.plan.placement("transformer")
+    slots = dit.slot_bytes
+    assert memory.placed["transformer"].device_bytes() == dit.always() - slots
+    assert memory.placed["text_encoder"].device_bytes() == text.part.small
+    with memory.phase(ENCODE):
+        inside = memory.placed["text_encoder"].device_bytes()
+    assert inside == text.part.total - text.streamed_bytes
+    assert memory.placed["text_encoder"].device_bytes() == text.part.small
+    base = resident[0].transformer.state_dict()
+    for name, tensor in pipe.transformer.state_dict().items():
+        assert torch.equal(tensor, base[name]), name
+    assert isinstance(pipe.transformer.transformer_blocks[5].attn.to_q.weight, torch.nn.Parameter)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "ckpt"
+    return quantize_checkpoint(None, out, prompts=["a red fox"], steps=2, size=32, device="cpu")
+
+
+@pytest.mark.parametrize("variant", ["fp8-unfused", "fp8-fused"])
+def test_fp8_streamed_equals_resident(fp8_dir, variant):
+    expected = png_sha256(load_pipeline(fp8_dir, variant=variant, device="cpu").generate(**REQUEST)[0])
+    pipe = placed_pipeline(fp8_dir, variant, ("offload", 0), 1, LateLink())
+    assert pipe.variant == variant
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == expected
+
+
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory):
+    """A rank-8 LoRA on every block linear, in the Lightning release layout."""
+    base = load_pipeline(variant="contract", device="cpu")
+    shapes = linear_shapes(base.transformer)
+    factors = random_factors(shapes, block_modules(base.transformer.config.num_layers), 8, seed=5)
+    return write_lightning(tmp_path_factory.mktemp("lora") / "fast.safetensors", factors, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("model", "variant", "mode"),
+    [
+        ("bf16", "reference", "branch"),  # PEFT's branch, op for op
+        ("bf16", "contract", "merge"),
+        ("fp8", "fp8-fused", "branch"),  # the producers write y beside q for the branch
+        ("fp8", "fp8-unfused", "merge"),  # requantized FP8 weights
+    ],
+)
+def test_loras_stream_with_their_blocks(fp8_dir, lightning, model, variant, mode):
+    """A LoRA loaded after placing: its factors (and merged weights) wait on the host with their blocks;
+    images equal the resident pipeline's with the same LoRA, and unloading gives the base bytes back."""
+    model_dir = None if model == "bf16" else fp8_dir
+    precision = FP32 if variant == "reference" else BF16
+    dtype = "fp32" if variant == "reference" else None
+    reference = load_pipeline(model_dir, variant=variant, device="cpu", dtype=dtype)
+    pipe = placed_pipeline(model_dir, variant, ("offload", 1), 1, LateLink(), precision=precision)
+    base = png_sha256(reference.generate(**REQUEST)[0])
+    for each in (reference, pipe):
+        each.load_lora(lightning, scale=0.7, name="fast")
+        each.set_lora_mode(mode)
+    if mode == "branch":  # a scale change rebuilds the stacked factors, which stream too
+        for each in (reference, pipe):
+            each.set_lora_scales({"fast": 1.3})
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == png_sha256(reference.generate(**REQUEST)[0])
+    streamed = pipe.memory.placed["transformer"]
+    wrapper = pipe.transformer.transformer_blocks[5].attn.to_q
+    assert wrapper.stream_state() and all(streamed.is_host_copy(t) for t in wrapper.stream_state().values())
+    pipe.unload_lora()
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == base
+
+
+def test_a_lora_that_no_longer_fits_streams_more_blocks(lightning, resident):
+    """Placed with no room to spare, the pipeline plans again when a LoRA makes its blocks bigger."""
+    first = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), precision=FP32)
+    budget = math.ceil(max(first.memory.plan.peaks.values()) / (1 - RESERVE_FRACTION)) + 1  # just fits
+    pipe = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), budget, FP32)
+    before = pipe.memory.plan.placement("transformer").streamed
+    block_bytes = pipe.memory.profile.part(DENOISE).blocks[0]
+    reference = resident[0]
+    for each in (pipe, reference):
+        each.load_lora(lightning, name="fast")
+    after = pipe.memory.plan.placement("transformer").streamed
+    assert len(after) > len(before)
+    assert pipe.memory.plan.fits(pipe.memory.plan.peaks)
+    assert pipe.memory.profile.part(DENOISE).blocks[0] > block_bytes
+    try:
+        assert png_sha256(pipe.generate(**REQUEST)[0]) == png_sha256(reference.generate(**REQUEST)[0])
+    finally:
+        reference.unload_lora()
+
+
+def test_budget_on_the_cpu_through_load_pipeline_and_request_checks(resident):
+    """load_pipeline(gpu_memory=...) on a CPU places the weights for the budget (the CPU standing in), and a
+    request larger than the one planned for is refused in one line when it does not fit."""
+    pipe = load_pipeline(
+        variant="reference", device="cpu", dtype="fp32", gpu_memory="48MiB", workload=Workload(32, 32)
+    )
+    assert not pipe.memory.plan.resident
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
+    with pytest.raises(InputError, match="needs more than the 48 MiB"):
+        pipe.generate("a red circle", width=1024, height=1024, num_inference_steps=2, num_images_per_prompt=8)
+    with pytest.raises(InputError, match="cannot hold this model"):
+        load_pipeline(variant="contract", device="cpu", gpu_memory="1MiB")
