@@ -21,7 +21,7 @@ on a machine without a GPU (the CI tests prove the schedule and the bytes with i
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,19 +296,36 @@ class PlacedWeights:
         self._loaded: list[Any] = []
         self._freed: list[Any] = []
         self._phase_loaded = link.event()
+        self._lent: list[_Group] = []  # blocks whose buffer is lent to an offloaded component
+        self._lent_views: list[list[torch.Tensor]] = []
+        self._lent_buffer: torch.Tensor | None = None
+        self._lent_loaded = False
+        self._lent_event = link.event()
+        self._borrower: PlacedWeights | None = None
 
     @torch.no_grad()
-    def place(self, streamed: Sequence[int] = (), slots: int = 0, offload: bool = False) -> None:
+    def place(
+        self,
+        streamed: Sequence[int] = (),
+        slots: int = 0,
+        offload: bool = False,
+        lent: Sequence[int] = (),
+        lend_bytes: int = 0,
+    ) -> None:
         """Put every tensor where the placement wants it: small and resident ones on the device, streamed
-        blocks' and (with `offload`) the others' moving tensors in host memory."""
+        and `lent` blocks' and (with `offload`) the others' moving tensors in host memory. The lent blocks
+        live in one fixed device buffer of at least `lend_bytes` that `lend()` gives to an offloaded
+        component while it runs; they are copied back (`load_lent`) before this one runs again."""
         if streamed and (self.blocks is None or slots < 1):
             raise ValueError("streaming blocks needs a block list and at least one slot")
         self._remove_hooks()
         self._drop_phase()
         self.streamed, self.slots, self.offload = tuple(streamed), slots if streamed else 0, offload
         streamed_blocks = [self.blocks[i] for i in self.streamed]
+        lent_blocks = [self.blocks[i] for i in lent]
         self._groups = [_Group(moving_tensors(block)) for block in streamed_blocks]
-        outside = moving_tensors(self.root, skip=streamed_blocks)
+        self._lent = [_Group(moving_tensors(block)) for block in lent_blocks]
+        outside = moving_tensors(self.root, skip=streamed_blocks + lent_blocks)
         self._phase = _Group(outside) if offload else None
         for ref, tensor in still_tensors(self.root):
             if tensor.device != self.link.device:
@@ -317,22 +334,61 @@ class PlacedWeights:
             for m in outside:
                 if m.tensor.device != self.link.device or self.is_host_copy(m.tensor):
                     m.show(m.tensor.to(self.link.device, copy=True))
-        self._to_host([*self._groups, *([self._phase] if offload else [])])
+        self._to_host([*self._groups, *self._lent, *([self._phase] if offload else [])])
         slot_bytes = max((g.nbytes for g in self._groups), default=0)
         self._slot_bytes = slot_bytes
         if self._groups and not offload:  # fixed buffers: a captured graph keeps their addresses
             buffers = [self.link.device_buffer(slot_bytes) for _ in range(self.slots)]
             self._slot_views = [g.views(buffers[j % self.slots]) for j, g in enumerate(self._groups)]
+        self._lend_buffer_for(lend_bytes)
         self._loaded = [self.link.event() for _ in range(self.slots)]
         self._freed = [self.link.event() for _ in range(self.slots)]
-        if self._groups:
-            self._hooks.append(self.root.register_forward_pre_hook(self._begin_call))
-            self._hooks.append(self.root.register_forward_hook(self._end_call, always_call=True))
-            for j, block in enumerate(streamed_blocks):
-                self._hooks.append(block.register_forward_pre_hook(lambda *_, j=j: self._block_starts(j)))
-                self._hooks.append(
-                    block.register_forward_hook(lambda *_, j=j: self._block_ends(j), always_call=True)
-                )
+        if self._groups or self._lent:
+            self._hook(self.root, self._begin_call, self._end_call)
+        for j, block in enumerate(streamed_blocks):
+            self._hook(block, lambda j=j: self._block_starts(j), lambda j=j: self._block_ends(j))
+        for group, views, block in zip(self._lent, self._lent_views, lent_blocks, strict=True):
+            self._hook(block, lambda g=group, v=views: g.show(v), lambda g=group: g.show(g.host))
+
+    def _hook(self, module: nn.Module, before: Callable[[], None], after: Callable[[], None]) -> None:
+        """`before()` as `module`'s forward starts, `after()` when it ends, also by an exception."""
+        self._hooks.append(module.register_forward_pre_hook(lambda *_: before()))
+        self._hooks.append(module.register_forward_hook(lambda *_: after(), always_call=True))
+
+    def _lend_buffer_for(self, lend_bytes: int) -> None:
+        """The lent blocks' fixed buffer (at least `lend_bytes`), each block's place in it; not loaded yet."""
+        self._lent_buffer, self._lent_views, self._lent_loaded, self._borrower = None, [], False, None
+        if not self._lent:
+            return
+        total = sum(g.nbytes for g in self._lent)
+        self._lent_buffer = self.link.device_buffer(max(total, lend_bytes))
+        offset = 0
+        for group in self._lent:
+            self._lent_views.append(group.views(self._lent_buffer[offset : offset + group.nbytes]))
+            offset += group.nbytes
+
+    def lend(self, borrower: "PlacedWeights") -> torch.Tensor | None:
+        """The lent blocks' buffer, for `borrower` to run in (None without lent blocks); they are copied back
+        by `load_lent`, before this component runs again."""
+        if self._lent_buffer is None:
+            return None
+        self._lent_loaded, self._borrower = False, borrower
+        return self._lent_buffer
+
+    def load_lent(self) -> None:
+        """Take the lent buffer back from its borrower and copy the lent blocks into it; compute issued from
+        now on waits for them (outside any captured graph, which then finds them in place)."""
+        if self._lent_buffer is None or self._lent_loaded:
+            return
+        if self._borrower is not None:
+            self._borrower.release()
+            self._borrower = None
+        self.link.fork()
+        for group, views in zip(self._lent, self._lent_views, strict=True):
+            group.load(self.link, views)
+        self.link.after_copies(self._lent_event)
+        self.link.compute_waits(self._lent_event)
+        self._lent_loaded = True
 
     def is_host_copy(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in one of this placement's host buffers."""
@@ -366,9 +422,10 @@ class PlacedWeights:
 
     # The schedule of one call: the first `slots` blocks load at its start; block j waits for its copy,
     # and when it ends the copy of block j + slots into its slot starts, after j's compute.
-    def _begin_call(self, *_: Any) -> None:
+    def _begin_call(self) -> None:
         if self.offload and self._phase_views is None:
             raise RuntimeError("an offloaded component ran outside its phase")
+        self.load_lent()  # already there unless a direct call follows a lend
         self.link.fork()
         for j in range(min(self.slots, len(self._groups))):
             self._issue(j)
@@ -390,15 +447,22 @@ class PlacedWeights:
         if j + self.slots < len(self._groups):
             self._issue(j + self.slots)
 
-    def _end_call(self, *_: Any) -> None:
+    def _end_call(self) -> None:
         self.link.join()
 
-    def prefetch(self) -> None:
-        """Start loading an offloaded component's tensors (a no-op when loaded or not offloaded)."""
+    @property
+    def phase_bytes(self) -> int:
+        """The device buffer an offloaded component needs while it runs (its tensors and slots)."""
+        return 0 if self._phase is None else self._phase.nbytes + self.slots * self._slot_bytes
+
+    def prefetch(self, borrowed: torch.Tensor | None = None) -> None:
+        """Start loading an offloaded component's tensors (a no-op when loaded or not offloaded), into
+        `borrowed` (another component's lent buffer) when it is large enough."""
         if not self.offload or self._phase_buffer is not None:
             return
         phase = self._phase
-        buffer = self.link.device_buffer(phase.nbytes + self.slots * self._slot_bytes)
+        enough = borrowed is not None and borrowed.numel() >= self.phase_bytes
+        buffer = borrowed if enough else self.link.device_buffer(self.phase_bytes)
         slots = [buffer[phase.nbytes + s * self._slot_bytes :][: self._slot_bytes] for s in range(self.slots)]
         self._slot_views = [g.views(slots[j % self.slots]) for j, g in enumerate(self._groups)]
         self._phase_buffer, self._phase_views = buffer, phase.views(buffer[: phase.nbytes])
@@ -407,13 +471,13 @@ class PlacedWeights:
         self.link.after_copies(self._phase_loaded)
 
     @contextmanager
-    def phase(self) -> Iterator[None]:
-        """Inside, an offloaded component's tensors are on the device (its streamed blocks still stream);
-        after, they are host copies again and the device buffer is free."""
+    def phase(self, borrowed: torch.Tensor | None = None) -> Iterator[None]:
+        """Inside, an offloaded component's tensors are on the device (its streamed blocks still stream),
+        in `borrowed` when given and large enough; after, they are host copies again and the buffer free."""
         if not self.offload:
             yield
             return
-        self.prefetch()
+        self.prefetch(borrowed)
         self.link.compute_waits(self._phase_loaded)
         self._phase.show(self._phase_views)
         try:
@@ -421,6 +485,10 @@ class PlacedWeights:
         finally:
             self._phase.show(self._phase.host)
             self._drop_phase()
+
+    def release(self) -> None:
+        """Let go of the device buffer (a lender takes its buffer back): loaded again when next needed."""
+        self._drop_phase()
 
     def _drop_phase(self) -> None:
         if self._phase_buffer is not None:

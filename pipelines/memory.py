@@ -111,19 +111,37 @@ class GpuMemory:
         return memory
 
     def place(self) -> None:
-        for placement in self.plan.placements:
-            placed = self.placed[placement.part.name]
-            placed.place(placement.streamed, placement.slots, offload=placement.mode == OFFLOAD)
+        """Each component as the plan says; blocks that lend their memory hold at least what the offloaded
+        component needs while it runs (placed first, so its need is known)."""
+        offloaded = [p for p in self.plan.placements if p.mode == OFFLOAD]
+        for placement in (*offloaded, *(p for p in self.plan.placements if p.mode != OFFLOAD)):
+            lend = sum(self.placed[p.part.name].phase_bytes for p in offloaded) if placement.lent else 0
+            self.placed[placement.part.name].place(
+                placement.streamed, placement.slots, placement.mode == OFFLOAD, placement.lent, lend
+            )
 
-    def phase(self, phase: str):
-        """A context inside which the component of `phase` is on the device."""
+    @contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """Inside, the component of `phase` is on the device (in the memory a lender gave it); after, the
+        lender's blocks are copied back."""
         part = self.profile.part(phase)
-        return self.placed[part.name].phase()
+        placed = self.placed[part.name]
+        lender = self._lender() if self.plan.placement(part.name).mode == OFFLOAD else None
+        with placed.phase(None if lender is None else lender.lend(placed)):
+            yield
+        if lender is not None:
+            lender.load_lent()
 
     def prefetch(self) -> None:
         """Start bringing the offloaded components back for the next request (after one has finished)."""
-        for placed in self.placed.values():
-            placed.prefetch()
+        lender = self._lender()
+        for placement in self.plan.placements:
+            if placement.mode == OFFLOAD:
+                placed = self.placed[placement.part.name]
+                placed.prefetch(None if lender is None else lender.lend(placed))
+
+    def _lender(self) -> PlacedWeights | None:
+        return next((self.placed[p.part.name] for p in self.plan.placements if p.lent), None)
 
     def request(self, workload: Workload) -> MemoryPlan:
         """The plan for one request (InputError when it does not fit); sets the VAE's tiling for it."""

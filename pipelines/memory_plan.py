@@ -67,16 +67,23 @@ def reserve(budget: int, fixed: int = RESERVE_BYTES) -> int:
 class Placement:
     """Where one component's weights live: `resident`; `offload` (on the device only in its phase, its
     `streamed` blocks copied one at a time through `slots` buffers meanwhile); `stream` (on the device
-    always, but its `streamed` blocks, which are copied in through `slots` buffers at every call)."""
+    always, but its `streamed` blocks, which are copied in through `slots` buffers at every call). A
+    streaming component's `lent` blocks stay in one fixed buffer that it lends to the offloaded one while
+    that one runs, and are copied back once per request."""
 
     part: PartSizes
     mode: str
     streamed: tuple[int, ...] = ()
     slots: int = 0
+    lent: tuple[int, ...] = ()
 
     @property
     def streamed_bytes(self) -> int:
         return sum(self.part.blocks[i] for i in self.streamed)
+
+    @property
+    def lent_bytes(self) -> int:
+        return sum(self.part.blocks[i] for i in self.lent)
 
     @property
     def slot_bytes(self) -> int:
@@ -84,10 +91,10 @@ class Placement:
 
     @property
     def moving_bytes(self) -> int:
-        """Bytes of this component that leave the device at some point."""
+        """Bytes of this component copied to the device once per request."""
         if self.mode == OFFLOAD:
             return self.part.fixed + sum(self.part.blocks)
-        return self.streamed_bytes
+        return self.lent_bytes
 
     def always(self) -> int:
         """Device bytes outside its phase."""
@@ -115,8 +122,13 @@ class Placement:
                 f"{name}: on the device only while it runs{streamed}; "
                 f"{self.moving_bytes / 1e9:.2f} GB copied from pinned host memory per request"
             )
+        lent = (
+            f", {len(self.lent)} of them lending their memory to the text encoder and copied back per request"
+            if self.lent
+            else ""
+        )
         return (
-            f"{name}: {blocks - len(self.streamed)} of {blocks} blocks resident, {len(self.streamed)} "
+            f"{name}: {blocks - len(self.streamed)} of {blocks} blocks resident{lent}; {len(self.streamed)} "
             f"streamed from pinned host memory {ahead} ({self.streamed_bytes / 1e9:.2f} GB per call)"
         )
 
@@ -158,8 +170,9 @@ class MemoryPlan:
 
     @property
     def bytes_per_request(self) -> int:
-        """Host-to-device bytes once per request (components on the device only in their phase)."""
-        return sum(p.moving_bytes for p in self.placements if p.part.phase != DENOISE)
+        """Host-to-device bytes once per request (components on the device only in their phase, blocks
+        that lent them their memory)."""
+        return sum(p.moving_bytes for p in self.placements)
 
     def summary(self) -> str:
         """One line: what moves and how much (the generate summary)."""
@@ -201,10 +214,15 @@ def evenly(count: int, blocks: int) -> tuple[int, ...]:
     return tuple(blocks - 1 - math.floor(i * blocks / count) for i in range(count))[::-1] if count else ()
 
 
-def place_part(part: PartSizes, mode: str, resident_blocks: int) -> Placement:
-    """`part` with `resident_blocks` of its blocks kept (the others streamed through PREFETCH + 1 slots)."""
+def place_part(part: PartSizes, mode: str, resident_blocks: int, lend: int = 0) -> Placement:
+    """`part` with `resident_blocks` of its blocks kept (the others streamed through PREFETCH + 1 slots),
+    the last of them that together hold at least `lend` bytes lent to the offloaded component."""
     streamed = evenly(len(part.blocks) - resident_blocks, len(part.blocks))
-    return Placement(part, mode, streamed, PREFETCH + 1 if streamed else 0)
+    kept = [i for i in range(len(part.blocks)) if i not in streamed]
+    lent: list[int] = []
+    while kept and sum(part.blocks[i] for i in lent) < lend:
+        lent.insert(0, kept.pop())
+    return Placement(part, mode, streamed, PREFETCH + 1 if streamed else 0, tuple(lent))
 
 
 def phase_peaks(
@@ -221,6 +239,8 @@ def phase_peaks(
     pools = (2 if workload.true_cfg else 1) * step if graphs else 0
     always = sum(p.always() for p in placements)
     extra = {p.part.phase: p.during() - p.always() for p in placements}
+    lent = sum(p.lent_bytes for p in placements)  # the offloaded component's buffer, while it runs
+    extra[ENCODE] = max(0, extra.get(ENCODE, 0) - lent)
     return {
         ENCODE: always + extra.get(ENCODE, 0) + act.encode(workload) + pools,
         DENOISE: always + extra.get(DENOISE, 0) + pools + step,  # one more call while a graph is captured
@@ -254,21 +274,32 @@ def _cheapest(profile: MemoryProfile, empty: MemoryPlan) -> MemoryPlan | None:
     text, transformer, vae = (profile.part(phase) for phase in (ENCODE, DENOISE, DECODE))
     options = [place_part(text, RESIDENT, len(text.blocks))]
     options += [place_part(text, OFFLOAD, k) for k in range(len(text.blocks), -1, -1)]
-    plans = [_best_transformer(profile, empty, option, transformer, vae) for option in options]
+    plans = [
+        _best_transformer(profile, empty, option, transformer, vae, lend)
+        for option in options
+        for lend in (False, option.mode == OFFLOAD)
+    ]
     plans = [plan for plan in plans if plan is not None]
     return min(plans, key=lambda p: (p.bytes_per_step, p.bytes_per_request, p.tiled_decode), default=None)
 
 
 def _best_transformer(
-    profile: MemoryProfile, empty: MemoryPlan, text: Placement, transformer: PartSizes, vae: PartSizes
+    profile: MemoryProfile,
+    empty: MemoryPlan,
+    text: Placement,
+    transformer: PartSizes,
+    vae: PartSizes,
+    lend: bool = False,
 ) -> MemoryPlan | None:
     """The plan with `text` keeping the most transformer blocks resident, decoding whole if it can (fewer
-    resident blocks never need more memory, so a bisection finds the most)."""
+    resident blocks never need more memory, so a bisection finds the most); with `lend`, resident blocks
+    that hold the offloaded text encoder's buffer lend it their memory while it runs."""
     blocks = len(transformer.blocks)
+    need = text.during() - text.always() if lend else 0
 
     def plan(resident: int, tiled: bool) -> MemoryPlan | None:
-        mode = RESIDENT if resident == blocks else STREAM
-        placements = (text, place_part(transformer, mode, resident), Placement(vae, RESIDENT))
+        mode = RESIDENT if resident == blocks and not need else STREAM
+        placements = (text, place_part(transformer, mode, resident, need), Placement(vae, RESIDENT))
         peaks = phase_peaks(profile, placements, empty.workload, tiled, empty.graphs)
         return (
             replace(empty, placements=placements, tiled_decode=tiled, peaks=peaks)

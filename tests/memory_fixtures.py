@@ -23,9 +23,11 @@ def placed_pipeline(
     link: Link,
     budget: int = 64 * GiB,
     precision: Precision = BF16,
+    lend: bool = False,
 ) -> Pipeline:
     """A checkpoint on `link`'s device with an explicit placement: the text encoder (mode, layers kept in
-    its phase), `transformer` blocks resident (None: all). Loaded on the host, placed from there, as
+    its phase), `transformer` blocks resident (None: all; with `lend`, those holding the offloaded text
+    encoder's buffer lend it their memory). Loaded on the host, placed from there, as
     `load_pipeline(gpu_memory=...)` does when the plan is not all resident."""
     spec = inspect_checkpoint(model_dir)
     model = spec.family.load(spec, precision.dtype, torch.device("cpu"), precision.vae_dtype)
@@ -33,9 +35,11 @@ def placed_pipeline(
     profile = spec.family.memory_profile(spec, DTYPE_BYTES[precision.dtype], DTYPE_BYTES[precision.vae_dtype])
     text_part, dit, vae = (profile.part(p) for p in (ENCODE, DENOISE, DECODE))
     resident = len(dit.blocks) if transformer is None else transformer
+    text_placement = place_part(text_part, text[0], text[1])
+    need = text_placement.during() - text_placement.always() if lend else 0
     placements = (
-        place_part(text_part, text[0], text[1]),
-        place_part(dit, RESIDENT if resident == len(dit.blocks) else STREAM, resident),
+        text_placement,
+        place_part(dit, RESIDENT if resident == len(dit.blocks) and not need else STREAM, resident, need),
         Placement(vae, RESIDENT),
     )
     graphs = link.device.type == "cuda"

@@ -122,9 +122,11 @@ def test_a_lora_merges_into_weight_only_layers_and_back_out_bit_for_bit(fp8_dirs
     branch = png_sha256(pipe.generate(**REQUEST)[0])
     pipe.set_lora_mode("merge")
     wrapper = lora_layers(pipe.transformer)[MODULATION]
-    stats = pipe.lora_merge.fp8[MODULATION]
-    assert stats.clipped == 0 and stats.weights == layer.weight.numel()
-    assert not torch.equal(wrapper.base_layer.weight_scale, before[1])
+    stats, scale = pipe.lora_merge.fp8[MODULATION], wrapper.base_layer.weight_scale
+    # a row's amax / its new scale may round just past 448: at most one clipped per row, by rounding
+    assert stats.clipped <= layer.out_features and stats.weights == layer.weight.numel()
+    assert stats.max_abs_error <= 16 * float(scale.max())  # half of E4M3's step of 32 below 448
+    assert not torch.equal(scale, before[1])
     merged = png_sha256(pipe.generate(**REQUEST)[0])
     assert base not in (branch, merged)
     pipe.unload_lora()

@@ -9,11 +9,18 @@ import sys
 import pytest
 import torch
 from helpers import REPO
+from transformers import Qwen2_5_VLConfig
 
+from bench.activation_memory import decode_peak, text_encoder_peak, transformer_peak
 from bench.header_checkpoint import header_only_checkpoint, write_header
+from models.checkpoint import read_json
 from models.errors import InputError
 from models.families import inspect_checkpoint
+from models.family import MAX_SEQUENCE_LENGTH
 from models.memory import DECODE, DENOISE, ENCODE, Workload, part_sizes, read_header
+from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.memory import QwenImageActivations
+from models.qwen_image.prompt_template import DROP_TOKENS
 from models.streaming import moving_tensors
 from pipelines import load_pipeline
 from pipelines.memory_plan import (
@@ -211,3 +218,23 @@ def test_a_budget_that_cannot_work_is_refused_in_one_line_before_torch(full_size
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_the_activation_estimates_bound_what_a_trace_allocates():
+    """The planner's activations are at least the bytes a fake-tensor trace of each phase allocates
+    (bench/activation_memory.py): the embedded default's three components, and the full-width
+    transformer (one block: a step's peak is one block's)."""
+    spec = inspect_checkpoint(None)
+    act = spec.family.memory_profile(spec, 2, 2).activations
+    configs = {name: read_json(spec.directory / name / "config.json") for name in ("transformer", "vae")}
+    transformer = QwenImageConfig.from_dict(configs["transformer"])
+    text = Qwen2_5_VLConfig.from_pretrained(spec.directory / "text_encoder")
+    for side, tokens in ((256, 64), (512, 300)):
+        traced = transformer_peak(transformer, side, tokens)
+        assert act.step(Workload(side, side, text_tokens=tokens)) >= traced
+    assert act.encode(Workload(256, 256)) >= text_encoder_peak(text, MAX_SEQUENCE_LENGTH + DROP_TOKENS + 5)
+    for tiled in (False, True):  # 320 px: four of diffusers' 256 px tiles
+        assert act.decode(Workload(320, 320), tiled) >= decode_peak(configs["vae"], 320, tiled)
+    full = QwenImageActivations(text_hidden=3584, width=3072, vae_base=96, vae_scale=8, dtype_bytes=2)
+    traced = transformer_peak(QwenImageConfig(num_layers=1), 1024, 128)
+    assert traced <= full.step(Workload(1024, 1024, text_tokens=128)) <= 1.25 * traced

@@ -65,25 +65,38 @@ def resident():
 
 
 @pytest.mark.parametrize(
-    ("text", "blocks", "link"),
+    ("text", "blocks", "link", "lend"),
     [
-        (("offload", 2), None, LateLink),  # the text encoder offloaded whole
-        (("offload", 1), 2, LateLink),  # one text layer streamed, 2 of 6 blocks resident
-        (("offload", 0), 0, HostLink),  # everything streamed, copies at once
-        (("offload", 0), 0, LateLink),  # everything streamed, copies as late as they may run
-        (("resident", 2), 5, LateLink),  # text encoder resident, one block streamed
+        (("offload", 2), None, LateLink, False),  # the text encoder offloaded whole
+        (("offload", 1), 2, LateLink, False),  # one text layer streamed, 2 of 6 blocks resident
+        (("offload", 0), 0, HostLink, False),  # everything streamed, copies at once
+        (("offload", 0), 0, LateLink, False),  # everything streamed, copies as late as they may run
+        (("resident", 2), 5, LateLink, False),  # text encoder resident, one block streamed
+        (("offload", 1), 4, LateLink, True),  # resident blocks lend their memory to the text encoder
     ],
 )
-def test_placed_weights_give_the_resident_bytes(resident, text, blocks, link):
-    pipe = placed_pipeline(None, "reference", text, blocks, link(), precision=FP32)
+def test_placed_weights_give_the_resident_bytes(resident, text, blocks, link, lend):
+    pipe = placed_pipeline(None, "reference", text, blocks, link(), precision=FP32, lend=lend)
+    assert bool(pipe.memory.plan.placement("transformer").lent) == lend
     assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
 
 
-def test_a_second_request_finds_the_prefetched_text_encoder(resident):
-    pipe = placed_pipeline(None, "reference", ("offload", 1), 3, LateLink(), precision=FP32)
+def test_a_second_request_finds_the_prefetched_text_encoder_in_the_lent_memory(resident):
+    """After a request the text encoder is loaded again into the memory the lending blocks give it; the
+    next request encodes from there, then the blocks come back. A direct transformer call in between
+    takes the memory back first."""
+    pipe = placed_pipeline(None, "reference", ("offload", 1), 4, LateLink(), precision=FP32, lend=True)
+    text, dit = pipe.memory.placed["text_encoder"], pipe.memory.placed["transformer"]
     for _ in range(2):
         assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
-        assert pipe.memory.placed["text_encoder"]._phase_buffer is not None  # prefetched for the next
+        assert text._phase_buffer is dit._lent_buffer and not dit._lent_loaded  # prefetched into it
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, 4, 64, generator=gen), torch.randn(1, 3, 32, generator=gen), None)
+    with torch.no_grad():
+        out = pipe.transformer(*args, torch.full((1,), 0.5), (1, 2, 2))
+        expected = resident[0].transformer(*args, torch.full((1,), 0.5), (1, 2, 2))
+    assert torch.equal(out, expected) and text._phase_buffer is None and dit._lent_loaded
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
 
 
 def test_a_block_that_does_not_wait_for_its_copy_reads_stale_bytes(resident, monkeypatch):

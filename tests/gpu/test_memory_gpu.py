@@ -1,7 +1,8 @@
 """GPU checks of the GPU-memory plans (issue 24): images under every placement are byte-identical (PNG
 SHA256) to fully resident ones, with the copies captured in the step's CUDA graph and eagerly, FP8 fused and
-unfused, LoRA branch and merge; a streamed step makes no host sync and copies only from pinned memory; the
-peak stays under the per-process cap the budget sets.
+unfused, with blocks lending the text encoder their memory, LoRA branch and merge, FP8 weight-only
+modulation (its GEMV kernel within one bf16 step of its twin); a streamed step makes no host sync and
+copies only from pinned memory; the peak stays under the per-process cap the budget sets.
 
 Small: the embedded default quantized to FP8, placements forced (everything streamed, one block resident).
 With QWEN_IMAGE_GPU_CHECKPOINT set to a full-size FP8 checkpoint (bench/make_random_checkpoint.py): the
@@ -17,6 +18,8 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels.fp8_gemv import fp8_gemv_torch, fp8_gemv_triton
+from models.fp8_weight_only import quantize_per_channel
 from models.memory import Workload
 from models.streaming import CudaLink
 from pipelines import load_pipeline
@@ -42,18 +45,55 @@ def shas(pipe, **args) -> list[str]:
     return [png_sha256(image) for image in pipe.generate(seed=7, **(SMALL | args))]
 
 
+@pytest.fixture(scope="module")
+def fp8_modulation_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8mod") / "model"
+    args = dict(prompts=["a red fox", "一只熊猫"], steps=4, size=128, device="cuda", fp8_modulation=True)
+    return quantize_checkpoint(None, out, **args)
+
+
 @pytest.mark.parametrize("variant", ["fp8-fused", "fp8-unfused"])
-@pytest.mark.parametrize(("text", "blocks"), [(("offload", 0), 0), (("offload", 2), 1), (("resident", 2), 4)])
-def test_placements_equal_resident_with_graphs_and_eager(fp8_dir, variant, text, blocks):
+@pytest.mark.parametrize(
+    ("text", "blocks", "lend"),
+    [
+        (("offload", 0), 0, False),  # everything streamed
+        (("offload", 2), 1, False),
+        (("resident", 2), 4, False),
+        (("offload", 1), 4, True),  # resident blocks lend the text encoder their memory
+    ],
+)
+def test_placements_equal_resident_with_graphs_and_eager(fp8_dir, variant, text, blocks, lend):
     resident = load_pipeline(fp8_dir, variant=variant, device="cuda")
     expected = shas(resident)
-    pipe = placed_pipeline(fp8_dir, variant, text, blocks, CudaLink(CUDA), precision=GPU)
+    pipe = placed_pipeline(fp8_dir, variant, text, blocks, CudaLink(CUDA), precision=GPU, lend=lend)
     assert pipe.cuda_graphs and pipe.variant == variant
     assert shas(pipe) == expected
     assert pipe._graphed.graphs, "the streamed step was captured with its copies"
     assert shas(pipe) == expected  # replays, and the text encoder prefetched after the first request
     pipe.cuda_graphs = False
     assert shas(pipe) == expected
+
+
+def test_fp8_modulation_streamed_equals_resident(fp8_modulation_dir):
+    """The weight-only FP8 modulation (its GEMV kernel) streams like any weight: same bytes."""
+    expected = shas(load_pipeline(fp8_modulation_dir, device="cuda"))
+    link = CudaLink(CUDA)
+    pipe = placed_pipeline(fp8_modulation_dir, "fp8-fused", ("offload", 1), 3, link, precision=GPU, lend=True)
+    assert shas(pipe) == expected
+    assert shas(pipe) == expected
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+def test_fp8_gemv_kernel_matches_its_twin_at_full_size(rows):
+    """The modulation's shape (3072 -> 18432): within one bf16 step of the float32-matmul twin."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 3072, generator=gen, device="cuda").bfloat16()
+    weight, scale = quantize_per_channel(torch.randn(18432, 3072, generator=gen, device="cuda") * 0.02)
+    bias = (torch.randn(18432, generator=gen, device="cuda") * 0.02).bfloat16()
+    y = fp8_gemv_triton(x, weight, scale, bias)
+    assert y is not None
+    twin = fp8_gemv_torch(x, weight, scale, bias).float()
+    assert bool(((y.float() - twin).abs() <= 2**-7 * twin.abs() + 1e-4).all())
 
 
 class PinnedCopiesOnly(TorchDispatchMode):

@@ -1,0 +1,143 @@
+"""Activation bytes of Qwen-Image's phases, traced with fake tensors (no data, any size, on a CPU): the live
+bytes of every tensor an op allocates, counted until it is freed, during one text-encoder call, one
+transformer call (diffusers' arithmetic, BF16) and one VAE decode, at the full-size configs. The coefficients
+of models/qwen_image/memory.py come from this; the GPU benchmark (bench/memory_bench.py) checks the plans
+they give against measured peaks.
+
+    python bench/activation_memory.py [--out activation_memory.json]      # about a minute on a CPU
+"""
+
+import argparse
+import json
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.header_checkpoint import text_encoder_7b_config
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the tensors ops allocate while active (views share their base's storage and are
+    not counted again; inputs made before are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+
+def traced_peak(build: Callable[[], torch.nn.Module], run: Callable[[torch.nn.Module], object]) -> int:
+    """Peak activation bytes of `run(model)` for a model `build()` makes, all in fake BF16 tensors."""
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = build().eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        with torch.no_grad(), LiveBytes() as tracker:
+            run(model)
+    return tracker.peak
+
+
+def transformer_peak(config, image_side: int, text_tokens: int, batch: int = 1, scale: int = 8) -> int:
+    """One call of our transformer in diffusers' arithmetic (`reference`) at `config`."""
+    from models.qwen_image.transformer import QwenImageTransformer
+
+    def build() -> torch.nn.Module:
+        model = QwenImageTransformer(config)
+        model.set_numerics("reference")
+        return model
+
+    grid = image_side // (2 * scale)
+
+    def run(model) -> object:
+        latents = torch.randn(batch, grid * grid, config.in_channels, dtype=torch.bfloat16)
+        text = torch.randn(batch, text_tokens, config.joint_attention_dim, dtype=torch.bfloat16)
+        return model(latents, text, None, torch.full((batch,), 0.5), (1, grid, grid))
+
+    return traced_peak(build, run)
+
+
+def text_encoder_peak(config, tokens: int, prompts: int = 1) -> int:
+    """One Qwen2.5-VL call as the pipeline makes it (all hidden states kept, one logit row)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    def run(model) -> object:
+        ids = torch.randint(0, 1000, (prompts, tokens))
+        mask = torch.ones(prompts, tokens, dtype=torch.long)
+        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
+
+    return traced_peak(lambda: Qwen2_5_VLForConditionalGeneration(config), run)
+
+
+def decode_peak(config: dict, image_side: int, tiled: bool) -> int:
+    """One decode of a `image_side`-square image by diffusers' Qwen-Image VAE, whole or in its tiles."""
+    from diffusers import AutoencoderKLQwenImage
+
+    def build() -> torch.nn.Module:
+        vae = AutoencoderKLQwenImage.from_config(config)
+        if tiled:
+            vae.enable_tiling()
+        return vae
+
+    def run(vae) -> object:
+        side = image_side // 8
+        z = torch.randn(1, vae.config.z_dim, 1, side, side, dtype=torch.bfloat16)
+        return vae.decode(z, return_dict=False)[0]
+
+    return traced_peak(build, run)
+
+
+def main() -> None:
+    from models.qwen_image.config import QwenImageConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    dit = QwenImageConfig(num_layers=2)
+    rows = {"transformer": [], "text_encoder": [], "vae_decode": []}
+    for side, text in ((512, 128), (1024, 128), (1024, 1024), (2048, 1024)):
+        peak = transformer_peak(dit, side, text)
+        per = peak / ((side // 16) ** 2 + text) / dit.inner_dim
+        rows["transformer"].append({"side": side, "text": text, "bytes": peak, "per_token_per_width": per})
+    for tokens in (64, 1058):
+        peak = text_encoder_peak(text_encoder_7b_config(), tokens)
+        rows["text_encoder"].append(
+            {"tokens": tokens, "bytes": peak, "per_token_per_hidden": peak / tokens / 3584}
+        )
+    for side, tiled in ((512, False), (512, True), (1024, False), (1024, True)):
+        peak = decode_peak({}, side, tiled)
+        rows["vae_decode"].append(
+            {"side": side, "tiled": tiled, "bytes": peak, "per_pixel_per_base_dim": peak / side**2 / 96}
+        )
+    text = json.dumps(rows, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
