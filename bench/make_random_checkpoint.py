@@ -5,6 +5,7 @@ tower: prompts never use it), the full VAE and the real tokenizer. The DiT is ca
 real `quantize` path (true CFG, a few steps) and written as a ModelOpt FP8 checkpoint.
 
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60]
+    python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8mod --fp8-modulation
 """
 
 import argparse
@@ -58,6 +59,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=60)
     parser.add_argument("--bf16", action="store_true", help="write the BF16 checkpoint instead of FP8")
+    parser.add_argument(
+        "--fp8-modulation",
+        action="store_true",
+        help="the modulation FP8 weight-only (quantize --fp8-modulation)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
@@ -68,7 +74,14 @@ def main() -> None:
     else:
         model = QwenImageModel(components, device, torch.bfloat16)
         pipe = Pipeline.from_model(model, FAMILY.spec_for(model, "random-full-size", GenerationDefaults()))
-        quantize_pipeline(pipe, args.out, prompts=["a red fox in the snow"], steps=4, size=512)
+        quantize_pipeline(
+            pipe,
+            args.out,
+            prompts=["a red fox in the snow"],
+            steps=4,
+            size=512,
+            fp8_modulation=args.fp8_modulation,
+        )
     print(f"wrote {args.out} in {time.time() - start:.0f} s", flush=True)
 
 

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch import nn
 
-    from models.memory import MemoryProfile
-
 DEFAULTS_KEY = "_generation_defaults"  # model_index.json: this checkpoint's own defaults (diffusers skips _)
 DEFAULT_TRUE_CFG_SCALE = 4.0
 MAX_SEQUENCE_LENGTH = 1024  # text tokens a prompt may keep (diffusers' Qwen-Image pipelines)
@@ -222,12 +220,11 @@ class ModelFamily(ABC):
     def convert_lora(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """diffusers' key conversion of a LoRA file for this family (to `transformer.<module>.lora_A/B`)."""
 
-    def memory_profile(
-        self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int
-    ) -> MemoryProfile | None:
-        """Torch-free: its components' device bytes (from the safetensors headers, loaded at `dtype_bytes`
-        per element, the VAE at `vae_dtype_bytes`) and activations, for the GPU-memory planner; None: this
-        family does not plan memory (everything is loaded onto the device)."""
+    def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int) -> Any:
+        """Torch-free: a `models.memory.MemoryProfile` (which imports this module, hence `Any`) of its
+        components' device bytes (from the safetensors headers, loaded at `dtype_bytes` per element, the VAE
+        at `vae_dtype_bytes`) and activations, for the GPU-memory planner; None: this family plans no
+        memory (everything is loaded onto the device)."""
         return None
 
 

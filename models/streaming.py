@@ -38,9 +38,15 @@ class Link(ABC):
 
     device: torch.device
 
-    @abstractmethod
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A uint8 host buffer the copy side can read asynchronously."""
+        """A uint8 host buffer, page-aligned; its pages are committed as they are written."""
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        return raw[start : start + nbytes]
+
+    @abstractmethod
+    def pin(self, buffer: torch.Tensor) -> None:
+        """Let the copy side read `buffer` asynchronously (after it is filled: pinning commits every page)."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -84,18 +90,14 @@ class CudaLink(Link):
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
+    def pin(self, buffer: torch.Tensor) -> None:
         """Page-locked in place (cudaHostRegister, exact size: torch's pinned allocator rounds each block
-        up to a power of two); unregistered when the buffer is freed."""
+        up to a power of two); unregistered when this buffer object goes (its placement let go of it)."""
         from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
 
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        buffer = raw[start : start + nbytes]
-        if nbytes:
-            pin_memory(buffer.data_ptr(), nbytes)
-            weakref.finalize(raw, unpin_memory, buffer.data_ptr())
-        return buffer
+        if buffer.numel():
+            pin_memory(buffer.data_ptr(), buffer.numel())
+            weakref.finalize(buffer, unpin_memory, buffer.data_ptr())
 
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -131,8 +133,8 @@ class HostLink(Link):
 
     device = torch.device("cpu")
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def pin(self, buffer: torch.Tensor) -> None:
+        pass
 
     def event(self) -> None:
         return None
@@ -404,12 +406,14 @@ class PlacedWeights:
             offsets.append(total)
             total += _aligned(g.moving[i].nbytes)
         self._arenas = kept + ([self.link.host_buffer(total)] if fresh else [])
-        for (g, i), offset in zip(fresh, offsets, strict=True):
+        for (g, i), offset in zip(fresh, offsets, strict=True):  # each source is let go once copied
             m = g.moving[i]
             host = self._arenas[-1][offset : offset + m.nbytes].view(m.tensor.dtype).view(m.tensor.shape)
             host.copy_(m.tensor)
             m.show(host)
             m.tensor = g.host[i] = host
+        if fresh:
+            self.link.pin(self._arenas[-1])
 
     @staticmethod
     def _holds(arena: torch.Tensor, tensor: torch.Tensor) -> bool:

@@ -108,6 +108,15 @@ class Placement:
             return self.part.total - self.streamed_bytes + self.slot_bytes
         return self.always()
 
+    def brief(self) -> str:
+        """A few words: "text encoder offloaded", "transformer 18/60 blocks streamed, 7 lent to ..."."""
+        name = self.part.name.replace("_", " ")
+        blocks = f"{len(self.streamed)}/{len(self.part.blocks)} blocks streamed" if self.streamed else ""
+        lent = f"{len(self.lent)} lent to the text encoder" if self.lent else ""
+        if self.mode == OFFLOAD:
+            return f"{name} offloaded" + (f" ({blocks})" if blocks else "")
+        return f"{name} " + ", ".join(filter(None, (blocks, lent)))
+
     def describe(self) -> str:
         name = self.part.name.replace("_", " ")
         blocks = len(self.part.blocks)
@@ -176,20 +185,11 @@ class MemoryPlan:
 
     def summary(self) -> str:
         """One line: what moves and how much (the generate summary)."""
-        moving = [
-            f"{p.part.name.replace('_', ' ')} {'offloaded' if p.mode == OFFLOAD else 'streamed'}"
-            + (
-                f" ({len(p.part.blocks) - len(p.streamed)}/{len(p.part.blocks)} blocks resident)"
-                if p.streamed
-                else ""
-            )
-            for p in self.placements
-            if p.mode != RESIDENT
-        ]
+        moving = ", ".join(p.brief() for p in self.placements if p.mode != RESIDENT) or "everything resident"
+        decode = ", tiled decoding" if self.tiled_decode else ""
         return (
-            f"{gib(self.budget)} plan: {', '.join(moving) or 'everything resident'}; "
-            f"{self.bytes_per_step / 1e9:.2f} GB per step, "
-            f"{self.bytes_per_request / 1e9:.2f} GB per request from pinned host memory"
+            f"{gib(self.budget)} plan: {moving}{decode}; from pinned host memory "
+            f"{self.bytes_per_step / 1e9:.2f} GB per step, {self.bytes_per_request / 1e9:.2f} GB per request"
         )
 
     def describe(self) -> list[str]:
@@ -280,7 +280,7 @@ def _cheapest(profile: MemoryProfile, empty: MemoryPlan) -> MemoryPlan | None:
         for lend in (False, option.mode == OFFLOAD)
     ]
     plans = [plan for plan in plans if plan is not None]
-    return min(plans, key=lambda p: (p.bytes_per_step, p.bytes_per_request, p.tiled_decode), default=None)
+    return min(plans, key=lambda p: (p.bytes_per_step, p.tiled_decode, p.bytes_per_request), default=None)
 
 
 def _best_transformer(

@@ -26,7 +26,7 @@ from models.family import (
 from models.lora import MergeReport
 from models.lora_files import LoraFile
 from models.memory import ENCODE, Workload
-from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
+from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
 from pipelines.limits import as_prompt_list, check_generation_args, check_images
 from pipelines.lora import LoadedLora, LoraSet
 from pipelines.memory import GpuMemory, in_phase, plan_for
@@ -140,8 +140,7 @@ class Pipeline:
         self.last_run: RunInfo | None = None
         self.cuda_graphs = self.device.type == "cuda" and cuda_graphs_enabled_by_env()
         self._graphed = GraphedStep(model.run_step, cut_collectives=cut_collectives_by_env())
-        if memory is not None:  # the plan counts one graph pool per CFG branch
-            self._graphed.max_graphs = memory.plan.calls_per_step
+        self._limit_graphs()
         self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
         self.lora = LoraSet(model.transformer, self.dtype, spec.family.convert_lora, device=self.device)
         self.variant = ""
@@ -232,6 +231,7 @@ class Pipeline:
         self._graphed.graphs.clear()
         if self.memory is not None:
             self.memory.refresh()
+            self._limit_graphs()
 
     def load_lora(self, path: str | Path | LoraFile, scale: float = 1.0, name: str | None = None) -> str:
         """Mount a LoRA file (any layout diffusers reads for this family) at `scale`; returns its name.
@@ -264,7 +264,12 @@ class Pipeline:
             raise InputError("this pipeline was loaded without a memory plan: load it with gpu_memory")
         self._graphed.graphs.clear()
         self.memory.replan(gpu_memory, workload)
-        self._graphed.max_graphs = self.memory.plan.calls_per_step
+        self._limit_graphs()
+
+    def _limit_graphs(self) -> None:
+        """A plan that moves weights counts one captured graph's memory pool per CFG branch: keep no more."""
+        plan = None if self.memory is None else self.memory.plan
+        self._graphed.max_graphs = MAX_GRAPHS if plan is None or plan.resident else plan.calls_per_step
 
     def set_parallel(self, plan: ParallelPlan | None) -> None:
         """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
@@ -466,6 +471,8 @@ def load_pipeline(
     pipe = Pipeline.from_pretrained(
         model, variant=variant, device=device, dtype=dtype, gpu_memory=gpu_memory, workload=workload
     )
+    if plan is not None and pipe.memory is not None and not pipe.memory.plan.resident:
+        raise InputError("weights streamed for a GPU-memory budget do not combine with several GPUs yet")
     if plan is not None:
         pipe.set_parallel(plan)
     return pipe
