@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.header_checkpoint import text_encoder_7b_config
+from models.qwen_image.text_encoder import qwen25_vl_7b_config
 
 
 class LiveBytes(TorchDispatchMode):
@@ -124,7 +124,7 @@ def main() -> None:
         per = peak / ((side // 16) ** 2 + text) / dit.inner_dim
         rows["transformer"].append({"side": side, "text": text, "bytes": peak, "per_token_per_width": per})
     for tokens in (64, 1058):
-        peak = text_encoder_peak(text_encoder_7b_config(), tokens)
+        peak = text_encoder_peak(qwen25_vl_7b_config(), tokens)
         rows["text_encoder"].append(
             {"tokens": tokens, "bytes": peak, "per_token_per_hidden": peak / tokens / 3584}
         )

@@ -21,28 +21,11 @@ from models.modelopt import QuantConfig
 from models.qwen_image.components import SCHEDULER_CONFIG
 from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.model import QUANTIZATION
-from models.qwen_image.text_encoder import tiny_text_encoder_config
+from models.qwen_image.text_encoder import qwen25_vl_7b_config
 from models.qwen_image.transformer import QwenImageTransformer
 
-TEXT_7B = {  # Qwen2.5-VL-7B's language model
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "max_window_layers": 28,
-}
 DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
-
-
-def text_encoder_7b_config():
-    """Qwen2.5-VL-7B's text model with the tiny vision tower (prompts never use it)."""
-    config = tiny_text_encoder_config(hidden_size=3584, num_layers=28)
-    for key, value in TEXT_7B.items():
-        setattr(config.text_config, key, value)
-    config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
-    return config
 
 
 def write_header(path: Path, tensors: Shapes) -> None:
@@ -85,7 +68,7 @@ def header_only_checkpoint(directory: Path, fp8: bool = True, fp8_modulation: bo
     """The public Qwen-Image's sizes: the 60-layer DiT (FP8 as `quantize` writes it when `fp8`), a
     Qwen2.5-VL-7B-sized text encoder and the VAE, as headers."""
     with torch.device("meta"):
-        text = Qwen2_5_VLForConditionalGeneration(text_encoder_7b_config())
+        text = Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config())
         transformer = QwenImageTransformer(QwenImageConfig())
         vae = AutoencoderKLQwenImage()
     text.config.save_pretrained(directory / "text_encoder")

@@ -21,29 +21,17 @@ from models.qwen_image.components import Components, default_scheduler, save_com
 from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.family import FAMILY
 from models.qwen_image.model import QwenImageModel
-from models.qwen_image.text_encoder import tiny_text_encoder_config
+from models.qwen_image.text_encoder import qwen25_vl_7b_config
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer
 from pipelines.pipeline import Pipeline
 from pipelines.quantize import quantize_pipeline
 
-TEXT_7B = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "max_window_layers": 28,
-}
-
 
 def full_size_components(layers: int, device: torch.device) -> Components:
     """Random-weight components at the public checkpoint's sizes, built on `device` in bf16."""
     torch.manual_seed(0)
-    config = tiny_text_encoder_config(hidden_size=3584, num_layers=28)
-    for key, value in TEXT_7B.items():
-        setattr(config.text_config, key, value)
-    config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
+    config = qwen25_vl_7b_config()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval().requires_grad_(False)

@@ -4,6 +4,7 @@ from models.embedded import EMBEDDED_NAME, training_record
 from models.errors import InputError
 from models.family import CheckpointSpec
 from models.fp8 import Fp8Linear
+from models.fp8_weight_only import Fp8WeightOnlyLinear
 from pipelines.parallel import plan_for
 from pipelines.pipeline import Pipeline
 
@@ -13,8 +14,11 @@ def _quantization(pipe: Pipeline) -> str:
     if quant is None:
         return "none (BF16 weights)"
     fp8 = sum(isinstance(m, Fp8Linear) for m in pipe.transformer.modules())
+    weight_only = sum(isinstance(m, Fp8WeightOnlyLinear) for m in pipe.transformer.modules())
     kept = ", ".join(quant.ignore) or "nothing"
-    return f"ModelOpt {quant.quant_algo}, {fp8} FP8 linears (static per-tensor scales); kept BF16: {kept}"
+    also = f", {weight_only} FP8 weight-only (per-channel scales)" if weight_only else ""
+    linears = f"{fp8} FP8 linears (static per-tensor scales){also}"
+    return f"ModelOpt {quant.quant_algo}, {linears}; kept BF16: {kept}"
 
 
 def _training(pipe: Pipeline) -> list[str]:
@@ -57,6 +61,7 @@ def describe(pipe: Pipeline) -> str:
         f"quantization: {_quantization(pipe)}",
         pipe.fusion_summary(),
         f"parallel: {pipe.parallel_summary()}",
+        *([] if pipe.memory is None else pipe.memory.describe()),
     ]
     return "\n".join(lines)
 

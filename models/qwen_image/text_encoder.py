@@ -138,6 +138,25 @@ def tiny_text_encoder_config(hidden_size: int = 64, num_layers: int = 2) -> Qwen
     return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
 
 
+QWEN25_VL_7B = {  # Qwen2.5-VL-7B's language model: the full-size stand-ins of the benchmarks and tests
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_window_layers": 28,
+}
+
+
+def qwen25_vl_7b_config() -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL-7B's language model at its real sizes, with the toy vision tower (prompts never use it)."""
+    config = tiny_text_encoder_config(hidden_size=3584, num_layers=28)
+    for key, value in QWEN25_VL_7B.items():
+        setattr(config.text_config, key, value)
+    config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
+    return config
+
+
 def build_tiny_text_encoder(seed: int, hidden_size: int = 64) -> Qwen2_5_VLForConditionalGeneration:
     """The tiny encoder with weights that depend only on (seed, parameter name): same on every machine.
 
