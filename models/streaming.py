@@ -213,16 +213,21 @@ def _tensor_places(module: nn.Module) -> Iterator[tuple[str, Any, torch.Tensor |
 def moving_tensors(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[_Moving]:
     """The tensors of two or more dimensions `root` holds, outside the modules in `skip`: parameters,
     buffers and what modules keeping tensors elsewhere declare in `stream_state()` (LoRA factors), each
-    with every place holding it (a tied weight is one tensor)."""
+    with every place holding it (a tied weight is one tensor, whatever objects hold it)."""
     skipped = {id(m) for s in skip for m in s.modules()}
-    found: dict[int, _Moving] = {}
+    found: dict[tuple, _Moving] = {}
     for module in root.modules():
         if id(module) in skipped:
             continue
         for kind, key, tensor in _tensor_places(module):
             if tensor is not None and tensor.dim() >= 2:
-                found.setdefault(id(tensor), _Moving(tensor)).refs.append(_Ref(module, kind, key))
+                found.setdefault(_identity(tensor), _Moving(tensor)).refs.append(_Ref(module, kind, key))
     return list(found.values())
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    """The same memory seen as the same tensor (tied weights; parameters wrapping one host copy)."""
+    return tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
 
 
 def still_tensors(root: nn.Module) -> Iterator[tuple[_Ref, torch.Tensor]]:
@@ -231,6 +236,12 @@ def still_tensors(root: nn.Module) -> Iterator[tuple[_Ref, torch.Tensor]]:
         for kind, key, tensor in _tensor_places(module):
             if tensor is not None and tensor.dim() < 2:
                 yield _Ref(module, kind, key), tensor
+
+
+def still_bytes(root: nn.Module) -> int:
+    """Bytes of `root`'s tensors below two dimensions, each counted once."""
+    sizes = {_identity(t): t.numel() * t.element_size() for _, t in still_tensors(root)}
+    return sum(sizes.values())
 
 
 def _aligned(size: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from models.errors import InputError
 from models.family import CheckpointSpec, FamilyModel
 from models.memory import DECODE, MemoryProfile, PartSizes, Workload
-from models.streaming import Link, PlacedWeights, link_for, moving_tensors, still_tensors
+from models.streaming import Link, PlacedWeights, link_for, moving_tensors, still_bytes
 from pipelines.cuda_graph import cuda_graphs_enabled_by_env
 from pipelines.memory_plan import (
     OFFLOAD,
@@ -184,7 +184,7 @@ class GpuMemory:
         def size(tensors) -> int:
             return sum(m.nbytes for m in tensors)
 
-        small = sum(t.numel() * t.element_size() for _, t in still_tensors(placed.root))
+        small = still_bytes(placed.root)
         block_bytes = tuple(size(moving_tensors(block)) for block in blocks)
         return replace(
             part, small=small, fixed=size(moving_tensors(placed.root, skip=blocks)), blocks=block_bytes

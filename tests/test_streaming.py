@@ -14,11 +14,13 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import BF16, FP32, placed_pipeline
 
 from models.errors import InputError
+from models.families import inspect_checkpoint
 from models.memory import DENOISE, ENCODE, Workload
 from models.streaming import HostLink, PlacedWeights
 from pipelines import load_pipeline
-from pipelines.memory_plan import RESERVE_FRACTION
+from pipelines.memory_plan import RESERVE_FRACTION, minimum_budget
 from pipelines.quantize import quantize_checkpoint
+from ui.cli import main
 
 REQUEST = dict(prompt="a red circle on the left", seed=3, num_inference_steps=2, width=32, height=32)
 
@@ -186,18 +188,21 @@ def test_loras_stream_with_their_blocks(fp8_dir, lightning, model, variant, mode
 
 
 def test_a_lora_that_no_longer_fits_streams_more_blocks(lightning, resident):
-    """Placed with no room to spare, the pipeline plans again when a LoRA makes its blocks bigger."""
+    """Placed with no room to spare, the pipeline plans again when a LoRA makes its blocks bigger (and the
+    new plan still fits)."""
     first = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), precision=FP32)
     budget = math.ceil(max(first.memory.plan.peaks.values()) / (1 - RESERVE_FRACTION)) + 1  # just fits
     pipe = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), budget, FP32)
-    before = pipe.memory.plan.placement("transformer").streamed
+    before = pipe.memory.plan.placements
     block_bytes = pipe.memory.profile.part(DENOISE).blocks[0]
     reference = resident[0]
     for each in (pipe, reference):
         each.load_lora(lightning, name="fast")
-    after = pipe.memory.plan.placement("transformer").streamed
-    assert len(after) > len(before)
-    assert pipe.memory.plan.fits(pipe.memory.plan.peaks)
+    after = pipe.memory.plan
+    assert [(p.mode, p.streamed, p.lent) for p in after.placements] != [
+        (p.mode, p.streamed, p.lent) for p in before
+    ]
+    assert after.budget == budget and after.fits(after.peaks)
     assert pipe.memory.profile.part(DENOISE).blocks[0] > block_bytes
     try:
         assert png_sha256(pipe.generate(**REQUEST)[0]) == png_sha256(reference.generate(**REQUEST)[0])
@@ -217,3 +222,20 @@ def test_budget_on_the_cpu_through_load_pipeline_and_request_checks(resident):
         pipe.generate("a red circle", width=1024, height=1024, num_inference_steps=2, num_images_per_prompt=8)
     with pytest.raises(InputError, match="cannot hold this model"):
         load_pipeline(variant="contract", device="cpu", gpu_memory="1MiB")
+
+
+def test_generate_with_a_budget_on_the_command_line_writes_the_same_png(tmp_path, capsys):
+    """`qwen-image generate --gpu-memory` (on the CPU, standing in for the GPU) at about the smallest budget
+    the planner accepts for the request (the text encoder offloaded into the memory the blocks lend it):
+    the same PNG bytes as without a budget."""
+    spec = inspect_checkpoint(None)
+    profile = spec.family.memory_profile(spec, 4, 4)  # FP32 on this CPU: diffusers' arithmetic
+    need = minimum_budget(profile, Workload(32, 32, text_tokens=512), graphs=False, fixed_reserve=0)
+    args = ["generate", "a red circle on the left", "--width", "32", "--height", "32", "--steps", "2"]
+    args += ["--seed", "3", "--device", "cpu"]
+    assert main([*args, "-o", str(tmp_path / "resident.png")]) == 0
+    budget = f"{math.ceil(need / 1024**2) + 1}MiB"  # + the buffers no header lists (rotary tables)
+    assert main([*args, "-o", str(tmp_path / "streamed.png"), "--gpu-memory", budget]) == 0
+    out = capsys.readouterr().out
+    assert "memory: " in out and "lent to the text encoder" in out
+    assert (tmp_path / "streamed.png").read_bytes() == (tmp_path / "resident.png").read_bytes()
