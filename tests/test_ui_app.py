@@ -204,9 +204,13 @@ def test_cost_cap_counts_pixels_steps_images_and_cfg() -> None:
     over = _job_of(request | {"negative_prompt": "blurry"})
     assert over.true_cfg and over.work == pytest.approx(2 * at_cap.work)
     with pytest.raises(
-        FieldError, match=r"79\.99 megapixel-steps .*4 images × 2 for true CFG.*at most 40 per request"
-    ):
+        FieldError,
+        match=r"79\.99 megapixel-steps \(width 1008 × height 992 / 10⁶ × num_inference_steps 10 × "
+        r"num_images 4 × 2 for true CFG \(negative_prompt with true_cfg_scale > 1\)\); "
+        r".*at most 40 per request",
+    ) as refused:
         check_work(over, limits)
+    assert refused.value.field == "num_inference_steps"
     no_cfg = _job_of(request | {"negative_prompt": "blurry", "true_cfg_scale": 1.0})
     check_work(no_cfg, limits)  # a negative prompt at scale 1 runs no CFG, so it costs no more
 
@@ -329,6 +333,12 @@ def test_api_generate_then_error_then_generate(served: tuple[FakePipe, Runner, s
     calls = len(pipe.calls)
     _, seed, details = client.predict("again", aspect=CUSTOM, num_inference_steps=2, api_name="/generate")
     assert seed == pipe.calls[-1]["seed"] and f"`{seed}`" in details  # randomized by default
+    assert "was not used" not in details  # no seed given: nothing ignored
+    _, seed, details = client.predict(
+        "given", aspect=CUSTOM, num_inference_steps=2, seed=5, api_name="/generate"
+    )
+    assert seed == pipe.calls[-1]["seed"]
+    assert details.startswith("**Note:** seed 5 was not used: randomize_seed is on")
     assert len(pipe.calls) == calls + 1  # the refused requests never reached the pipeline
 
 
@@ -364,7 +374,9 @@ def test_cost_cap_refuses_before_queueing(served: tuple[FakePipe, Runner, str]) 
     pipe, _, url = served
     calls = len(pipe.calls)
     with pytest.raises(
-        ValidationError, match=r"3\.527 megapixel-steps \(1328×1328 × 2 steps × 1 image\); .* at most 1 "
+        ValidationError,
+        match=r"3\.527 megapixel-steps \(width 1328 × height 1328 / 10⁶ × num_inference_steps 2 × "
+        r"num_images 1\); .* at most 1 ",
     ):
         _client(url).predict("big", aspect="1:1", num_inference_steps=2, api_name="/generate")
     assert len(pipe.calls) == calls
