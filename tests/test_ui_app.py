@@ -168,7 +168,7 @@ def test_job_from_inputs_reads_a_valid_request() -> None:
         ({"width": 50}, "width", "width 50 must be a multiple of 16"),
         ({"height": 4096}, "height", "between 16 and 2048"),
         ({"num_inference_steps": 1}, "num_inference_steps", "must be between 2 and 200"),
-        ({"seed": -1}, "seed", "seed -1 must be an integer"),
+        ({"seed": -2}, "seed", "seed -2 must be an integer"),
         ({"true_cfg_scale": -2}, "true_cfg_scale", "must be a finite number >= 0"),
     ],
 )
@@ -332,14 +332,18 @@ def test_api_generate_then_error_then_generate(served: tuple[FakePipe, Runner, s
 
     calls = len(pipe.calls)
     _, seed, details = client.predict("again", aspect=CUSTOM, num_inference_steps=2, api_name="/generate")
-    assert seed == pipe.calls[-1]["seed"] and f"`{seed}`" in details  # randomized by default
+    assert seed == pipe.calls[-1]["seed"] and f"`{seed}`" in details  # random by default (seed -1)
     assert "was not used" not in details  # no seed given: nothing ignored
+    assert len(pipe.calls) == calls + 1  # the refused requests never reached the pipeline
     _, seed, details = client.predict(
         "given", aspect=CUSTOM, num_inference_steps=2, seed=5, api_name="/generate"
     )
+    assert seed == pipe.calls[-1]["seed"] == 5 and "was not used" not in details  # a given seed is used
+    _, seed, details = client.predict(
+        "both", aspect=CUSTOM, num_inference_steps=2, seed=5, randomize_seed=True, api_name="/generate"
+    )
     assert seed == pipe.calls[-1]["seed"]
     assert details.startswith("**Note:** seed 5 was not used: randomize_seed is on")
-    assert len(pipe.calls) == calls + 1  # the refused requests never reached the pipeline
 
 
 def test_bad_values_are_refused_with_a_message_and_no_traceback(

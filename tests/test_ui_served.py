@@ -112,7 +112,7 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Run
         expect(image).to_be_visible()
         assert image.evaluate("img => [img.naturalWidth, img.naturalHeight]") == [SIZE, SIZE]
         expect(page.locator("#details")).to_contain_text(re.compile(r"Seed: \d+"))
-        assert page.locator("#seed input").input_value() == ""  # empty: the next run draws a new seed
+        assert page.locator("#seed input").input_value() == "-1"  # -1: the next run draws a new seed
         _screenshot(page, tmp_path / "ui_generated.png")
 
         # Bad input shows the pipeline's message, and the page keeps working.

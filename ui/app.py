@@ -27,6 +27,7 @@ from ui.generation import (
     DISCONNECTED,
     INPUT_NAMES,
     MAX_IMAGES_PER_REQUEST,
+    RANDOM_SEED,
     STOP_PRESSED,
     VARIANT_LABELS,
     FieldError,
@@ -173,9 +174,13 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
                 with gr.Row():
                     seed = gr.Number(
-                        None, label="Seed (empty: random)", precision=0, minimum=0, elem_id="seed"
+                        RANDOM_SEED,
+                        label="Seed (-1: random)",
+                        precision=0,
+                        minimum=RANDOM_SEED,
+                        elem_id="seed",
                     )
-                    randomize = gr.Checkbox(True, label="Randomize seed")
+                    randomize = gr.Checkbox(False, label="Randomize seed")
                     used_seed = gr.Number(label="Seed used", precision=0, visible=False)
                     num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
                 variant = gr.Dropdown(

@@ -18,6 +18,7 @@ from pipelines.limits import check_generation_args
 from ui.limits import Limits, work_of
 
 CUSTOM = "custom"
+RANDOM_SEED = -1  # the seed field's value (and the API default) for "draw a random seed"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
 ASPECT_RATIOS: dict[str, tuple[int, int]] = {
     "1:1": (1328, 1328),
@@ -216,7 +217,7 @@ def job_from_inputs(
     steps = _whole("num_inference_steps", values["num_inference_steps"])
     true_cfg_scale = _number("true_cfg_scale", values["true_cfg_scale"])
     randomize = _flag("randomize_seed", values["randomize_seed"])
-    given = None if values["seed"] is None else _whole("seed", values["seed"])
+    given = None if values["seed"] in (None, RANDOM_SEED) else _whole("seed", values["seed"])
     seed = _random_seed() if randomize or given is None else given
     images = _whole("num_images", values["num_images"])
     if not 1 <= images <= MAX_IMAGES_PER_REQUEST:
