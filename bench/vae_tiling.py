@@ -40,15 +40,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     pipe = load_pipeline(args.model, device=args.device)
-    captured: list = []
-    decode = pipe.model.decode
-    pipe.model.decode = lambda latents, canvas: captured.append((latents, canvas)) or decode(latents, canvas)
+    canvas = pipe.model.canvas(args.size, args.size)
     rows, start = [], time.perf_counter()
     for i, scene in enumerate(held_out_scenes(args.images)):
-        pipe.generate(
-            scene.captions["en"], width=args.size, height=args.size, num_inference_steps=args.steps, seed=i
-        )
-        whole, tiled = decoded_both_ways(pipe, *captured.pop())
+        latents = pipe.generate(
+            scene.captions["en"], width=args.size, height=args.size, num_inference_steps=args.steps, seed=i,
+            output_type="latent",
+        )  # fmt: skip
+        whole, tiled = decoded_both_ways(pipe, latents, canvas)
         diff = np.abs(whole.astype(np.int16) - tiled.astype(np.int16))
         rows.append(
             {
