@@ -3,7 +3,7 @@ the same BF16 weights and calibration (`quantize` and `quantize --fp8-modulation
 generated with each, colour+position accuracy of each (eval/meaning.py), PSNR/SSIM of each image pair; and
 at full size, the bytes saved and the plans at 16, 24 and 32 GiB with and without it (from headers).
 
-    python -m bench.fp8_modulation --scenes 50 --out fp8_modulation.json     # CPU, about 20 minutes
+    python -m bench.fp8_modulation --scenes 12 --languages en --calib-scenes 4 --calib-steps 8 --out X.json
 """
 
 import argparse
@@ -46,19 +46,25 @@ def full_size(directory: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenes", type=int, default=50)
+    parser.add_argument(
+        "--calib-scenes", type=int, default=16, help="training scenes calibrated on, x2 languages"
+    )
+    parser.add_argument("--calib-steps", type=int, default=20)
+    parser.add_argument("--languages", default="en,zh")
     parser.add_argument("--device")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     start = time.perf_counter()
-    settings = EvalSettings()
+    settings = EvalSettings(languages=tuple(args.languages.split(",")))
     scenes = held_out_scenes(args.scenes)
     pipe = load_pipeline(variant="contract", device=args.device)
-    result, images = {"settings": asdict(settings) | {"scenes": args.scenes}}, {}
+    calibration = {"calib_scenes": args.calib_scenes, "calib_steps": args.calib_steps}
+    result, images = {"settings": asdict(settings) | {"scenes": args.scenes} | calibration}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, modulation in (("bf16_modulation", False), ("fp8_modulation", True)):
             out = Path(tmp) / name
             quantize_pipeline(
-                pipe, out, calibration_prompts(16), steps=settings.steps, size=settings.size,
+                pipe, out, calibration_prompts(args.calib_scenes), steps=args.calib_steps, size=settings.size,
                 seed=CALIBRATION_SEED, fp8_modulation=modulation,
             )  # fmt: skip
             fp8 = load_pipeline(out, variant="fp8-fused", device=args.device)

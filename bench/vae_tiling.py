@@ -22,9 +22,11 @@ from pipelines import load_pipeline
 def decoded_both_ways(pipe, latents: torch.Tensor, canvas) -> tuple[np.ndarray, np.ndarray]:
     """The latents decoded whole and in tiles (diffusers' default tiles: 256 px, 64 px overlap)."""
     vae = pipe.components.vae
+    vae.disable_tiling()  # whatever the memory plan chose for the run
     images = []
     for tiled in (False, True):
-        vae.enable_tiling() if tiled else vae.disable_tiling()
+        if tiled:
+            vae.enable_tiling()
         images.append(np.asarray(pipe.model.decode(latents, canvas)[0].convert("RGB")))
     vae.disable_tiling()
     return images[0], images[1]

@@ -147,7 +147,10 @@ class GpuMemory:
         """The plan for one request (InputError when it does not fit); sets the VAE's tiling for it."""
         plan = with_workload(self.plan, self.profile, workload)
         vae = getattr(self.model.components, self.profile.part(DECODE).name)
-        vae.enable_tiling() if plan.tiled_decode else vae.disable_tiling()
+        if plan.tiled_decode:
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
         return plan
 
     def replan(self, gpu_memory: int | str | None, workload: Workload | None = None) -> None:
