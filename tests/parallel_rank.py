@@ -22,6 +22,9 @@ from pipelines.parallel import ParallelPlan
 PROMPTS = ["a red fox", "a long prompt about a small blue bird singing on a branch at dawn"]
 SIZE = dict(width=64, height=48, num_inference_steps=2, seed=3)
 CFG_ON = dict(negative_prompt="blurry", **SIZE)
+# BF16 numerics pinned on both sides of every comparison: the CPU's own default (FP32 on CPUs without
+# native BF16) would tie the bytes to the CPU the suite meets.
+BF16 = dict(dtype="bf16", variant="contract")
 GPU_ARGS = dict(negative_prompt=" ", width=256, height=192, num_inference_steps=10, seed=3)
 
 
@@ -79,7 +82,7 @@ def web_demo_jobs(pipe, out: Path) -> dict:
 
 
 def run_two(out: Path, fp8: str) -> dict:
-    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2))
+    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2), **BF16)
     for name, images in generate_all(pipe).items():
         save(out, f"bf16-cfg2-{name}", images)
     seen = web_demo_jobs(pipe, out)
@@ -103,7 +106,7 @@ def run_two(out: Path, fp8: str) -> dict:
 
 
 def run_four(out: Path, fp8: str) -> dict:
-    pipe = load_pipeline(device="cpu", parallel="auto")
+    pipe = load_pipeline(device="cpu", parallel="auto", **BF16)
     for name, images in generate_all(pipe).items():
         save(out, f"bf16-c2u2-{name}", images)
     fp8_pipe = load_pipeline(fp8, device="cpu", parallel="auto")
@@ -129,7 +132,7 @@ def run_gpu(out: Path, fp8: str) -> dict:
 
 
 def run_die(out: Path) -> dict:
-    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2))
+    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2), **BF16)
 
     def die_after_first_step(i: int, total: int) -> None:
         if pipe.ranks.rank == 1:
