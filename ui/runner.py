@@ -24,6 +24,7 @@ from ui.limits import Limits, work_of
 STOP_PRESSED = "Stop was pressed"
 CANCELLED = "the client cancelled the request"
 DISCONNECTED = "the page was closed or the client disconnected"
+SHUTTING_DOWN = "the server is shutting down"
 STAGES = ("text_encoding", "denoising", "decoding")
 DEFAULT_WINDOW_S = 0.02  # how long an idle worker waits for requests that can share the first one's batch
 
@@ -231,7 +232,7 @@ class Runner:
         """Queue `job`; its future holds (images, RunInfo) or the error. QueueFull when the queue is full."""
         with self._cond:
             if self._closed:
-                raise QwenImageError("the server is shutting down")
+                raise QwenImageError(SHUTTING_DOWN)
             waiting = sum(not j.done for j in self._queue)
             if waiting >= self.limits.queue_size:
                 self.counters.count("queue_full")
@@ -258,7 +259,7 @@ class Runner:
             self._closed = True
             self._cond.notify_all()
         for job in self.jobs():
-            job.stop("the server is shutting down")
+            job.stop(SHUTTING_DOWN)
 
     def _next(self) -> Job | None:
         """The oldest live job (None once closed), waiting for one."""
