@@ -622,3 +622,74 @@ def _gpu_memory(device: Any) -> list[tuple[str, float]]:
         "total": total,
     }
     return [(f'{{kind="{kind}"}}', value) for kind, value in kinds.items()]
+
+
+def serve(
+    model: str | None,
+    host: str,
+    port: int,
+    variant: str = "auto",
+    device: str | None = None,
+    dtype: str | None = None,
+    lora_files: list[Path] | None = None,
+    limits: dict[str, Any] | None = None,
+    keys: list[str] | None = None,
+    ui: bool = False,
+    max_batch: int = 1,
+    window_s: float = 0.02,
+    on_start: Callable[[int, Limits, str], None] | None = None,
+) -> None:
+    """Load the model once and serve the API (and with `ui` the demo at /ui) until interrupted: the entry
+    point of `qwen-image serve`. `lora_files` are mounted at scale 0 (requests set `lora_scales`);
+    `limits`: Limits fields over the device's defaults; `max_batch`: image rows per denoising step (1:
+    every request alone); `on_start(port, limits, batching)` runs once the server listens."""
+    import uvicorn
+
+    from pipelines import load_pipeline
+    from pipelines.batching import BatchPlan
+    from ui.lora_controls import load_lora_files
+
+    pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype)
+    if lora_files:
+        load_lora_files(pipe, lora_files)
+    applied = Limits.for_device(pipe.device.type, **(limits or {}))
+    plan = BatchPlan.for_device(pipe.device, max_batch) if max_batch > 1 else None
+    runner = Runner(pipe, applied, plan, window_s)
+    demo = None
+    if ui:
+        from ui.app import build_app
+
+        demo = build_app(pipe, applied, runner)
+    app = build_server(pipe, runner, ApiKeys(keys) if keys else None, demo)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        limit_concurrency=4 * applied.queue_size + 64,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    batching = "off (each request alone)" if plan is None else describe_batching(plan, window_s)
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started and on_start is not None:
+            on_start(port, applied, batching)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        server.run()
+    finally:
+        runner.close()
+
+
+def describe_batching(plan: Any, window_s: float) -> str:
+    """One line on the batching plan: rows per step, the memory bound, the window."""
+    memory = "" if plan.memory_bytes is None else f", within {plan.memory_bytes / 2**30:.0f} GiB"
+    return (
+        f"up to {plan.max_images} images per denoising step{memory}, at fixed batch sizes, "
+        f"gathered for {window_s * 1000:g} ms"
+    )
