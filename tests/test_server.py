@@ -26,7 +26,7 @@ from PIL import Image
 
 from models.errors import InputError
 from models.family import GenerationDefaults
-from pipelines import load_pipeline
+from pipelines import RunInfo, load_pipeline
 from ui.access import ApiKeys, read_api_keys
 from ui.limits import Limits
 from ui.runner import Runner
@@ -64,6 +64,15 @@ class FakePipe:
     def fusion_summary(self) -> str:
         return "FP8 norm+quant fusion: off (BF16 weights)"
 
+    def available_variants(self) -> list[str]:
+        return ["reference", "contract"]
+
+    def set_variant(self, variant: str) -> None:
+        self.variant = variant
+
+    def parallel_summary(self) -> str:
+        return "one process"
+
     def generate(self, prompt: str, on_step: Any = None, **kw: Any) -> list[Image.Image]:
         self.calls.append(kw | {"prompt": prompt})
         if not prompt.strip():
@@ -74,7 +83,8 @@ class FakePipe:
             self.steps_run += 1
             on_step(i, kw["num_inference_steps"])
         timings = {"text_encoding": 0.01, "denoising": 0.02, "decoding": 0.03, "total": 0.06}
-        self.last_run = SimpleNamespace(seed=kw["seed"], timings=timings)
+        steps = kw["num_inference_steps"]
+        self.last_run = RunInfo(kw["seed"], kw["width"], kw["height"], steps, self.variant, "off", timings)
         image = Image.new("RGB", (kw["width"], kw["height"]), (kw["seed"] % 256, 10, 20))
         return [image] * kw["num_images_per_prompt"]
 
@@ -493,6 +503,58 @@ def test_soak_keeps_memory_and_the_url_cache_flat(embedded: Any) -> None:
     finally:
         server.close()
         runner.close()
+
+
+@pytest.fixture()
+def with_demo() -> Iterator[tuple[FakePipe, str, Runner]]:
+    """The API and the web demo at /ui on one port, one runner."""
+    from ui.app import build_app
+
+    pipe = FakePipe(delay=0.02)
+    limits = Limits(max_work=100, time_limit_s=60)
+    runner = Runner(pipe, limits)
+    server = InThread(build_server(pipe, runner, demo=build_app(pipe, limits, runner)))
+    try:
+        yield pipe, server.url, runner
+    finally:
+        server.close()
+        runner.close()
+
+
+def test_demo_and_api_share_one_port_and_one_queue(with_demo: tuple[FakePipe, str, Runner]) -> None:
+    from gradio_client import Client
+
+    pipe, url, runner = with_demo
+    assert httpx.get(url).headers["location"] == "/ui/"
+    page = Client(f"{url}/ui/", verbose=False, analytics_enabled=False)
+    running = page.submit("from the page", num_inference_steps=200, api_name="/generate")
+    _wait_for(lambda: pipe.steps_run > 0)
+    with ThreadPoolExecutor(1) as pool:
+        api = pool.submit(_client(url).images.generate, prompt="from the API", size="32x16")
+        _wait_for(lambda: runner.queue_depth() == 1)  # waits behind the page's job, in the same queue
+        assert page.predict(api_name="/stop").startswith("Stopped after")
+        assert len(api.result(10).data) == 1
+    assert running.result(timeout=10)[0] == []
+    assert [call["prompt"] for call in pipe.calls] == ["from the page", "from the API"]
+
+
+@pytest.mark.browser
+def test_the_page_generates_next_to_the_api(with_demo: tuple[FakePipe, str, Runner]) -> None:
+    from helpers import CHROMIUM
+    from playwright import sync_api
+
+    pipe, url, _ = with_demo
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox"])
+        page = browser.new_page()
+        page.goto(f"{url}/ui/")
+        page.locator("#prompt textarea").fill("a page request")
+        page.locator("#generate").click()
+        sync_api.expect(page.locator("#details")).to_contain_text("Seed:", timeout=30_000)
+        sync_api.expect(page.locator("#gallery img").first).to_be_visible()
+        assert len(_client(url).images.generate(prompt="and an API one").data) == 1
+        browser.close()
+    assert [call["prompt"] for call in pipe.calls] == ["a page request", "and an API one"]
 
 
 def _samples(text: str) -> dict[str, str]:

@@ -407,6 +407,30 @@ def test_stop_ends_the_running_generation_with_its_step_count(served: tuple[Fake
     assert _wait_idle(pipe, runner, within=1.0) < 1.0
 
 
+def test_stop_is_answered_at_once_while_a_long_step_runs() -> None:
+    """A step longer than gradio_client's 5 s read timeout: /stop answers at once with the steps done, the
+    request returns then, and the device drops the job when its step ends (no further step runs)."""
+    pipe = FakePipe(delay=6.0)
+    runner = Runner(pipe, LIMITS)
+    demo = build_app(pipe, LIMITS, runner)
+    _, url, _ = demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    try:
+        client = _client(url)
+        job = client.submit(
+            "long", num_inference_steps=3, seed=11, randomize_seed=False, api_name="/generate"
+        )
+        _wait_for(lambda: pipe.running)
+        start = time.monotonic()
+        message = client.predict(api_name="/stop")
+        assert message == "Stopped after 0 of 3 steps." and time.monotonic() - start < 2.0
+        assert job.result(timeout=2) == ([], 11, message)
+        assert pipe.steps_run == 0 and pipe.running  # answered while the step still runs
+        assert _wait_idle(pipe, runner, within=8.0) < 8.0
+        assert pipe.steps_run == 1
+    finally:
+        demo.close()
+
+
 def test_cancel_frees_the_server_within_a_step(served: tuple[FakePipe, Runner, str]) -> None:
     pipe, runner, url = served
     client = _client(url)

@@ -264,9 +264,9 @@ def _add_limit_args(parser: argparse.ArgumentParser, http: bool = False) -> None
         "--jobs-per-client",
         type=_positive(int),
         metavar="N",
-        help="requests one browser tab or gradio_client may have waiting or running (the HTTP API is "
-        "bounded by --queue-size alone) "
-        f"(default: {default['jobs_per_client']})",
+        help="requests one browser tab or API client may have waiting or running "
+        + ("(the web demo's; the HTTP API is bounded by --queue-size alone) " if http else "")
+        + f"(default: {default['jobs_per_client']})",
     )
     limits.add_argument(
         "--keep-images",
