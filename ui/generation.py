@@ -51,6 +51,7 @@ INPUT_NAMES = (
     "num_images",
     "variant",
 )
+DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {"num_images_per_prompt": "num_images"}
 
 
 class Pipeline(Protocol):
@@ -108,24 +109,6 @@ def job_from_inputs(
     variant = values["variant"]
     if variant not in variants:
         raise FieldError("variant", f"variant {variant!r} is not served here: choose {', '.join(variants)}")
-    negatives = None if negative_prompt is None else [negative_prompt]
-    try:
-        check_generation_args(
-            [prompt],
-            negatives,
-            width,
-            height,
-            steps,
-            true_cfg_scale,
-            images,
-            DEFAULT_SEQUENCE_LENGTH,
-            seed,
-            size_multiple,
-        )
-    except InputError as err:
-        name = str(err).split()[0]
-        field = "num_images" if name == "num_images_per_prompt" else name
-        raise FieldError(field if field in INPUT_NAMES else "prompt", str(err)) from None
     kwargs = {
         "prompt": prompt,
         "negative_prompt": negative_prompt,
@@ -136,7 +119,30 @@ def job_from_inputs(
         "seed": seed,
         "num_images_per_prompt": images,
     }
+    check_values(kwargs, size_multiple, DEMO_FIELDS)
     return Job(session, variant, kwargs)
+
+
+def check_values(kwargs: Mapping[str, Any], size_multiple: int, fields: Mapping[str, str]) -> None:
+    """The pipeline's own checks on one request's `generate` kwargs, before it queues; their InputError
+    becomes a FieldError naming the front door's input (`fields`: the pipeline's argument name -> that
+    input's name; any other concerns the prompt)."""
+    negative = kwargs["negative_prompt"]
+    try:
+        check_generation_args(
+            [kwargs["prompt"]],
+            None if negative is None else [negative],
+            kwargs["width"],
+            kwargs["height"],
+            kwargs["num_inference_steps"],
+            kwargs["true_cfg_scale"],
+            kwargs["num_images_per_prompt"],
+            DEFAULT_SEQUENCE_LENGTH,
+            kwargs["seed"],
+            size_multiple,
+        )
+    except InputError as err:
+        raise FieldError(fields.get(str(err).split()[0], "prompt"), str(err)) from None
 
 
 def check_work(job: Job, limits: Limits) -> None:

@@ -30,12 +30,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from models.errors import InputError, QwenImageError
-from models.family import DEFAULT_SEQUENCE_LENGTH
-from pipelines.limits import MAX_INPUT_PIXELS, check_generation_args
+from models.errors import QwenImageError
+from pipelines.limits import MAX_INPUT_PIXELS
 from pipelines.presets import PRESETS
 from ui.access import ApiKeys
-from ui.generation import FieldError, check_work, number_field, random_seed, text_field, whole_field
+from ui.generation import (
+    FieldError,
+    check_values,
+    check_work,
+    number_field,
+    random_seed,
+    text_field,
+    whole_field,
+)
 from ui.limits import Limits
 from ui.runner import DISCONNECTED, SHUTTING_DOWN, Job, QueueFull, Runner, Stopped
 
@@ -166,29 +173,17 @@ def _job_of(
         kwargs["lora_scales"] = scales
     if images:
         kwargs["image"] = images
-    negatives = None if negative is None else [negative]
-    try:
-        check_generation_args(
-            [prompt],
-            negatives,
-            width,
-            height,
-            steps,
-            scale,
-            n,
-            DEFAULT_SEQUENCE_LENGTH,
-            kwargs["seed"],
-            pipe.size_multiple,
-        )
-    except InputError as err:
-        name = str(err).split()[0]
-        raise FieldError(_API_NAMES.get(name, name if name in FIELDS else "prompt"), str(err)) from None
+    check_values(kwargs, pipe.size_multiple, API_FIELDS)
     job = Job(None, pipe.variant, kwargs)
     check_work(job, limits)
     return job, response_format
 
 
-_API_NAMES = {"width": "size", "height": "size", "num_images_per_prompt": "n"}
+API_FIELDS = {name: name for name in FIELDS} | {
+    "width": "size",
+    "height": "size",
+    "num_images_per_prompt": "n",
+}
 
 
 def _size(value: Any, pipe: Any, images: list | None) -> tuple[int, int]:
