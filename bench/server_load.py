@@ -6,6 +6,7 @@ The model loads once. For each workload (size, steps or preset, the batch cap wh
 - direct: `pipe.generate` on one request, timed (median of --direct-runs), and PNG encoding timed apart;
 - identity: three requests denoised as one batch vs each alone, at the fixed batch size the server uses
   (must be equal) and at their own row counts (equal only where the kernels are batch-invariant);
+- scaling: `run_batch` on one request alone vs a full batch, timed directly (what batching can buy);
 - served: for batching off (every request alone, as generate) and on (--max-batch rows per step, fixed
   batch shapes), the server in-process on 127.0.0.1 and C clients (each one keep-alive connection,
   sending its requests back to back) at each of --clients; images/s over the level's wall time and
@@ -107,6 +108,34 @@ def identity(pipe: Any, work: Workload) -> dict[str, Any]:
         "fixed_batch_identical": together == fixed,
         "own_row_counts_identical": own_rows == alone,
         "fixed_slots": slots,
+    }
+
+
+def scaling(pipe: Any, work: Workload, rounds: int = 3) -> dict[str, float]:
+    """One request alone vs a full batch of --max-batch requests, `run_batch` timed directly (no HTTP),
+    alternated so clock drift hits both alike: what batching can buy, and what a lone request pays."""
+    settings = BatchSettings(work.size, work.size, _steps(work), 1.0, False, preset=work.preset)
+    slots = BatchPlan.for_device(pipe.device, work.max_batch).slots(settings)
+    requests = [BatchRequest(prompt_for(i), None, i) for i in range(slots)]
+    for request in requests:
+        encode(pipe, request, settings)
+    run_batch(pipe, requests[:1], settings, 1)  # warm-up: graph capture at both shapes
+    run_batch(pipe, requests, settings, slots)
+    alone, full = [], []
+    for _ in range(rounds):
+        start = _now(pipe)
+        run_batch(pipe, requests[:1], settings, 1)
+        alone.append(_now(pipe) - start)
+        start = _now(pipe)
+        run_batch(pipe, requests, settings, slots)
+        full.append(_now(pipe) - start)
+    one, batch = statistics.median(alone), statistics.median(full)
+    return {
+        "slots": slots,
+        "alone_s": one,
+        "batch_s": batch,
+        "throughput_gain": slots * one / batch,
+        "lone_request_cost": batch / one,
     }
 
 
@@ -230,6 +259,7 @@ def main() -> None:
         print(f"{work.name}: direct generate() and identity ...", flush=True)
         entry: dict[str, Any] = {"workload": work.__dict__, "direct": direct(pipe, work, args.direct_runs)}
         entry["identity"] = identity(pipe, work)
+        entry["scaling"] = scaling(pipe, work)
         for batching in (False, True):
             entry["batching_on" if batching else "batching_off"] = served(
                 pipe, work, batching, levels, per_client, args.window_ms / 1000
@@ -274,7 +304,8 @@ def table(report: dict[str, Any]) -> str:
             f"{name}: generate() {direct['generate_s']:.3f} s, PNG {1000 * direct['png_encode_s']:.1f} ms, "
             f"HTTP overhead {entry.get('http_overhead_ms', float('nan')):.1f} ms "
             f"({entry.get('http_overhead_without_png_ms', float('nan')):.1f} ms without PNG); batching "
-            f"speed-up by clients {speedups}; identity {entry['identity']}"
+            f"speed-up by clients {speedups}; run_batch alone vs full {entry['scaling']}; identity "
+            f"{entry['identity']}"
         )
     return "\n".join(lines)
 
