@@ -70,6 +70,9 @@ class FakePipe:
     def set_variant(self, variant: str) -> None:
         self.variant = variant
 
+    def set_lora_scales(self, scales: dict[str, float]) -> None:
+        self.scales = dict(scales)
+
     def parallel_summary(self) -> str:
         return "one process"
 
@@ -354,6 +357,19 @@ def test_edit_errors(fake: tuple[FakePipe, str, Runner]) -> None:
     )
     assert too_big.status_code == 413
     assert len(pipe.calls) == calls
+
+
+def test_each_request_sets_its_own_model_state(fake: tuple[FakePipe, str, Runner]) -> None:
+    """The API's variant is the one the server started with, whatever another front door switched to, and
+    every loaded LoRA the request does not name runs at 0: no earlier request's state reaches a request."""
+    pipe, url, _ = fake
+    pipe.loras = {"style": object(), "detail": object()}
+    pipe.set_variant("reference")  # as a demo request for another variant leaves it
+    _client(url).images.generate(prompt="styled", extra_body={"lora_scales": {"style": 0.5}})
+    assert pipe.calls[-1]["lora_scales"] == pipe.scales == {"style": 0.5, "detail": 0.0}
+    assert pipe.variant == "contract"
+    _client(url).images.generate(prompt="plain")
+    assert pipe.calls[-1]["lora_scales"] == pipe.scales == {"style": 0.0, "detail": 0.0}
 
 
 def test_api_keys() -> None:

@@ -158,11 +158,11 @@ class Counters:
 
 def batch_key(job: Job, negative_default: str | None) -> tuple | None:
     """The batching key of a job: its model state (variant, LoRA scales) and BatchSettings; None for a job
-    with input images, which runs alone."""
+    that runs alone: one with input images, or without a seed (generate draws it)."""
     from pipelines.batching import BatchSettings
 
     k = job.kwargs
-    if k.get("image"):
+    if k.get("image") or k["seed"] is None:
         return None
     negative = negative_default if k["negative_prompt"] is None else k["negative_prompt"]
     optional = {name: k[name] for name in ("max_sequence_length", "preset") if name in k}

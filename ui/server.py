@@ -97,23 +97,29 @@ def model_id(pipe: Any) -> str:
 
 
 def read_job(
-    values: Mapping[str, Any], pipe: Any, limits: Limits, images: list | None = None
+    values: Mapping[str, Any], pipe: Any, limits: Limits, variant: str, images: list | None = None
 ) -> tuple[Job, str]:
-    """Check every value of an Images API request and build its Job (fully resolved: size, steps, CFG
-    scale, negative prompt and seed as the pipeline would pick them) and response format; ApiError (400)
-    names the first bad one. Multipart values arrive as text; a number field's text is read as a number."""
+    """Check every value of an Images API request and build its Job on `variant` (fully resolved: size,
+    steps, CFG scale, negative prompt, seed and every loaded LoRA's scale, so no earlier request's state
+    reaches it) and its response format; ApiError (400) names the first bad one. Multipart values arrive as
+    text; a number field's text is read as a number."""
     allowed = EDIT_FIELDS if images is not None else FIELDS
     unknown = sorted(set(values) - set(allowed))
     if unknown:
         raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     try:
-        return _job_of(values, pipe, limits, images, text_numbers=images is not None)
+        return _job_of(values, pipe, limits, variant, images, text_numbers=images is not None)
     except FieldError as err:
         raise ApiError(400, str(err), err.field, "invalid_value") from None
 
 
 def _job_of(
-    values: Mapping[str, Any], pipe: Any, limits: Limits, images: list | None, text_numbers: bool
+    values: Mapping[str, Any],
+    pipe: Any,
+    limits: Limits,
+    variant: str,
+    images: list | None,
+    text_numbers: bool,
 ) -> tuple[Job, str]:
     def number(name: str, whole: bool) -> Any:
         value = values.get(name)
@@ -174,7 +180,7 @@ def _job_of(
     if images:
         kwargs["image"] = images
     check_values(kwargs, pipe.size_multiple, API_FIELDS)
-    job = Job(None, pipe.variant, kwargs)
+    job = Job(None, variant, kwargs)
     check_work(job, limits)
     return job, response_format
 
@@ -199,9 +205,11 @@ def _size(value: Any, pipe: Any, images: list | None) -> tuple[int, int]:
 
 
 def _lora_scales(value: Any, loaded: Mapping[str, Any], text: bool) -> dict[str, float]:
-    """{LoRA name: scale} for LoRAs the server has loaded (multipart: as JSON text)."""
+    """{LoRA name: scale} for every LoRA the server has loaded: those the request names (multipart: as JSON
+    text) at its scales, the others at 0 (off)."""
+    off = dict.fromkeys(loaded, 0.0)
     if value is None:
-        return {}
+        return off
     if text and isinstance(value, str):
         try:
             value = json.loads(value)
@@ -214,7 +222,7 @@ def _lora_scales(value: Any, loaded: Mapping[str, Any], text: bool) -> dict[str,
             served = ", ".join(loaded) or "none"
             raise FieldError("lora_scales", f"LoRA {name!r} is not loaded here (loaded: {served})")
         number_field("lora_scales", scale)
-    return {name: float(scale) for name, scale in value.items()}
+    return off | {name: float(scale) for name, scale in value.items()}
 
 
 def read_image(data: bytes, index: int) -> PIL.Image.Image:
@@ -354,6 +362,7 @@ def build_server(
     request must bear (None: none needed). `demo`: a Gradio Blocks built on the same runner, mounted at /ui
     (its sign-in takes any user name and an API key as the password)."""
     limits = runner.limits
+    variant = pipe.variant  # the API's, whatever variant the demo's requests switch to
     cache = ImageCache(int(limits.cache_mb * 2**20), limits.keep_images_minutes * 60)
     http = HttpCounters()
     app = FastAPI(title="Qwen-Image", docs_url=None, redoc_url=None, openapi_url=None)
@@ -450,7 +459,7 @@ def build_server(
             raise ApiError(400, f"the request body is not JSON: {err}") from None
         if not isinstance(values, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        return await answer(request, *read_job(values, pipe, limits))
+        return await answer(request, *read_job(values, pipe, limits, variant))
 
     @app.post("/v1/images/edits")
     async def edits(request: Request) -> dict[str, Any]:
@@ -481,7 +490,7 @@ def build_server(
                     raise ApiError(400, f"{name} must be a form field, not a file", name)
         finally:
             await form.close()
-        return await answer(request, *read_job(values, pipe, limits, images))
+        return await answer(request, *read_job(values, pipe, limits, variant, images))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
