@@ -7,6 +7,7 @@ client, or the time limit. The generate event has the stable API name "/generate
 """
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,11 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
 
-        def on_step(step: int, total: int) -> None:
-            progress((step, total), desc="Decoding" if step == total else "Denoising", unit="steps")
+        context = contextvars.copy_context()  # Gradio finds this request's progress bar through it
+
+        def on_step(step: int, total: int) -> None:  # called on the runner's worker thread
+            desc = "Decoding" if step == total else "Denoising"
+            context.run(progress, (step, total), desc=desc, unit="steps")
 
         progress(0, desc="Encoding the prompt")
         try:
