@@ -218,7 +218,11 @@ BAD = [
     (b'{"prompt": "x", "lora_scales": [1]}', "lora_scales", "must be an object"),
     (b'{"prompt": "x", "user": 5}', "user", "user must be text"),
     (b'{"prompt": "x", "negative-prompt": "y"}', "negative-prompt", "unknown parameter 'negative-prompt'"),
-    (b'{"prompt": "x", "size": "1024x1024"}', "prompt", "this server allows at most 32 per request"),
+    (
+        b'{"prompt": "x", "size": "1024x1024"}',
+        "num_inference_steps",
+        "this server allows at most 32 per request",
+    ),
     (b'{"prompt": "x"', None, "the request body is not JSON"),
     (b'["x"]', None, "the request body must be a JSON object"),
 ]

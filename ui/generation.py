@@ -18,6 +18,7 @@ from ui.limits import Limits
 from ui.runner import Job
 
 CUSTOM = "custom"
+RANDOM_SEED = -1  # the seed field's value (and the API default) for "draw a random seed"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
 ASPECT_RATIOS: dict[str, tuple[int, int]] = {
     "1:1": (1328, 1328),
@@ -102,7 +103,8 @@ def job_from_inputs(
     steps = whole_field("num_inference_steps", values["num_inference_steps"])
     true_cfg_scale = number_field("true_cfg_scale", values["true_cfg_scale"])
     randomize = flag_field("randomize_seed", values["randomize_seed"])
-    seed = random_seed() if randomize or values["seed"] is None else whole_field("seed", values["seed"])
+    given = None if values["seed"] in (None, RANDOM_SEED) else whole_field("seed", values["seed"])
+    seed = random_seed() if randomize or given is None else given
     images = whole_field("num_images", values["num_images"])
     if not 1 <= images <= MAX_IMAGES_PER_REQUEST:
         raise FieldError("num_images", f"num_images {images} must be between 1 and {MAX_IMAGES_PER_REQUEST}")
@@ -120,7 +122,9 @@ def job_from_inputs(
         "num_images_per_prompt": images,
     }
     check_values(kwargs, size_multiple, DEMO_FIELDS)
-    return Job(session, variant, kwargs)
+    job = Job(session, variant, kwargs)
+    job.ignored_seed = given if randomize and given is not None else None
+    return job
 
 
 def check_values(kwargs: Mapping[str, Any], size_multiple: int, fields: Mapping[str, str]) -> None:
@@ -150,13 +154,15 @@ def check_work(job: Job, limits: Limits) -> None:
     if job.work <= limits.max_work:
         return
     k = job.kwargs
-    images = k["num_images_per_prompt"]
-    size = f"{k['width']}×{k['height']} × {job.total_steps} steps × {images} image{'s' * (images > 1)}"
-    cfg = " × 2 for true CFG" if job.true_cfg else ""
+    size = (
+        f"width {k['width']} × height {k['height']} / 10⁶ × num_inference_steps {job.total_steps} × "
+        f"num_images {k['num_images_per_prompt']}"
+    )
+    cfg = " × 2 for true CFG (negative_prompt with true_cfg_scale > 1)" if job.true_cfg else ""
     raise FieldError(
-        "prompt",
+        "num_inference_steps",
         f"This request is {job.work:.4g} megapixel-steps ({size}{cfg}); this server allows at most "
-        f"{limits.max_work:g} per request: use fewer steps, images or pixels.",
+        f"{limits.max_work:g} per request: lower num_inference_steps, num_images, width or height.",
     )
 
 
@@ -203,6 +209,16 @@ def flag_field(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise FieldError(field, f"{field} must be true or false, not {value!r}")
     return value
+
+
+def seed_note(job: Job) -> str:
+    """A line for the details when a given seed was not used because randomize_seed was on ('' else)."""
+    if job.ignored_seed is None:
+        return ""
+    return (
+        f"**Note:** seed {job.ignored_seed} was not used: randomize_seed is on (pass randomize_seed=False "
+        f"to use it); this run's seed is `{job.kwargs['seed']}`.\n\n"
+    )
 
 
 def format_details(run: Any) -> str:

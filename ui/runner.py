@@ -71,6 +71,7 @@ class Job:
         self.variant = variant
         self.kwargs = kwargs
         self.on_step = on_step
+        self.ignored_seed: int | None = None  # the demo's: a seed given with randomize_seed on (not used)
         self.steps_done = 0
         self.stop_reason: str | None = None
         self.future: Future = Future()
