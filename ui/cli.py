@@ -1,4 +1,4 @@
-"""`qwen-image`: generate images, inspect a model, run the web demo.
+"""`qwen-image`: generate images, inspect a model, run the web demo or the HTTP image server.
 
 User errors (bad arguments, bad checkpoints) print one line `error: ...` and exit 2, no traceback.
 """
@@ -152,20 +152,73 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
     _add_model_args(ui)
     _add_gpus_arg(ui, "serve")
+
+    serve = command(
+        "serve",
+        "the HTTP image server: the OpenAI Images API (/v1/images/generations, /v1/images/edits), "
+        "requests batched, optionally the web demo on the same port",
+    )
+    serve.epilog = (
+        "By default only this machine can reach it. To serve others, listen on another address with API "
+        "keys: qwen-image serve --host 0.0.0.0 --api-key-file keys.txt (one key per line, at least 16 "
+        "characters). "
+        "--no-auth serves without keys."
+    )
+    _add_listen_args(serve, 8000, "an --api-key-file")
+    serve.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="API keys, one per line (# comments): requests must send Authorization: Bearer KEY",
+    )
+    serve.add_argument(
+        "--no-auth", action="store_true", help="listen on a non-loopback --host without API keys (warns)"
+    )
+    serve.add_argument(
+        "--ui",
+        action="store_true",
+        help="also serve the web demo at /ui on the same port and job queue (sign in: any user name, an API "
+        "key as the password, when there are keys)",
+    )
+    serve.add_argument(
+        "--max-batch",
+        type=_positive(int),
+        default=1,
+        metavar="IMAGES",
+        help="image rows one denoising step may hold: requests with the same settings share a step, and "
+        "every batch runs at its full size so each image equals the same request served alone (a lone "
+        "request computes the whole batch); 1 runs each request alone, as generate does; on CUDA also "
+        "bounded by free memory",
+    )
+    serve.add_argument(
+        "--batch-window-ms",
+        type=_positive(float),
+        default=20.0,
+        metavar="MS",
+        help="how long an idle server waits for requests that can share the first one's batch",
+    )
+    _add_limit_args(serve, http=True)
+    serve.add_argument(
+        "--lora-dir", help="load the *.safetensors LoRAs of this directory at scale 0 (lora_scales)"
+    )
+    _add_model_args(serve)
     return parser
+
+
+def _add_listen_args(parser: argparse.ArgumentParser, port: int, credentials: str) -> None:
+    """Where a server listens: --host (loopback by default) and --port."""
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=f"address to listen on: 127.0.0.1 is this machine only; any other needs {credentials} or "
+        "--no-auth",
+    )
+    parser.add_argument("--port", type=int, default=port, help="port to listen on")
 
 
 def _add_ui_args(ui: argparse.ArgumentParser) -> None:
     """Where `qwen-image ui` listens, who may sign in, and the job limits (their defaults by device)."""
-    cuda, cpu = DEVICE_LIMITS["cuda"], DEVICE_LIMITS["cpu"]
-    default = {f.name: f.default for f in dataclasses.fields(Limits)}
-    ui.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on: 127.0.0.1 is this machine only; any other needs an --auth account "
-        "or --no-auth",
-    )
-    ui.add_argument("--port", type=int, default=7860, help="port to listen on")
+    _add_listen_args(ui, 7860, "an --auth account")
     ui.add_argument(
         "--auth",
         action="append",
@@ -179,7 +232,14 @@ def _add_ui_args(ui: argparse.ArgumentParser) -> None:
     ui.add_argument(
         "--no-auth", action="store_true", help="listen on a non-loopback --host without sign-in (warns)"
     )
-    limits = ui.add_argument_group("job limits")
+    _add_limit_args(ui)
+
+
+def _add_limit_args(parser: argparse.ArgumentParser, http: bool = False) -> None:
+    """The job limits (their defaults by device); with `http`, the HTTP server's size bounds too."""
+    cuda, cpu = DEVICE_LIMITS["cuda"], DEVICE_LIMITS["cpu"]
+    default = {f.name: f.default for f in dataclasses.fields(Limits)}
+    limits = parser.add_argument_group("job limits")
     limits.add_argument(
         "--max-work",
         type=_positive(float),
@@ -205,7 +265,8 @@ def _add_ui_args(ui: argparse.ArgumentParser) -> None:
         type=_positive(int),
         metavar="N",
         help="requests one browser tab or API client may have waiting or running "
-        f"(default: {default['jobs_per_client']})",
+        + ("(the web demo's; the HTTP API is bounded by --queue-size alone) " if http else "")
+        + f"(default: {default['jobs_per_client']})",
     )
     limits.add_argument(
         "--keep-images",
@@ -214,6 +275,16 @@ def _add_ui_args(ui: argparse.ArgumentParser) -> None:
         help="generated images are deleted from the server after this long "
         f"(default: {default['keep_images_minutes']:g})",
     )
+    if not http:
+        return
+    for flag, name, what in (
+        ("--max-body-mb", "max_body_mb", "largest JSON request body"),
+        ("--max-upload-mb", "max_upload_mb", "largest multipart request (an edit's input images)"),
+        ("--cache-mb", "cache_mb", "PNGs kept for response_format=url (the oldest go first)"),
+    ):
+        limits.add_argument(
+            flag, type=_positive(float), metavar="MB", help=f"{what} (default: {default[name]:g})"
+        )
 
 
 def _positive(kind: type) -> Callable[[str], float]:

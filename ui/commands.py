@@ -2,6 +2,7 @@
 headers can tell before importing torch or loading a model, then loads and runs."""
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
 from pipelines.variants import resolve_variant
-from ui.access import check_access, is_loopback, read_accounts
+from ui.access import check_access, is_loopback, read_accounts, read_api_keys
 from ui.limits import Limits
 
 
@@ -261,13 +262,7 @@ def cmd_ui(args: argparse.Namespace) -> None:
 
     if is_leader_process():
         print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
-    limits = {
-        "max_work": args.max_work,
-        "time_limit_s": args.time_limit,
-        "queue_size": args.queue_size,
-        "jobs_per_client": args.jobs_per_client,
-        "keep_images_minutes": args.keep_images,
-    }
+    limits = limit_overrides(args)
     launch_app(
         args.model,
         host=args.host,
@@ -285,13 +280,97 @@ def cmd_ui(args: argparse.Namespace) -> None:
     )
 
 
-def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
-    """What the console says once the demo is up: where, who may sign in, how to serve others, limits."""
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    wildcard = (
+def limit_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The Limits fields the command line sets (None: the device's default)."""
+    names = {
+        "max_work": "max_work",
+        "time_limit_s": "time_limit",
+        "queue_size": "queue_size",
+        "jobs_per_client": "jobs_per_client",
+        "keep_images_minutes": "keep_images",
+        "max_body_mb": "max_body_mb",
+        "max_upload_mb": "max_upload_mb",
+        "cache_mb": "cache_mb",
+    }
+    return {field: getattr(args, flag) for field, flag in names.items() if hasattr(args, flag)}
+
+
+def check_listen(host: str, port: int) -> None:
+    """InputError unless this process can listen on host:port now (so a taken port fails before loading)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as err:
+        raise InputError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    keys = read_api_keys(args.api_key_file) if args.api_key_file else []
+    how = "--api-key-file FILE (one key per line)"
+    warning = check_access(args.host, args.port, "the API", len(keys), args.no_auth, "--api-key-file", how)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    check_listen(args.host, args.port)
+    check_model_args(args)
+    lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
+    check_device(args.device)
+    from ui.server import serve
+
+    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        variant=args.variant,
+        device=args.device,
+        dtype=args.dtype,
+        lora_files=lora_files,
+        limits=limit_overrides(args),
+        keys=keys,
+        ui=args.ui,
+        max_batch=args.max_batch,
+        window_s=args.batch_window_ms / 1000,
+        on_start=lambda port, applied, slots: print(
+            api_serving_message(args.host, port, len(keys), applied, args.ui, slots), flush=True
+        ),
+    )
+
+
+def api_serving_message(host: str, port: int, keys: int, limits: Limits, ui: bool, batch: str) -> str:
+    """What the console says once the server is up: where, the keys, how to serve others, limits, batching."""
+    url = _url(host, port)
+    lines = [f"Qwen-Image API on {url}/v1{_wildcard(host, port)} (Ctrl+C stops it)."]
+    if ui:
+        lines.append(f"Web demo on {url}/ui/, on the same queue.")
+    if keys:
+        lines.append(f"API keys required: {keys} (Authorization: Bearer KEY).")
+    if is_loopback(host):
+        lines.append(
+            "Only this machine can reach it. To serve others: qwen-image serve --host 0.0.0.0 "
+            "--api-key-file FILE; see qwen-image serve --help."
+        )
+    lines.append(
+        f"Limits: {limits.max_work:g} megapixel-steps and {limits.time_limit_s:g} s per request, "
+        f"{limits.queue_size} waiting. Batching: {batch}."
+    )
+    return "\n".join(lines)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _wildcard(host: str, port: int) -> str:
+    return (
         f": every address of this machine, http://127.0.0.1:{port} here" if host in ("0.0.0.0", "::") else ""
     )
-    lines = [f"Qwen-Image demo on {url}{wildcard} (Ctrl+C stops it)."]
+
+
+def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
+    """What the console says once the demo is up: where, who may sign in, how to serve others, limits."""
+    lines = [f"Qwen-Image demo on {_url(host, port)}{_wildcard(host, port)} (Ctrl+C stops it)."]
     if accounts:
         lines.append(f"Sign-in required: {accounts} account{'s' if accounts > 1 else ''}.")
     if is_loopback(host):
@@ -306,4 +385,10 @@ def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"generate": cmd_generate, "info": cmd_info, "quantize": cmd_quantize, "ui": cmd_ui}
+COMMANDS = {
+    "generate": cmd_generate,
+    "info": cmd_info,
+    "quantize": cmd_quantize,
+    "ui": cmd_ui,
+    "serve": cmd_serve,
+}

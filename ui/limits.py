@@ -1,4 +1,5 @@
-"""Job limits of the web demo and their per-device defaults; cheap to import (`qwen-image ui --help`)."""
+"""Job limits of the web demo and the HTTP server (one set, shared) and their per-device defaults; cheap to
+import (`qwen-image ui --help`, `qwen-image serve --help`)."""
 
 import dataclasses
 import math
@@ -27,9 +28,19 @@ class Limits:
     queue_size: int = 64  # requests waiting at once; more are refused with "queue full"
     jobs_per_client: int = 1  # requests one browser tab or API client may have waiting or running
     keep_images_minutes: float = 30  # generated images are deleted from the server after this long
+    max_body_mb: float = 1.0  # the HTTP server's largest JSON request body
+    max_upload_mb: float = 32.0  # the HTTP server's largest multipart request (input images of an edit)
+    cache_mb: float = 256.0  # PNGs the HTTP server keeps for URL responses; the oldest go first
 
     def __post_init__(self) -> None:
-        for name in ("max_work", "time_limit_s", "keep_images_minutes"):
+        for name in (
+            "max_work",
+            "time_limit_s",
+            "keep_images_minutes",
+            "max_body_mb",
+            "max_upload_mb",
+            "cache_mb",
+        ):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not (number and math.isfinite(value) and value > 0):
