@@ -413,9 +413,12 @@ class QwenImage21Transformer(nn.Module):
         timestep: torch.Tensor,
         layout: TokenLayout,
         kv_cache: PrefixKVCache,
+        plan: PassPlan | None = None,
     ) -> torch.Tensor:
         """Target-only step (diffusers' `kv_cache_mode="cached"`): target latents [B, T, C] attend to the
-        prefix keys/values the full pass left in `kv_cache`. No host syncs, no per-step buffers."""
+        prefix keys/values the full pass left in `kv_cache`. No host syncs, no per-step buffers. `plan`
+        (default `layout.target`) is the same pass over other tensors holding the same values, e.g. a CUDA
+        graph's static copies of the RoPE rows and key mask (`layout.target_pass`)."""
         self._check_cache(kv_cache, layout)
         if not kv_cache.filled:
             raise RuntimeError("the KV cache is empty: run the full pass (forward with kv_cache) first")
@@ -423,7 +426,8 @@ class QwenImage21Transformer(nn.Module):
             raise ValueError(
                 f"target latents {list(hidden_states.shape)} do not fit {layout.target_len} rows"
             )
-        return self._run(self.img_in(hidden_states), timestep, layout.target, kv_cache)
+        plan = layout.target if plan is None else plan
+        return self._run(self.img_in(hidden_states), timestep, plan, kv_cache)
 
     def _check_cache(self, kv_cache: PrefixKVCache, layout: TokenLayout) -> None:
         if kv_cache.layout is not layout:
