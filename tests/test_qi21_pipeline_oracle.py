@@ -60,6 +60,9 @@ CASES = {
     "two condition images, true CFG, no cache": dict(
         prompt=BLUE, image=[PORTRAIT, RGBA], negative_prompt="blurry", true_cfg_scale=3.0, kv_cache=False
     ),
+    "true CFG, a negative prompt of the prompt's length (two slots of one shape), cache": dict(
+        prompt=FOX, negative_prompt="a blue fox in the snow", true_cfg_scale=4.0, width=64, height=64
+    ),
     "padded prompt batch, 2 per prompt, true CFG, cache": dict(
         prompt=["a cat", "a much longer prompt about a small dog on a sofa"],
         negative_prompt=["low quality", ""],
