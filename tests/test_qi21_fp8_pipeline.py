@@ -56,7 +56,9 @@ def test_quantize_writes_a_modelopt_fp8_checkpoint_with_shared_scales(checkpoint
     assert "modulation.1.input_scale" not in tensors
 
 
-@pytest.mark.parametrize(("kind", "swiglu", "caches"), [("default", 0, (True, False)), ("all", LAYERS, (True,))])
+@pytest.mark.parametrize(
+    ("kind", "swiglu", "caches"), [("default", 0, (True, False)), ("all", LAYERS, (True,))]
+)
 def test_fp8_fused_equals_unfused_png_for_png(checkpoints, kind, swiglu, caches):
     pipe = load_pipeline(checkpoints[kind], device="cpu")
     pipe.model.resolution = RESOLUTION
