@@ -28,7 +28,7 @@ from transformers import (
 
 from models.qwen_image.components import default_scheduler
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from models.vl_processor import load_vl_processor
+from models.vl_processor import load_vl_processor, without_video
 
 TEXT_HIDDEN = 64
 Z_DIM = 16
@@ -82,14 +82,12 @@ def tiny_vae(seed: int) -> AutoencoderKLQwenImage21:
 
 
 def tiny_processor() -> Qwen3VLProcessor:
-    """The image processor at Qwen3-VL's patching with a low pixel floor (test images are 64x64)."""
-    from models.vl_processor import without_video
-
+    """The image processor at Qwen3-VL's patching and pixel ceiling, with a low floor (for 64x64 images)."""
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=16,
         merge_size=2,
         temporal_patch_size=2,
-        size={"shortest_edge": 32 * 32, "longest_edge": 1024 * 1024},
+        size={"shortest_edge": 32 * 32, "longest_edge": 4096 * 4096},
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )

@@ -17,6 +17,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
 
 from models.env import env_flag
+from models.errors import InputError
 from models.family import FamilyModel, GenerationDefaults, StepCall, parameter_summary
 from models.qwen_image21.checkpoint import OUTPUT_RESOLUTION, VAE_SCALE
 from models.qwen_image21.components import Components21, load_components21, save_components21
@@ -91,11 +92,25 @@ class QwenImage21Model(FamilyModel):
         self, prompts: list[str], max_sequence_length: int, images: list[PIL.Image.Image] | None = None
     ) -> Conditioning21:
         c = self.components
-        vision = self.condition_images(images).vision if images else []
+        prepared = self.condition_images(images) if images else None
+        vision = [] if prepared is None else prepared.vision
         embeds, mask, slots = encode_prompts21(
             c.text_encoder, c.processor, prompts, vision, self.drop_tokens, self.device, self.dtype
         )
+        if prepared is not None:
+            self._check_vision_tokens(prepared, int(slots[0].sum()))
         return Conditioning21(embeds, mask, slots)
+
+    def _check_vision_tokens(self, prepared: ConditionImages, found: int) -> None:
+        """InputError unless the processor kept each condition image's size: one vision token per 32x32
+        pixels, each standing for the 2x2 latent tokens of the same pixels (the transformer pairs them)."""
+        expected = sum(width * height for width, height in prepared.sizes) // (2 * VAE_SCALE) ** 2
+        if found != expected:
+            limits = self.components.processor.image_processor.size
+            raise InputError(
+                f"the processor turned the condition images into {found} vision tokens, not {expected}: its "
+                f"pixel limits {dict(limits)} resize images of about {self.resolution}x{self.resolution}"
+            )
 
     def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> RequestSteps:
         rows, columns = 2 * (height // (2 * VAE_SCALE)), 2 * (width // (2 * VAE_SCALE))
