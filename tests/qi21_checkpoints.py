@@ -19,18 +19,14 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
 from helpers import fill_deterministic
-from transformers import (
-    Qwen2VLImageProcessorPil,
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
-    Qwen3VLProcessor,
-)
+from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from models.qwen_image.components import default_scheduler
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from models.vl_processor import load_vl_processor, without_video
+from models.qwen_image21 import synthetic
+from models.qwen_image21.components import save_processor
+from models.vl_processor import load_vl_processor
 
-TEXT_HIDDEN = 64
+TEXT_HIDDEN = synthetic.TOY_TEXT["hidden_size"]
 Z_DIM = 16
 RESOLUTION = 64
 TRANSFORMER = dict(
@@ -38,33 +34,15 @@ TRANSFORMER = dict(
     num_attention_heads=2, context_in_dim=TEXT_HIDDEN, axes_dims_rope=(8, 12, 12),
 )  # fmt: skip
 TURBO_SIGMAS = [1.0, 0.9, 0.7, 0.4]
-# Enough of Qwen3-VL's chat template for what the pipeline renders: messages with text and image parts.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def tiny_text_encoder(seed: int) -> Qwen3VLForConditionalGeneration:
     """Qwen3-VL's architecture at toy sizes: 2 layers of width 64 (4 heads, 2 KV heads, interleaved M-RoPE),
     the real vocabulary, a 1-block vision tower (patch 16, merge 2) feeding deepstack layer 0."""
-    text = dict(
-        vocab_size=151936, hidden_size=TEXT_HIDDEN, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
-                         "mrope_interleaved": True},
-    )  # fmt: skip
-    vision = dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_HIDDEN,
-        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-        deepstack_visual_indexes=[0],
-    )  # fmt: skip
     torch.manual_seed(seed)
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return Qwen3VLForConditionalGeneration(config).eval()
+    return Qwen3VLForConditionalGeneration(
+        synthetic.text_encoder_config(synthetic.TOY_TEXT, synthetic.TOY_VISION)
+    ).eval()
 
 
 def tiny_vae(seed: int) -> AutoencoderKLQwenImage21:
@@ -81,21 +59,6 @@ def tiny_vae(seed: int) -> AutoencoderKLQwenImage21:
     return vae.eval()
 
 
-def tiny_processor() -> Qwen3VLProcessor:
-    """The image processor at Qwen3-VL's patching and pixel ceiling, with a low floor (for 64x64 images)."""
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=16,
-        merge_size=2,
-        temporal_patch_size=2,
-        size={"shortest_edge": 32 * 32, "longest_edge": 4096 * 4096},
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
-    return without_video(Qwen3VLProcessor)(
-        image_processor=image_processor, tokenizer=build_qwen2_tokenizer(), chat_template=CHAT_TEMPLATE
-    )
-
-
 def build_qi21_checkpoint(
     directory: Path, seed: int = 0, causal_condition: bool = True, sample_sigmas: list[float] | None = None
 ) -> Path:
@@ -107,10 +70,7 @@ def build_qi21_checkpoint(
     tiny_text_encoder(seed + 1).save_pretrained(directory / "text_encoder")
     tiny_vae(seed + 2).save_pretrained(directory / "vae")
     default_scheduler().save_pretrained(directory / "scheduler")
-    processor = tiny_processor()
-    processor.image_processor.save_pretrained(directory / "processor")
-    processor.tokenizer.save_pretrained(directory / "processor")
-    (directory / "processor" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    save_processor(synthetic.processor(min_pixels=32 * 32), directory / "processor")  # toy images: 64x64
     index: dict[str, Any] = {
         "_class_name": "QwenImage21Pipeline",
         "_diffusers_version": "0.42.1",
