@@ -113,3 +113,14 @@ def test_without_causal_condition_every_step_is_the_full_pass(tmp_path):
     got, want = generate_both(ours, theirs, BLUE, image=RGBA, num_inference_steps=3)
     assert_same_pngs(got, want)
     assert not ours.model.planner.slots, "a transformer without causal_condition has no prefix to cache"
+
+
+def test_bf16_reference_matches_diffusers_loaded_in_bf16(tmp_path):
+    """In BF16 (diffusers' `from_pretrained(dtype=torch.bfloat16)`: its timestep frequencies stay FP32)."""
+    directory = build_qi21_checkpoint(tmp_path / "bf16", seed=2)
+    ours = load_pipeline(directory, variant="reference", device="cpu", dtype="bf16")
+    ours.model.resolution = RESOLUTION
+    theirs = diffusers_pipeline(directory, torch.bfloat16)
+    got, want = generate_both(ours, theirs, BLUE, image=RGBA, negative_prompt="blurry", true_cfg_scale=3.0,
+                              num_inference_steps=3)  # fmt: skip
+    assert_same_pngs(got, want)
