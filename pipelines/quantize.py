@@ -60,6 +60,7 @@ def calibrate(
                     num_inference_steps=steps,
                     seed=seed + i,
                     preset=preset,
+                    output_type="latent",  # calibration needs the transformer's inputs, not pictures
                 )
     finally:
         pipe.cuda_graphs = graphs

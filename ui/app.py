@@ -26,6 +26,7 @@ from ui.generation import (
     DISCONNECTED,
     INPUT_NAMES,
     MAX_IMAGES_PER_REQUEST,
+    RANDOM_SEED,
     STOP_PRESSED,
     VARIANT_LABELS,
     FieldError,
@@ -38,6 +39,7 @@ from ui.generation import (
     format_details,
     job_from_inputs,
     preset_for,
+    seed_note,
     stop_message,
 )
 from ui.limits import Limits
@@ -127,7 +129,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             k = job.kwargs
             msg = f"Out of GPU memory at {k['width']}x{k['height']} x{k['num_images_per_prompt']}: "
             raise gr.Error(msg + "try a smaller size or fewer images.", print_exception=False) from None
-        return images, run.seed, format_details(run) + lora_details(run)
+        return images, run.seed, seed_note(job) + format_details(run) + lora_details(run)
 
     def stop(request: gr.Request) -> Any:
         """Stop this client's running generation after its current step (the Stop button, or "/stop");
@@ -171,8 +173,15 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     )
                     cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
                 with gr.Row():
-                    seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="seed")
-                    randomize = gr.Checkbox(True, label="Randomize seed")
+                    seed = gr.Number(
+                        RANDOM_SEED,
+                        label="Seed (-1: random)",
+                        precision=0,
+                        minimum=RANDOM_SEED,
+                        elem_id="seed",
+                    )
+                    randomize = gr.Checkbox(False, label="Randomize seed")
+                    used_seed = gr.Number(label="Seed used", precision=0, visible=False)
                     num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
                 variant = gr.Dropdown(
                     [(VARIANT_LABELS.get(v, v), v) for v in variants],
@@ -209,7 +218,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             triggers,
             generate,
             inputs_kwargs=inputs,
-            outputs=[gallery, seed, details],
+            outputs=[gallery, used_seed, details],
             api_name="generate",
             show_progress_on=gallery,
             concurrency_limit=1,

@@ -5,7 +5,7 @@ install without torchvision uses through `models.vl_processor.load_vl_processor`
 own image-processor settings on the condition images 2.1 prepares (RGBA converted, resized to the 1024x1024
 area, flattened over white) for several aspects, then on the prompt embeddings of the tiny text encoder, and
 against diffusers' own `from_pretrained` (no processor handed in). Mismatch counts are printed (run with -s);
-the answer goes into docs/DESIGN.md §9.
+the answer goes into docs/DESIGN.md §10.
 """
 
 import pytest
