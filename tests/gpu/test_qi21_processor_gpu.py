@@ -1,11 +1,13 @@
 """Qwen3-VL's processor, two image backends, on the machine that has torchvision (the H200 box): does
 transformers' torchvision backend (what `Qwen3VLProcessor.from_pretrained` and diffusers' loading pick) give
-the same `pixel_values` and `image_grid_thw` as the PIL backend (`Qwen2VLImageProcessorPil`, what our CPU
-install without torchvision uses through `models.vl_processor.load_vl_processor`)? Checked with Qwen3-VL's
-own image-processor settings on the condition images 2.1 prepares (RGBA converted, resized to the 1024x1024
-area, flattened over white) for several aspects, then on the prompt embeddings of the tiny text encoder, and
-against diffusers' own `from_pretrained` (no processor handed in). Mismatch counts are printed (run with -s);
-the answer goes into docs/DESIGN.md §10.
+the `pixel_values` and `image_grid_thw` of the PIL backend (`Qwen2VLImageProcessorPil`, what our CPU install
+without torchvision uses through `models.vl_processor.load_vl_processor`)? Checked with Qwen3-VL's own
+image-processor settings on the condition images 2.1 prepares (RGBA converted, resized to the 1024x1024
+area, flattened over white) for several aspects; then the prompt embeddings of the tiny text encoder with
+the backend `load_vl_processor` picks where torchvision is installed, against diffusers' own
+`from_pretrained` (no processor handed in). Qwen3-VL resizes with Qwen2-VL's image processors, which the
+H200 measured for the Edit family (docs/DESIGN.md §8): identical grids, pixel values one or two of 255
+levels apart; the tests hold that and print the counts (run with -s). The answer goes into DESIGN §10.
 """
 
 import pytest
@@ -59,7 +61,7 @@ def condition(name: str, resolution: int = RESOLUTION):
 
 
 @pytest.mark.parametrize("name", list(IMAGES))
-def test_backends_give_the_same_pixel_values(backends, name):
+def test_backends_are_at_most_two_levels_apart(backends, name):
     out = {
         key: p.image_processor(images=[condition(name)], return_tensors="pt") for key, p in backends.items()
     }
@@ -69,20 +71,28 @@ def test_backends_give_the_same_pixel_values(backends, name):
     print(
         f"{name}: {int((diff > 0).sum())} of {diff.numel()} pixel values differ, max {float(diff.max()):.3g}"
     )
-    assert torch.equal(pil["pixel_values"], tv["pixel_values"]), name
+    level = 1 / 255 / min(backends["pil"].image_processor.image_std)  # one 8-bit level after normalizing
+    assert float(diff.max()) <= 2 * level + 1e-6, name
 
 
-def test_backends_give_the_same_prompt_embeddings(tmp_path):
-    """The whole encode (prompt template, vision tokens, the tiny Qwen3-VL) with each backend, at the tests'
-    64x64 condition area; then diffusers' pipeline loading its processor itself (torchvision)."""
+def test_our_auto_backend_gives_diffusers_embeddings(tmp_path):
+    """The whole encode (prompt template, vision tokens, the tiny Qwen3-VL) at the tests' 64x64 condition
+    area: with the backend we pick where torchvision is installed it equals diffusers' pipeline loading its
+    processor itself, bit for bit; the PIL backend's distance is printed."""
     directory = build_qi21_checkpoint(tmp_path / "ckpt")
     pipe = QwenImage21Pipeline.from_pretrained(directory)
     assert type(pipe.processor.image_processor).__name__ == "Qwen2VLImageProcessor"
     vision = [condition("portrait 333x517", 64), condition("RGBA 301x199", 64)]
-    pil = load_vl_processor(directory / "processor", Qwen3VLProcessor, "pil")
     with torch.no_grad():
         want, _, _ = pipe.encode_prompt(["make it snow"], image=vision, device="cpu")
-    got = encode_prompts21(
-        pipe.text_encoder, pil, ["make it snow"], vision, system_tokens(pil), "cpu", want.dtype
-    )
-    assert torch.equal(got[0], want)
+    for backend in ("auto", "pil"):
+        processor = load_vl_processor(directory / "processor", Qwen3VLProcessor, backend)
+        drop = system_tokens(processor)
+        got = encode_prompts21(
+            pipe.text_encoder, processor, ["make it snow"], vision, drop, "cpu", want.dtype
+        )[0]
+        if backend == "auto":
+            assert type(processor.image_processor) is type(pipe.processor.image_processor)
+            assert torch.equal(got, want)
+        else:
+            print(f"PIL backend embeddings vs diffusers': max |diff| {float((got - want).abs().max()):.3g}")
