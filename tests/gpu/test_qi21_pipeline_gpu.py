@@ -17,9 +17,8 @@ import torch
 from edit_fixtures import drawn_image
 from helpers import NoHostSync, png_sha256
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint, diffusers_pipeline
+from test_qi21_model_gpu import forbid_torch_twins
 
-import kernels.scale_modulate as scale_modulate
-import kernels.swiglu_quant as swiglu_quant
 from eval.metrics import psnr
 from models.qwen_image21 import steps
 from models.qwen_image21.quantization import QUANTIZATION
@@ -65,17 +64,7 @@ def test_fused_runs_triton_and_equals_unfused(pipe, monkeypatch):
         f"FP8 norm+quant fusion: {2 * LAYERS}/{2 * LAYERS} block paths",
         f"FP8 SwiGLU+quant fusion: {LAYERS}/{LAYERS} MLP paths",
     ]
-
-    def no_twin(*_):
-        raise AssertionError("a CUDA producer fell back to its torch twin")
-
-    for module, name in (
-        (scale_modulate, "layer_norm_scale_torch"),
-        (scale_modulate, "tanh_residual_layer_norm_scale_torch"),
-        (scale_modulate, "tanh_gated_residual_torch"),
-        (swiglu_quant, "silu_mul_torch"),
-    ):
-        monkeypatch.setattr(module, name, no_twin)
+    forbid_torch_twins(monkeypatch)
     fused = {(r, c): run(pipe, r, c) for r in REQUESTS for c in (True, False)}
     pipe.set_variant("fp8-unfused")
     try:
