@@ -121,6 +121,12 @@ def load_transformer(
     return transformer_from_state(model, state, quant, dtype, directory, origins)
 
 
+def meta_transformer(directory: Path, build: Callable[[dict[str, Any]], nn.Module]) -> nn.Module:
+    """The transformer of `directory` built from its config.json on the meta device (shapes, no weights)."""
+    with torch.device("meta"):
+        return build(read_json(directory / "config.json"))
+
+
 def transformer_from_state(
     model: nn.Module,
     state: dict[str, torch.Tensor],

@@ -4,8 +4,9 @@ class with `sample_sigmas` in its model_index.json."""
 
 from pathlib import Path
 
-from models.checkpoint import is_fp8_transformer, read_json
+from models.checkpoint import is_fp8_transformer
 from models.family import CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
+from models.qwen_image.family import QwenImageFamily
 from models.qwen_image21.checkpoint import (
     MAX_CONDITION_IMAGES,
     PIPELINE_CLASS,
@@ -20,17 +21,9 @@ class QwenImage21Family(ModelFamily):
 
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:
         configs = read_configs21(directory)
-        return CheckpointSpec(
-            family=self,
-            directory=directory,
-            name=name,
-            attention_heads=configs.transformer.num_attention_heads,
-            size_multiple=SIZE_MULTIPLE,
-            defaults=configs.defaults,
-            fp8=is_fp8_transformer(directory / "transformer"),
-            max_images=MAX_CONDITION_IMAGES,
-            sequence_parallel=False,
-        )
+        fp8 = is_fp8_transformer(directory / "transformer")
+        heads = configs.transformer.num_attention_heads
+        return self._spec(directory, name, heads, configs.defaults, fp8)
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
         from models.qwen_image21.model import QwenImage21Model
@@ -39,31 +32,33 @@ class QwenImage21Family(ModelFamily):
         return QwenImage21Model.load(spec.directory, dtype, device, vae_dtype, sigmas)
 
     def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
+        heads = model.transformer.config.num_attention_heads
+        return self._spec(Path(name), name, heads, defaults, model.transformer.is_fp8)
+
+    def _spec(
+        self, directory: Path, name: str, heads: int, defaults: GenerationDefaults, fp8: bool
+    ) -> CheckpointSpec:
+        """2.1's spec: 32-pixel sides, up to 4 condition images, no sequence-parallel plan."""
         return CheckpointSpec(
             family=self,
-            directory=Path(name),
+            directory=directory,
             name=name,
-            attention_heads=model.transformer.config.num_attention_heads,
+            attention_heads=heads,
             size_multiple=SIZE_MULTIPLE,
             defaults=defaults,
-            fp8=model.transformer.is_fp8,
+            fp8=fp8,
             max_images=MAX_CONDITION_IMAGES,
             sequence_parallel=False,
         )
 
     def meta_transformer(self, spec: CheckpointSpec):
-        import torch
-
+        from models.loading import meta_transformer
         from models.qwen_image21.loading import build_transformer21
 
-        with torch.device("meta"):
-            return build_transformer21(read_json(spec.directory / "transformer" / "config.json"))
+        return meta_transformer(spec.directory / "transformer", build_transformer21)
 
-    def convert_lora(self, state):
-        """diffusers' `QwenImage21Pipeline` reads LoRA files with Qwen-Image's loader mixin."""
-        from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
-
-        return QwenImageLoraLoaderMixin.lora_state_dict(state)
+    # diffusers' `QwenImage21Pipeline` reads LoRA files with Qwen-Image's loader mixin
+    convert_lora = QwenImageFamily.convert_lora
 
 
 FAMILY = QwenImage21Family()
