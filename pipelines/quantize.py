@@ -137,7 +137,7 @@ def quantize_pipeline(
         raise InputError(f"{pipe.model_name} is already an FP8 checkpoint: quantize its BF16 source")
     recipe = pipe.model.quantization
     ignore = recipe.bf16_fallback if ignore is None else tuple(ignore)
-    run_preset = get_preset(preset)
+    run_preset = get_preset(preset, pipe.spec.family.name)
     steps = steps or (
         run_preset.num_inference_steps if run_preset else min(pipe.defaults.num_inference_steps, 20)
     )

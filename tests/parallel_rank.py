@@ -6,7 +6,9 @@ images and what it saw to OUT_DIR.
 Scenarios: `two` (CFG-2 and Ulysses-2 on BF16 and FP8, no host syncs in a sharded step, the web demo's
 leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step), `gpu`
 (tests/gpu/test_parallel_gpu.py: CFG-2 and Ulysses-2 on two GPUs, graphs and eager), `edit` (the tiny
-Edit-2511 transformer under Ulysses: the per-token modulation index splits with the image rows).
+Edit-2511 transformer under Ulysses: the per-token modulation index splits with the image rows), `qi21`
+(a tiny Qwen-Image 2.1 checkpoint, the third argument, under CFG-2 with a condition image, KV cache on and
+off; Ulysses refused).
 """
 
 import json
@@ -175,10 +177,37 @@ def run_edit(out: Path, _: str | None) -> dict:
     return {"fusion": models["fp8"].fusion_report.summary().splitlines()[0], "no_host_sync": True}
 
 
+QI21_PROMPTS = ["make it snow", "a much longer prompt: make it snow and add a red sledge"]
+
+
+def qi21_args() -> dict:
+    """The 2.1 request every rank and the one process make: a condition image, true CFG, three steps."""
+    from edit_fixtures import drawn_image
+
+    image = drawn_image(96, 64, seed=4, mode="RGBA")
+    return dict(image=image, negative_prompt="blurry", true_cfg_scale=3.0, num_inference_steps=3, seed=3)
+
+
+def run_qi21(out: Path, model: str) -> dict:
+    from qi21_checkpoints import RESOLUTION
+
+    pipe = load_pipeline(model, variant="reference", device="cpu", dtype="fp32", parallel=ParallelPlan(cfg=2))
+    pipe.model.resolution = RESOLUTION
+    for cache in (True, False):
+        pipe.model.use_kv_cache = cache
+        save(out, f"qi21-cfg2-{'cache' if cache else 'nocache'}", pipe.generate(QI21_PROMPTS, **qi21_args()))
+    seen = {"plan": pipe.parallel_summary()}
+    try:
+        pipe.set_parallel(ParallelPlan(ulysses=2))
+    except InputError as err:  # on every rank alike, before any collective
+        seen["ulysses"] = str(err)
+    return seen
+
+
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     fp8 = sys.argv[3] if len(sys.argv) > 3 else None
-    runs = {"two": run_two, "four": run_four, "gpu": run_gpu, "edit": run_edit}
+    runs = {"two": run_two, "four": run_four, "gpu": run_gpu, "edit": run_edit, "qi21": run_qi21}
     seen = runs[scenario](out, fp8) if scenario != "die" else run_die(out)
     if os.environ.get("RANK") == "0":
         (out / "seen.json").write_text(json.dumps(seen))

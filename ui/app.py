@@ -22,7 +22,6 @@ from pipelines import load_pipeline
 from pipelines.limits import MAX_STEPS, MIN_STEPS
 from pipelines.parallel import ParallelPlan
 from ui.generation import (
-    ASPECT_RATIOS,
     CUSTOM,
     INPUT_NAMES,
     MAX_IMAGES_PER_REQUEST,
@@ -30,6 +29,7 @@ from ui.generation import (
     VARIANT_LABELS,
     FieldError,
     Pipeline,
+    aspect_ratios,
     check_work,
     format_details,
     job_from_inputs,
@@ -68,6 +68,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
     limits = limits or Limits.for_device(torch.device(pipe.device).type)
     runner = runner or Runner(pipe, limits)
     defaults = pipe.defaults
+    presets = aspect_ratios(pipe.size_multiple)  # a preset's size for the width/height fields
     variants = pipe.available_variants()
     keep_s = max(1, round(limits.keep_images_minutes * 60))
     delete_cache = (max(1, min(60, keep_s // 2)), keep_s)  # (every, older than) seconds
@@ -149,9 +150,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                 aspect = gr.Radio(
-                    [(f"{name} · {w}×{h}", name) for name, (w, h) in ASPECT_RATIOS.items()]
-                    + [("custom", CUSTOM)],
-                    value=preset_for(defaults.width, defaults.height),
+                    [(f"{name} · {w}×{h}", name) for name, (w, h) in presets.items()] + [("custom", CUSTOM)],
+                    value=preset_for(defaults.width, defaults.height, pipe.size_multiple),
                     label="Aspect ratio",
                     elem_id="aspect",
                 )
@@ -200,7 +200,9 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         gr.Examples([[p] for p in examples], inputs=[prompt], label="Example prompts")
 
         private = {"queue": False, "api_visibility": "private"}
-        aspect.input(_fill_size, [aspect, width, height], [width, height], **private)
+        aspect.input(
+            lambda name, w, h: presets.get(name, (w, h)), [aspect, width, height], [width, height], **private
+        )
         for field in (width, height):
             field.input(lambda: CUSTOM, None, aspect, **private)
         triggers = [generate_btn.click, prompt.submit]
@@ -300,8 +302,3 @@ def _header(pipe: Pipeline, limits: Limits) -> str:
         f"# Qwen-Image\nModel `{pipe.model_name}`{note} on `{pipe.device}`, {pipe.parallel_summary()}.  \n"
         f"{limits.describe()}"
     )
-
-
-def _fill_size(aspect: str, width: float | None, height: float | None) -> tuple[float | None, float | None]:
-    """A preset's size for the width/height fields; "custom" keeps what they hold."""
-    return ASPECT_RATIOS.get(aspect, (width, height))

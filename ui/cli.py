@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
     gen.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an input image for models that take them (Qwen-Image 2.1: condition images, at most 4), in "
+        "order; repeatable. Without --width/--height the output takes the last image's aspect "
+        "(`qwen-image info` says how many a model takes)",
+    )
+    gen.add_argument(
         "--num-images",
         type=int,
         default=1,

@@ -77,11 +77,12 @@ def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
     world = launched_world_size()
     if world == 1 and args.gpus == 1:
         return None
-    from pipelines.parallel import plan_for
+    from pipelines.parallel import check_supported, plan_for
 
     if world > 1 and args.gpus not in (1, world):
         raise InputError(f"--gpus {args.gpus}, but the launcher started {world} ranks")
     chosen = plan_for(max(world, args.gpus), spec.attention_heads, true_cfg)
+    check_supported(chosen, spec)
     if world == 1:
         check_gpus_visible(args.gpus, args.device)
     return chosen
@@ -110,7 +111,7 @@ def launch(args: argparse.Namespace, chosen: Any) -> None:
 
 def true_cfg_on(args: argparse.Namespace, spec: CheckpointSpec) -> bool:
     """Whether the request runs true CFG: a negative prompt (given or the model's default) and a scale > 1."""
-    preset = get_preset(args.preset)
+    preset = get_preset(args.preset, spec.family.name)
     defaults = spec.defaults if preset is None else preset
     scale = defaults.true_cfg_scale if args.true_cfg_scale is None else args.true_cfg_scale
     negative = spec.defaults.negative_prompt if args.negative_prompt is None else args.negative_prompt
@@ -135,9 +136,27 @@ def check_generate_args(args: argparse.Namespace, spec: CheckpointSpec) -> None:
     )
 
 
+def read_input_images(paths: list[str] | None, spec: CheckpointSpec) -> list[PIL.Image.Image]:
+    """The --image files, opened with their EXIF orientation applied (mode kept: a model may read alpha)
+    and checked against what the model takes, before it loads."""
+    from PIL import ImageOps
+
+    from pipelines.limits import check_images
+
+    images = []
+    for path in paths or []:
+        try:
+            with PIL.Image.open(path) as image:
+                images.append(ImageOps.exif_transpose(image))
+        except (OSError, ValueError, PIL.Image.DecompressionBombError) as err:
+            raise InputError(f"cannot read input image {path}: {err}") from err
+    return check_images(images, spec.max_images, spec.images_required, spec.name)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
     check_generate_args(args, spec)
+    inputs = read_input_images(args.image, spec)
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     chosen = plan(args, spec, true_cfg_on(args, spec))
     if chosen is not None and launched_world_size() == 1:
@@ -157,14 +176,27 @@ def cmd_generate(args: argparse.Namespace) -> None:
         true_cfg_scale=args.true_cfg_scale,
         progress=is_leader_process(),
         preset=args.preset,
+        image=inputs or None,
         **options,
     )
     if not is_leader_process():
         return
     paths = image_paths(Path(args.out), len(images))
     for image, path in zip(images, paths, strict=True):
-        image.save(path)
+        save_image(image, path)
     print_run(pipe, paths)
+
+
+def save_image(image: PIL.Image.Image, path: Path) -> None:
+    """Save `image`; an RGBA image (Qwen-Image 2.1 decodes four channels) in a format without alpha, such
+    as JPEG, is saved as its RGB channels, with a warning."""
+    try:
+        image.save(path)
+    except OSError:
+        if image.mode != "RGBA":
+            raise
+        print(f"warning: {path.suffix} stores no alpha: {path} holds the RGB channels", file=sys.stderr)
+        image.convert("RGB").save(path)
 
 
 def print_run(pipe: Any, paths: list[Path]) -> None:
@@ -212,7 +244,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         check_steps(args.steps)
     if args.size is not None:
         check_size(args.size, args.size, spec.size_multiple)
-    get_preset(args.preset)
+    get_preset(args.preset, spec.family.name)
     from pipelines.prompts import read_prompt_file
 
     prompts = None if args.calib_prompts is None else read_prompt_file(Path(args.calib_prompts))

@@ -93,12 +93,13 @@ def job_from_inputs(
     prompt = text_field("prompt", values["prompt"])
     negative_prompt = text_field("negative_prompt", values["negative_prompt"]) or None
     aspect = values["aspect"]
-    if aspect in ASPECT_RATIOS:
-        width, height = ASPECT_RATIOS[aspect]
+    presets = aspect_ratios(size_multiple)
+    if aspect in presets:
+        width, height = presets[aspect]
     elif aspect == CUSTOM:
         width, height = whole_field("width", values["width"]), whole_field("height", values["height"])
     else:
-        choices = ", ".join([*ASPECT_RATIOS, CUSTOM])
+        choices = ", ".join([*presets, CUSTOM])
         raise FieldError("aspect", f"aspect {aspect!r} must be one of {choices}")
     steps = whole_field("num_inference_steps", values["num_inference_steps"])
     true_cfg_scale = number_field("true_cfg_scale", values["true_cfg_scale"])
@@ -166,9 +167,17 @@ def check_work(job: Job, limits: Limits) -> None:
     )
 
 
-def preset_for(width: int, height: int) -> str:
+def aspect_ratios(size_multiple: int) -> dict[str, tuple[int, int]]:
+    """The aspect presets for a model whose sides are multiples of `size_multiple`: each side floored to it,
+    as diffusers floors a size (Qwen-Image's presets are multiples of 16; 2.1's sides of 32)."""
+    return {name: (w // size_multiple * size_multiple, h // size_multiple * size_multiple)
+            for name, (w, h) in ASPECT_RATIOS.items()}  # fmt: skip
+
+
+def preset_for(width: int, height: int, size_multiple: int = 16) -> str:
     """The preset with exactly this size, else "custom"."""
-    return next((name for name, size in ASPECT_RATIOS.items() if size == (width, height)), CUSTOM)
+    presets = aspect_ratios(size_multiple).items()
+    return next((name for name, size in presets if size == (width, height)), CUSTOM)
 
 
 def random_seed() -> int:

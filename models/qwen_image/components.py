@@ -9,14 +9,12 @@ import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 
 from models.checkpoint import read_json
-from models.errors import CheckpointError
 from models.family import DEFAULTS_KEY, GenerationDefaults
 from models.loading import (
-    check_state_dict,
+    load_diffusers_model,
     load_scheduler,
     load_transformer,
     quiet_loading,
-    read_state_dict,
     save_transformer,
 )
 from models.qwen_image.config import (
@@ -79,18 +77,7 @@ def default_scheduler() -> FlowMatchEulerDiscreteScheduler:
 
 def load_vae(directory: Path, dtype: torch.dtype, device: torch.device) -> AutoencoderKLQwenImage:
     """diffusers' Qwen-Image VAE from a local `vae/` directory, every tensor checked by name and shape."""
-    config_path = directory / "config.json"
-    config = read_json(config_path)
-    try:
-        with torch.device("meta"):
-            vae = AutoencoderKLQwenImage.from_config(config)
-    except (TypeError, ValueError, IndexError, RuntimeError) as err:
-        raise CheckpointError(f"{config_path}: not a valid AutoencoderKLQwenImage config: {err}") from err
-    origins: dict[str, Path] = {}
-    state = read_state_dict(directory, device, origins)
-    check_state_dict(vae.state_dict(), state, directory, origins)
-    vae.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    return vae.eval().requires_grad_(False)
+    return load_diffusers_model(directory, AutoencoderKLQwenImage, dtype, device)
 
 
 def build_transformer(raw: dict[str, Any]) -> QwenImageTransformer:

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from models.checkpoint import check_layout, is_fp8_transformer, read_json, read_model_index
+from models.checkpoint import check_layout, is_fp8_transformer, read_model_index
 from models.errors import CheckpointError
 from models.family import DEFAULTS_KEY, CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
 from models.qwen_image.config import PIPELINE_CLASS, read_configs
@@ -59,12 +59,10 @@ class QwenImageFamily(ModelFamily):
         )
 
     def meta_transformer(self, spec: CheckpointSpec):
-        import torch
-
+        from models.loading import meta_transformer
         from models.qwen_image.components import build_transformer
 
-        with torch.device("meta"):
-            return build_transformer(read_json(spec.directory / "transformer" / "config.json"))
+        return meta_transformer(spec.directory / "transformer", build_transformer)
 
     def convert_lora(self, state):
         from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
