@@ -19,7 +19,9 @@ from models.families import inspect_checkpoint
 from models.qwen_image21 import model
 from pipelines import load_pipeline
 from ui.cli import main
-from ui.generation import Runner, aspect_ratios, job_from_inputs
+from ui.generation import aspect_ratios, job_from_inputs
+from ui.limits import Limits
+from ui.runner import Runner
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +244,8 @@ def test_web_demo_serves_2_1(model_dir):
                   num_inference_steps=2, true_cfg_scale=1.0, seed=5, randomize_seed=False, num_images=1,
                   variant=pipe.variant)  # fmt: skip
     job = job_from_inputs(None, values, pipe.available_variants(), pipe.size_multiple)
-    images, run = Runner(pipe, time_limit_s=600).run(job, lambda i, n: None)
+    runner = Runner(pipe, Limits.for_device("cpu", time_limit_s=600))
+    images, run = runner.run(job, lambda i, n: None)
+    runner.close()
     assert images[0].size == (64, 32) and run.seed == 5
     build_app(pipe)
