@@ -281,8 +281,10 @@ class Pipeline:
         of the run land in `self.last_run`."""
         prompts = as_prompt_list(prompt, "prompt")
         images = check_images(image, self.spec.max_images, self.spec.images_required, self.model_name)
-        if images and width is None and height is None:
-            width, height = self.model.default_size(images) or (None, None)
+        suggested_size = self.model.default_size(images) if images else None
+        if suggested_size is not None:  # each side not given follows the images (diffusers' Edit pipelines)
+            width = suggested_size[0] if width is None else width
+            height = suggested_size[1] if height is None else height
         negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
         run_preset = get_preset(preset)
@@ -319,6 +321,8 @@ class Pipeline:
         timer.lap("text_encoding")
 
         canvas = self.model.canvas(width, height, images)
+        if images:
+            timer.lap("image_encoding")
         latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)
         timer.lap("denoising")
         images = self.model.decode(latents, canvas)
