@@ -102,6 +102,15 @@ def diffusers_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32)
     return pipe
 
 
+def our_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32, variant: str = "reference") -> Any:
+    """Our pipeline of `directory` on the CPU, with the image areas `small_edit_areas` gives diffusers."""
+    from pipelines import load_pipeline
+
+    pipe = load_pipeline(directory, variant=variant, device="cpu", dtype=dtype)
+    pipe.model.vae_area, pipe.model.condition_area = SMALL_VAE_AREA, SMALL_CONDITION_AREA
+    return pipe
+
+
 @contextmanager
 def small_edit_areas(
     vae_area: int = SMALL_VAE_AREA, condition_area: int = SMALL_CONDITION_AREA
