@@ -11,6 +11,7 @@ import PIL.Image
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import CheckpointSpec
+from pipelines.images import read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
@@ -136,6 +137,29 @@ def check_generate_args(args: argparse.Namespace, spec: CheckpointSpec) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
+    if spec.images_required:
+        raise InputError(
+            f"{spec.name} edits images and cannot generate from text alone: "
+            "run `qwen-image edit INSTRUCTION --image FILE` with it"
+        )
+    run_generation(args, spec, [])
+
+
+def cmd_edit(args: argparse.Namespace) -> None:
+    spec = check_model_args(args)
+    if spec.max_images == 0:
+        raise InputError(
+            f"{spec.name} generates from text only and cannot edit images: give `qwen-image edit` a "
+            "Qwen-Image-Edit checkpoint (its model_index.json names QwenImageEditPipeline or "
+            "QwenImageEditPlusPipeline)"
+        )
+    images = read_input_images(args.image, spec.max_images, spec.images_required, spec.name)
+    run_generation(args, spec, images)
+
+
+def run_generation(args: argparse.Namespace, spec: CheckpointSpec, images: list[PIL.Image.Image]) -> None:
+    """`generate` and `edit` (with input `images`): every argument checked, the ranks started when asked
+    (each reads the image files itself), then the model loaded and run."""
     check_generate_args(args, spec)
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     chosen = plan(args, spec, true_cfg_on(args, spec))
@@ -150,18 +174,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     pipe.set_lora_mode(args.lora_mode)
     names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
     options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    images = pipe.generate(
+    result = pipe.generate(
         args.prompt,
         negative_prompt=args.negative_prompt,
         true_cfg_scale=args.true_cfg_scale,
         progress=is_leader_process(),
         preset=args.preset,
+        image=images or None,
         **options,
     )
     if not is_leader_process():
         return
-    paths = image_paths(Path(args.out), len(images))
-    for image, path in zip(images, paths, strict=True):
+    paths = image_paths(Path(args.out), len(result))
+    for image, path in zip(result, paths, strict=True):
         image.save(path)
     print_run(pipe, paths)
 
@@ -174,8 +199,9 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
         f"wrote {', '.join(map(str, paths))} "
         f"({run.width}x{run.height}, seed {run.seed}, variant {run.variant}, {pipe.precision.describe()})"
     )
+    images = f"image encoding {t['image_encoding']:.2f} s | " if "image_encoding" in t else ""
     print(
-        f"text encoding {t['text_encoding']:.2f} s | denoising {t['denoising']:.2f} s "
+        f"text encoding {t['text_encoding']:.2f} s | {images}denoising {t['denoising']:.2f} s "
         f"({run.ms_per_step:.0f} ms/step x {run.num_inference_steps}) | decoding {t['decoding']:.2f} s "
         f"| total {t['total']:.2f} s"
     )
@@ -306,4 +332,10 @@ def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"generate": cmd_generate, "info": cmd_info, "quantize": cmd_quantize, "ui": cmd_ui}
+COMMANDS = {
+    "generate": cmd_generate,
+    "edit": cmd_edit,
+    "info": cmd_info,
+    "quantize": cmd_quantize,
+    "ui": cmd_ui,
+}
