@@ -1,6 +1,6 @@
-"""Input image files (the CLI's `--image`, the web demo's uploads, edit sets), read and checked before any model
-loads. Torch-free: a file that is no image, a truncated one, or one above the pixel or byte cap fails in one
-line naming the file, and nothing heavier than Pillow has been imported."""
+"""Input image files (the CLI's `--image`, the web demo's uploads, edit sets), read and checked before any
+model loads. Torch-free: a file that is no image, a truncated one, or one above the pixel or byte cap fails
+in one line naming the file, and nothing heavier than Pillow has been imported."""
 
 from pathlib import Path
 
@@ -24,7 +24,8 @@ def open_input_image(path: str | Path, max_bytes: int | None = None) -> PIL.Imag
     try:
         image = PIL.Image.open(path)
     except (PIL.UnidentifiedImageError, OSError) as err:
-        raise InputError(f"input image {path} is not an image Pillow can read ({type(err).__name__})") from None
+        what = type(err).__name__
+        raise InputError(f"input image {path} is not an image Pillow can read ({what})") from None
     check_pixels(image.width, image.height, f"input image {path}")
     try:
         image.load()

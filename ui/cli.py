@@ -113,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant = command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
     quant.add_argument("--out", required=True, help="new checkpoint directory")
-    quant.add_argument("--calib-prompts", help="text file, one prompt per line (default: a built-in set)")
+    quant.add_argument(
+        "--calib-prompts",
+        help="text file, one prompt per line; for a checkpoint that edits, an edit set (.jsonl: one "
+        '{"prompt": ..., "images": [...]} per line, image paths relative to it) (default: a built-in set: '
+        "8 prompts, or the drawn image + instruction pairs of pipelines/edit_sets)",
+    )
     quant.add_argument(
         "--steps", type=int, help="denoising steps per calibration prompt (default: the model's, at most 20)"
     )

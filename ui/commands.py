@@ -11,10 +11,11 @@ import PIL.Image
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import CheckpointSpec
-from pipelines.images import read_input_images
+from pipelines.images import open_input_image, read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
+from pipelines.requests import check_requests, read_requests
 from pipelines.variants import resolve_variant
 from ui.access import check_access, is_loopback, read_accounts
 from ui.limits import Limits
@@ -238,19 +239,22 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     if args.size is not None:
         check_size(args.size, args.size, spec.size_multiple)
     get_preset(args.preset)
-    from pipelines.prompts import read_prompt_file
-
-    prompts = None if args.calib_prompts is None else read_prompt_file(Path(args.calib_prompts))
+    prompts = None if args.calib_prompts is None else read_requests(Path(args.calib_prompts))
+    if prompts is not None:
+        check_requests(prompts, spec.max_images, spec.images_required, spec.name)
+        for request in prompts:
+            for path in request.images:
+                open_input_image(path)
     ignore = None if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     check_device(args.device)
     loras = read_loras(lora_specs, spec)
-    from pipelines.quantize import DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
+    from pipelines.quantize import quantize_checkpoint
 
     written = quantize_checkpoint(
         args.model,
         out,
-        prompts or DEFAULT_CALIBRATION_PROMPTS,
+        prompts,
         ignore,
         steps=args.steps,
         size=args.size,
