@@ -41,7 +41,7 @@ from models.qwen_image.model import QUANTIZATION
 from models.qwen_image.text_encoder import build_tiny_text_encoder
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer
-from models.qwen_image_edit.conditioning import load_processor
+from models.qwen_image_edit.conditioning import load_edit_image, load_processor
 
 PIPELINES = {cls.__name__: cls for cls in (QwenImageEditPipeline, QwenImageEditPlusPipeline)}
 TEXT_HIDDEN = 64
@@ -126,6 +126,40 @@ def small_edit_areas(
         yield
     finally:
         plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE, edit.calculate_dimensions = saved
+
+
+def diffusers_edit(
+    pipe: Any,
+    prompts: list[str],
+    images: list[PIL.Image.Image],
+    negative: str | None,
+    size: tuple[int, int],
+    steps: int = 2,
+    true_cfg_scale: float = 4.0,
+    per_prompt: int = 1,
+    seed: int = 0,
+) -> list[PIL.Image.Image]:
+    """diffusers' Edit pipeline on `load_image`-converted images at the small image areas. Edit takes one
+    image, or a list with one per prompt for a prompt batch (its vision tower then sees them unresized:
+    give an image already at the resized size and that path computes what one shared image does)."""
+    rgb = [load_edit_image(image) for image in images]
+    plus = isinstance(pipe, QwenImageEditPlusPipeline)
+    batch = len(prompts) > 1
+    image = rgb if plus else rgb * len(prompts) if batch else rgb[0]
+    negatives = [negative] * len(prompts) if batch and negative else negative
+    width, height = size
+    with small_edit_areas():
+        return pipe(
+            image=image,
+            prompt=prompts if batch else prompts[0],
+            negative_prompt=negatives,
+            true_cfg_scale=true_cfg_scale,
+            width=width,
+            height=height,
+            num_inference_steps=steps,
+            num_images_per_prompt=per_prompt,
+            generator=torch.Generator().manual_seed(seed),
+        ).images
 
 
 def drawn_image(width: int, height: int, seed: int, mode: str = "RGB") -> PIL.Image.Image:

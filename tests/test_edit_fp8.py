@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from edit_fixtures import SMALL_CONDITION_AREA, SMALL_VAE_AREA, build_edit_checkpoint, drawn_image
 from helpers import png_sha256
+from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 
 from pipelines import load_pipeline
 from pipelines.pipeline import Pipeline
@@ -130,3 +132,26 @@ def test_calibration_sets_the_model_cannot_take_are_refused_before_loading(
         args = ["quantize", "--out", str(tmp_path / "out"), "--calib-prompts", calib]
         assert main([*args, *(["--model", model] if model else [])]) == 2
         assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_lora_on_fp8_edit_2511_fused_equals_unfused_in_both_modes(fp8, small_areas, tmp_path) -> None:
+    """A Lightning-layout LoRA on the FP8 Edit-2511 export: branch mode keeps every path fused (the producers
+    write the BF16 input beside the FP8 one), merge folds it into the FP8 weights; in both modes fused and
+    unfused edits are the same PNG bytes."""
+    pipe = load_pipeline(fp8["plus-2511"][0], device="cpu")
+    layers = pipe.transformer.config.num_layers
+    modules = block_modules(layers)  # every block linear
+    factors = random_factors(linear_shapes(pipe.transformer), modules, 8, seed=3, dtype=torch.bfloat16)
+    pipe.load_lora(write_lightning(tmp_path / "edit-lightning.safetensors", factors, alpha=1.0))
+    args = dict(image=[drawn_image(60, 40, 3)], width=32, height=32, seed=2, negative_prompt=" ")
+    for mode in ("branch", "merge"):
+        pipe.set_lora_mode(mode)
+        pipe.set_variant("fp8-fused")
+        assert (
+            pipe.fusion_summary().splitlines()[0]
+            == f"FP8 norm+quant fusion: {4 * layers}/{4 * layers} block paths"
+        )
+        fused = png_sha256(pipe.generate("make it red", preset="edit-lightning-4", **args)[0])
+        pipe.set_variant("fp8-unfused")
+        unfused = png_sha256(pipe.generate("make it red", preset="edit-lightning-4", **args)[0])
+        assert fused == unfused, mode

@@ -14,10 +14,10 @@ import pytest
 import torch
 from edit_fixtures import (
     build_edit_checkpoint,
+    diffusers_edit,
     diffusers_edit_pipeline,
     drawn_image,
     our_edit_pipeline,
-    small_edit_areas,
 )
 from helpers import png_sha256
 
@@ -101,30 +101,6 @@ CASES = {
 }  # fmt: skip
 
 
-def diffusers_images(pipe, case: Case, images: list[PIL.Image.Image]) -> list[PIL.Image.Image]:
-    """diffusers' pipeline on `load_image`-converted images. Edit takes one image, or a list with one per
-    prompt (its vision tower then sees them unresized: the batch case's image already has the resized
-    size, so that path computes what one shared image does)."""
-    rgb = [load_edit_image(image) for image in images]
-    plus = pipe.__class__.__name__ == "QwenImageEditPlusPipeline"
-    batch = len(case.prompts) > 1
-    image = rgb if plus else rgb * len(case.prompts) if batch else rgb[0]
-    negative = [case.negative] * len(case.prompts) if batch and case.negative else case.negative
-    width, height = case.size
-    with small_edit_areas():
-        return pipe(
-            image=image,
-            prompt=list(case.prompts) if batch else case.prompts[0],
-            negative_prompt=negative,
-            true_cfg_scale=4.0,
-            width=width,
-            height=height,
-            num_inference_steps=2,
-            num_images_per_prompt=case.per_prompt,
-            generator=torch.Generator().manual_seed(0),
-        ).images
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_pixels_equal_diffusers(ours, theirs, name: str) -> None:
     case = CASES[name]
@@ -141,7 +117,10 @@ def test_pixels_equal_diffusers(ours, theirs, name: str) -> None:
         num_images_per_prompt=case.per_prompt,
         seed=0,
     )
-    expected = diffusers_images(theirs[(case.checkpoint, case.dtype)], case, images)
+    expected = diffusers_edit(
+        theirs[(case.checkpoint, case.dtype)], list(case.prompts), images, case.negative, case.size,
+        per_prompt=case.per_prompt,
+    )  # fmt: skip
     assert len(got) == len(expected) == len(case.prompts) * case.per_prompt
     assert [png_sha256(image) for image in got] == [png_sha256(image) for image in expected]
     assert all(image.size == case.size for image in got)
