@@ -248,6 +248,12 @@ class Pipeline:
             return "FP8 norm+quant fusion: off (BF16 weights)"
         return self.transformer.fusion_report.summary()
 
+    def default_size(self, images: list[PIL.Image.Image] | None = None) -> tuple[int, int]:
+        """(width, height) of a request that gives none: what its input images suggest (Edit: the
+        1024x1024-area size at the aspect of diffusers' chosen image), else the checkpoint's defaults."""
+        suggested = self.model.default_size(images) if images else None
+        return suggested or (self.defaults.width, self.defaults.height)
+
     def encode(
         self,
         prompts: list[str],
@@ -281,16 +287,12 @@ class Pipeline:
         of the run land in `self.last_run`."""
         prompts = as_prompt_list(prompt, "prompt")
         images = check_images(image, self.spec.max_images, self.spec.images_required, self.model_name)
-        suggested_size = self.model.default_size(images) if images else None
-        if suggested_size is not None:  # each side not given follows the images (diffusers' Edit pipelines)
-            width = suggested_size[0] if width is None else width
-            height = suggested_size[1] if height is None else height
+        size = self.default_size(images)  # each side not given follows it (diffusers' Edit pipelines)
+        width, height = size[0] if width is None else width, size[1] if height is None else height
         negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
         run_preset = get_preset(preset)
         suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
-        width = self.defaults.width if width is None else width
-        height = self.defaults.height if height is None else height
         steps = suggested.num_inference_steps if num_inference_steps is None else num_inference_steps
         true_cfg_scale = suggested.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
         check_generation_args(

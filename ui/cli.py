@@ -27,6 +27,7 @@ from pipelines.variants import AUTO, VARIANTS
 from ui.access import parse_account
 from ui.commands import COMMANDS
 from ui.limits import DEVICE_LIMITS, Limits
+from ui.uploads import upload_caps
 
 PRESET_HELP = "settings for a distilled LoRA (explicit --steps / --true-cfg-scale win): " + "; ".join(
     p.describe() for p in PRESETS.values()
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     ui.epilog = (
         "By default only this machine can open the page. To serve others, listen on another address with "
         "accounts: qwen-image ui --host 0.0.0.0 --auth alice:s3cret (or --auth-file FILE, one USER:PASS per "
-        "line). --no-auth serves without sign-in."
+        "line). --no-auth serves without sign-in. A model that edits images gets an Edit tab, which takes "
+        f"{upload_caps()}; a text-to-image model's page takes no uploads (1 kB at most)."
     )
     _add_ui_args(ui)
     ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
