@@ -91,6 +91,20 @@ def build_edit_checkpoint(directory: Path, pipeline_class: str, zero_cond_t: boo
     return directory
 
 
+EDIT_VARIANTS = {  # name: (pipeline class, zero_cond_t): Edit, and Plus as Edit-2509 and Edit-2511 are
+    "edit": ("QwenImageEditPipeline", False),
+    "plus-2509": ("QwenImageEditPlusPipeline", False),
+    "plus-2511": ("QwenImageEditPlusPipeline", True),
+}
+
+
+def build_edit_checkpoints(root: Path, seeds: dict[str, int]) -> dict[str, Path]:
+    """Tiny checkpoints of the named EDIT_VARIANTS under `root`, each with its own seed."""
+    return {
+        name: build_edit_checkpoint(root / name, *EDIT_VARIANTS[name], seed) for name, seed in seeds.items()
+    }
+
+
 def diffusers_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32) -> Any:
     """diffusers' own Edit pipeline of `directory` (the class model_index.json names), loaded by its
     `from_pretrained`; the processor comes from `load_processor` (transformers' PIL backend here)."""

@@ -12,7 +12,7 @@ import pytest
 from edit_fixtures import (
     SMALL_CONDITION_AREA,
     SMALL_VAE_AREA,
-    build_edit_checkpoint,
+    build_edit_checkpoints,
     drawn_image,
     our_edit_pipeline,
 )
@@ -23,11 +23,7 @@ from ui.cli import main
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("edit-cli")
-    return {
-        "edit": build_edit_checkpoint(root / "edit", "QwenImageEditPipeline", False, seed=1),
-        "plus": build_edit_checkpoint(root / "plus", "QwenImageEditPlusPipeline", True, seed=2),
-    }
+    return build_edit_checkpoints(tmp_path_factory.mktemp("edit-cli"), {"edit": 1, "plus-2511": 2})
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def refusals(checkpoints: dict[str, Path], files: dict[str, Path]) -> dict[str, tuple[list[str], str]]:
-    edit, plus = str(checkpoints["edit"]), str(checkpoints["plus"])
+    edit, plus = str(checkpoints["edit"]), str(checkpoints["plus-2511"])
     a = str(files["a"])
     return {
         "not an image": (
@@ -136,7 +132,7 @@ def test_edit_writes_what_the_python_api_gives(checkpoints, files, tmp_path, mon
     monkeypatch.setattr("models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
     monkeypatch.setattr("models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
     out = tmp_path / "edited.png"
-    plus = checkpoints["plus"]
+    plus = checkpoints["plus-2511"]
     args = ["--width", "48", "--height", "32", "--steps", "2", "--seed", "7", "--num-images", "2"]
     command = ["edit", "put 2 beside 1", "--image", str(files["a"]), "--image", str(files["b"])]
     assert main([*command, *args, "--negative-prompt", " ", "--model", str(plus), "-o", str(out)]) == 0

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from edit_fixtures import SMALL_CONDITION_AREA, SMALL_VAE_AREA, build_edit_checkpoint, drawn_image
+from edit_fixtures import (
+    EDIT_VARIANTS,
+    SMALL_CONDITION_AREA,
+    SMALL_VAE_AREA,
+    build_edit_checkpoints,
+    drawn_image,
+)
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 
@@ -19,11 +25,7 @@ from pipelines.requests import Request, edit_requests_for
 from ui.cli import main
 
 pytestmark = pytest.mark.slow
-CHECKPOINTS = {  # name: (pipeline class, zero_cond_t, seed)
-    "edit": ("QwenImageEditPipeline", False, 1),
-    "plus-2509": ("QwenImageEditPlusPipeline", False, 3),
-    "plus-2511": ("QwenImageEditPlusPipeline", True, 2),
-}
+SEEDS = {"edit": 1, "plus-2509": 3, "plus-2511": 2}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,7 @@ def small_areas():
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("edit-bf16")
-    return {name: build_edit_checkpoint(root / name, *spec) for name, spec in CHECKPOINTS.items()}
+    return build_edit_checkpoints(tmp_path_factory.mktemp("edit-bf16"), SEEDS)
 
 
 def calibration(name: str) -> list[Request] | None:
@@ -72,7 +73,7 @@ def fp8(bf16, small_areas, tmp_path_factory) -> dict[str, tuple[Path, list[int]]
     return quantized
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(SEEDS))
 def test_calibration_edits_image_instruction_pairs(fp8, name: str) -> None:
     """Edit-2511 with no calibration set given: every built-in pair (one to three images)."""
     out, seen = fp8[name]
@@ -83,10 +84,10 @@ def test_calibration_edits_image_instruction_pairs(fp8, name: str) -> None:
     assert config["quantization_config"]["quant_algo"] == "FP8"
     assert config["zero_cond_t"] == (name == "plus-2511")
     index = json.loads((out / "model_index.json").read_text())
-    assert index["_class_name"] == CHECKPOINTS[name][0] and (out / "processor").is_dir()
+    assert index["_class_name"] == EDIT_VARIANTS[name][0] and (out / "processor").is_dir()
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(SEEDS))
 def test_every_path_fuses_and_fused_equals_unfused(fp8, small_areas, name: str) -> None:
     pipe = load_pipeline(fp8[name][0], device="cpu")
     assert pipe.variant == "fp8-fused"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from edit_fixtures import (
-    build_edit_checkpoint,
+    build_edit_checkpoints,
     diffusers_edit,
     diffusers_edit_pipeline,
     drawn_image,
@@ -32,11 +32,7 @@ RELEASE_LINEARS = (  # what the Edit Lightning files target in every block (720 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("edit-lora")
-    return {
-        "edit": build_edit_checkpoint(root / "edit", "QwenImageEditPipeline", False, seed=5),
-        "plus-2511": build_edit_checkpoint(root / "plus", "QwenImageEditPlusPipeline", True, seed=6),
-    }
+    return build_edit_checkpoints(tmp_path_factory.mktemp("edit-lora"), {"edit": 5, "plus-2511": 6})
 
 
 def lightning_file(pipe, path: Path) -> Path:

@@ -13,7 +13,7 @@ import PIL.Image
 import pytest
 import torch
 from edit_fixtures import (
-    build_edit_checkpoint,
+    build_edit_checkpoints,
     diffusers_edit,
     diffusers_edit_pipeline,
     drawn_image,
@@ -25,17 +25,12 @@ from models.errors import InputError
 from models.qwen_image_edit.conditioning import load_edit_image
 
 pytestmark = pytest.mark.slow
-CHECKPOINTS = {  # name: (pipeline class, zero_cond_t, seed)
-    "edit": ("QwenImageEditPipeline", False, 1),
-    "plus-2511": ("QwenImageEditPlusPipeline", True, 2),
-    "plus-2509": ("QwenImageEditPlusPipeline", False, 3),
-}
+SEEDS = {"edit": 1, "plus-2511": 2, "plus-2509": 3}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("edit-oracle")
-    return {name: build_edit_checkpoint(root / name, *spec) for name, spec in CHECKPOINTS.items()}
+    return build_edit_checkpoints(tmp_path_factory.mktemp("edit-oracle"), SEEDS)
 
 
 class Loaded(dict):

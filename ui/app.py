@@ -18,8 +18,8 @@ from PIL import Image
 from models.embedded import EMBEDDED_NAME
 from models.errors import InputError, QwenImageError
 from pipelines import load_pipeline
-from pipelines.limits import MAX_STEPS, MIN_STEPS
 from pipelines.parallel import ParallelPlan
+from ui.controls import settings_controls, settings_fields
 from ui.edit_tab import Handlers, edit_tab
 from ui.generation import (
     ASPECT_RATIOS,
@@ -27,9 +27,7 @@ from ui.generation import (
     CUSTOM,
     DISCONNECTED,
     INPUT_NAMES,
-    MAX_IMAGES_PER_REQUEST,
     STOP_PRESSED,
-    VARIANT_LABELS,
     FieldError,
     Job,
     Pipeline,
@@ -43,7 +41,7 @@ from ui.generation import (
     stop_message,
 )
 from ui.limits import Limits
-from ui.lora_controls import load_lora_files, lora_controls, lora_details
+from ui.lora_controls import load_lora_files, lora_details
 from ui.ranks import serve
 from ui.uploads import upload_options
 
@@ -170,30 +168,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     label="Aspect ratio",
                     elem_id="aspect",
                 )
-                with gr.Row():
-                    width = gr.Number(defaults.width, label="Width", precision=0, elem_id="width")
-                    height = gr.Number(defaults.height, label="Height", precision=0, elem_id="height")
-                with gr.Row():
-                    steps = gr.Slider(
-                        MIN_STEPS,
-                        MAX_STEPS,
-                        defaults.num_inference_steps,
-                        step=1,
-                        label="Steps",
-                        elem_id="steps",
-                    )
-                    cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
-                with gr.Row():
-                    seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="seed")
-                    randomize = gr.Checkbox(True, label="Randomize seed")
-                    num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
-                variant = gr.Dropdown(
-                    [(VARIANT_LABELS.get(v, v), v) for v in variants],
-                    value=pipe.variant,
-                    label="Pipeline variant",
-                    visible=len(variants) > 1,
-                )
-                lora_kwargs = lora_controls(pipe, steps, cfg)
+                settings = settings_controls(pipe, variants)
+                width, height, seed = settings.width, settings.height, settings.seed
             with gr.Column(scale=6):
                 gallery = gr.Gallery(
                     label="Images",
@@ -213,9 +189,9 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             field.input(lambda: CUSTOM, None, aspect, **private)
         triggers = [generate_btn.click, prompt.submit]
         gr.on(triggers, lambda: "", None, details, **private)  # a new request's details replace the last
-        fields = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
+        fields = [prompt, negative, aspect, *settings_fields(settings)]
         # By name: INPUT_NAMES are the API's parameters; the controls' state is not one (a gr.State).
-        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: lora_kwargs}
+        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: settings.lora_kwargs}
         run = gr.on(
             triggers,
             generate,

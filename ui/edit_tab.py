@@ -13,16 +13,8 @@ from typing import Any
 
 import gradio as gr
 
-from pipelines.limits import MAX_STEPS, MIN_STEPS
-from ui.generation import (
-    CUSTOM,
-    EDIT_INPUT_NAMES,
-    FROM_IMAGES,
-    MAX_IMAGES_PER_REQUEST,
-    VARIANT_LABELS,
-    image_input_names,
-)
-from ui.lora_controls import lora_controls
+from ui.controls import settings_controls, settings_fields
+from ui.generation import CUSTOM, EDIT_INPUT_NAMES, FROM_IMAGES, image_input_names
 from ui.uploads import upload_caps
 
 
@@ -39,7 +31,7 @@ class Handlers:
 def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str | None) -> None:
     """The Edit tab and its events (call inside the Blocks layout); `stop_api` names the Stop button's API
     endpoint (None: private, when another form already offers "/stop")."""
-    defaults, count = pipe.defaults, pipe.spec.max_images
+    count = pipe.spec.max_images
     label = (lambda i: "Input image") if count == 1 else (lambda i: f"Picture {i}")
     with gr.Tabs(), gr.Tab("Edit", id="edit"), gr.Row():
         with gr.Column(scale=5):
@@ -74,30 +66,7 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                 label="Output size",
                 elem_id="edit_size",
             )
-            with gr.Row():
-                width = gr.Number(defaults.width, label="Width", precision=0, elem_id="edit_width")
-                height = gr.Number(defaults.height, label="Height", precision=0, elem_id="edit_height")
-            with gr.Row():
-                steps = gr.Slider(
-                    MIN_STEPS,
-                    MAX_STEPS,
-                    defaults.num_inference_steps,
-                    step=1,
-                    label="Steps",
-                    elem_id="edit_steps",
-                )
-                cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
-            with gr.Row():
-                seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id="edit_seed")
-                randomize = gr.Checkbox(True, label="Randomize seed")
-                num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
-            variant = gr.Dropdown(
-                [(VARIANT_LABELS.get(v, v), v) for v in variants],
-                value=pipe.variant,
-                label="Pipeline variant",
-                visible=len(variants) > 1,
-            )
-            lora_kwargs = lora_controls(pipe, steps, cfg)
+            settings = settings_controls(pipe, variants, prefix="edit_")
         with gr.Column(scale=6):
             gallery = gr.Gallery(
                 label="Edited", format="png", buttons=["download", "fullscreen"], columns=2, height="auto"
@@ -105,21 +74,21 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
             details = gr.Markdown("Run details appear here.", label="Details", elem_id="edit_details")
 
     private = {"queue": False, "api_visibility": "private"}
-    for field in (width, height):
+    for field in (settings.width, settings.height):
         field.input(lambda: CUSTOM, None, size, **private)
     triggers = [edit_btn.click, prompt.submit]
     gr.on(triggers, lambda: "", None, details, **private)
-    fields = [prompt, negative, size, width, height, steps, cfg, seed, randomize, num_images, variant]
+    fields = [prompt, negative, size, *settings_fields(settings)]
     inputs = (
         dict(zip(EDIT_INPUT_NAMES, fields, strict=True))
         | dict(zip(image_input_names(count), images, strict=True))
-        | {handlers.lora_key: lora_kwargs}
+        | {handlers.lora_key: settings.lora_kwargs}
     )
     run = gr.on(
         triggers,
         handlers.run,
         inputs_kwargs=inputs,
-        outputs=[gallery, seed, details],
+        outputs=[gallery, settings.seed, details],
         api_name="edit",
         show_progress_on=gallery,
         concurrency_limit=1,

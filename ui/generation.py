@@ -258,20 +258,9 @@ def job_from_inputs(
 
 
 FROM_IMAGES = "from the images"  # the edit form's size choice: what the input images suggest
-# The /edit API's parameters besides the input images (`image_1` ... `image_N`, N the images the model takes).
-EDIT_INPUT_NAMES = (
-    "prompt",
-    "negative_prompt",
-    "size",
-    "width",
-    "height",
-    "num_inference_steps",
-    "true_cfg_scale",
-    "seed",
-    "randomize_seed",
-    "num_images",
-    "variant",
-)
+# The /edit API's parameters besides the input images (`image_1` ... `image_N`, N the images the model
+# takes): /generate's, with the size choice in the place of the aspect ratio.
+EDIT_INPUT_NAMES = tuple("size" if name == "aspect" else name for name in INPUT_NAMES)
 
 
 def image_input_names(max_images: int) -> tuple[str, ...]:
