@@ -44,7 +44,7 @@ random_edit_checkpoint() {
 
 if stage tests; then
     start=$SECONDS
-    timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    timeout ${TESTS_TIMEOUT:-560} python3 -m pytest tests/gpu -q -p no:cacheprovider -rA --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
     echo "gpu tests: $((SECONDS - start)) s" | tee -a "$OUT/gpu_tests.log"
 fi
 if stage kernels; then

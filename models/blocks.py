@@ -1,13 +1,14 @@
-"""Building blocks every family's transformer shares: the producer base the FP8 fusion gate configures, and
-the q/k RMSNorm + RoPE module."""
+"""Building blocks every family's transformer shares: the producer base the FP8 fusion gate configures, the
+q/k RMSNorm + RoPE module, and the gate run over a transformer's blocks after loading."""
 
 import torch
 from torch import nn
 
+from kernels.numerics import Numerics
 from kernels.seam import norm_rope
-from models.fp8 import QuantizedActivation
-from models.fusion import ProducerQuant
-from models.numerics import NumericsAware
+from models.fp8 import Fp8Linear, QuantizedActivation
+from models.fusion import FusionReport, ProducerQuant, fusion_enabled_by_env
+from models.numerics import NumericsAware, set_numerics
 
 EPS = 1e-6
 
@@ -36,3 +37,25 @@ class Producer(NumericsAware, nn.Module):
 
     def quantized(self, y: torch.Tensor | None, q: torch.Tensor, dtype: torch.dtype) -> QuantizedActivation:
         return QuantizedActivation(q, self.quant.input_scale, dtype, self.quant.quant_key, y)
+
+
+def gate_blocks(model: nn.Module, fuse: bool | None, mlp_label: str = "GELU") -> FusionReport:
+    """A transformer's `post_load_weights`: FP8 inverse scales, contract numerics for FP8 weights, then every
+    block's fusion gate (`block.post_load_weights`), as one report. `fuse=False` (or
+    QWEN_IMAGE_FP8_FUSION=0) forces the unfused path. Block paths named `*_hidden` are MLP paths."""
+    fuse = fusion_enabled_by_env() if fuse is None else fuse and fusion_enabled_by_env()
+    fp8 = [module for module in model.modules() if isinstance(module, Fp8Linear)]
+    for module in fp8:
+        module.post_load_weights()
+    if fp8:
+        set_numerics(model, Numerics.CONTRACT)
+    decisions = [
+        d
+        for i, block in enumerate(model.transformer_blocks)
+        for d in block.post_load_weights(fuse, prefix=f"transformer_blocks.{i}.")
+    ]
+    return FusionReport(
+        block=tuple(d for d in decisions if not d.name.endswith("_hidden")),
+        mlp=tuple(d for d in decisions if d.name.endswith("_hidden")),
+        mlp_label=mlp_label,
+    )

@@ -30,7 +30,6 @@ from pipelines.launch_env import LEADER_RANK, launched_world_size
 TIMEOUT_ENV = "QWEN_IMAGE_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # followers of the web demo wait this long for the next job
-MAX_LISTED_GPUS = 16
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def plan_for(world_size: int, heads: int, true_cfg: bool = True) -> ParallelPlan
     cfg = 2 if true_cfg and world_size % 2 == 0 else 1
     plan = ParallelPlan(cfg, world_size // cfg)
     if heads % plan.ulysses:
-        fits = [n for n in range(1, MAX_LISTED_GPUS + 1) if _fits(n, heads, true_cfg)]
+        fits = counts_that_fit(heads, true_cfg)
         split = "after CFG-2 " if cfg == 2 else ""
         raise InputError(
             f"no parallel plan for {world_size} GPUs: the Ulysses degree {split}would be {plan.ulysses}, "
@@ -78,6 +77,11 @@ def plan_for(world_size: int, heads: int, true_cfg: bool = True) -> ParallelPlan
             f"({'with' if true_cfg else 'without'} true CFG): {', '.join(map(str, fits))}"
         )
     return plan
+
+
+def counts_that_fit(heads: int, true_cfg: bool) -> list[int]:
+    """Every GPU count with a plan for a model of `heads` attention heads (at most 2 x heads with CFG-2)."""
+    return [n for n in range(1, 2 * heads + 1) if _fits(n, heads, true_cfg)]
 
 
 def _fits(world_size: int, heads: int, true_cfg: bool) -> bool:

@@ -281,10 +281,14 @@ class Pipeline:
         preset: str | None = None,
         lora_scales: dict[str, float] | None = None,
         image: PIL.Image.Image | list[PIL.Image.Image] | None = None,
-    ) -> list[PIL.Image.Image]:
+        output_type: str = "pil",
+    ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `seed` may give one seed per
         prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
-        of the run land in `self.last_run`."""
+        of the run land in `self.last_run`. `output_type="latent"` returns the final packed latents and skips
+        decoding (as diffusers' pipelines do)."""
+        if output_type not in ("pil", "latent"):
+            raise InputError(f"output_type {output_type!r} must be 'pil' or 'latent'")
         prompts = as_prompt_list(prompt, "prompt")
         images = check_images(image, self.spec.max_images, self.spec.images_required, self.model_name)
         size = self.default_size(images)  # each side not given follows it (diffusers' Edit pipelines)
@@ -327,7 +331,7 @@ class Pipeline:
             timer.lap("image_encoding")
         latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)
         timer.lap("denoising")
-        images = self.model.decode(latents, canvas)
+        images = latents if output_type == "latent" else self.model.decode(latents, canvas)
         timer.lap("decoding")
         self.last_run = RunInfo(
             seed,

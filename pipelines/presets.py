@@ -3,7 +3,6 @@
 Torch-free, so the CLI and the UI show the presets and refuse a bad LoRA argument before any model loads.
 """
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,12 +100,16 @@ def check_lora_scale(scale: object, what: str) -> float:
 
 
 def parse_lora_spec(text: str) -> LoraSpec:
-    """`FILE` or `FILE:SCALE` (split at the last `:` when a number follows it); the file must exist."""
+    """`FILE` or `FILE:SCALE` (split at the last `:`, unless the whole text names a file); the file must
+    exist and the scale be a finite number."""
     head, sep, tail = text.rpartition(":")
     path, scale = Path(text), 1.0
-    if sep and head:
-        with contextlib.suppress(ValueError):
-            path, scale = Path(head), float(tail)
+    if sep and head and not path.is_file():
+        path = Path(head)
+        try:
+            scale = float(tail)
+        except ValueError:
+            raise InputError(f"LoRA scale {tail!r} in {text!r} is not a number (FILE[:SCALE])") from None
     check_lora_scale(scale, text)
     if not path.is_file():
         raise InputError(f"LoRA file {path} {'is not a file' if path.exists() else 'does not exist'}")

@@ -74,6 +74,7 @@ def calibrate(
                     seed=seed + i,
                     preset=preset,
                     image=[open_input_image(path) for path in request.images] or None,
+                    output_type="latent",  # calibration needs the transformer's inputs, not pictures
                 )
     finally:
         pipe.cuda_graphs = graphs

@@ -10,6 +10,7 @@ from helpers import NoHostSync, png_sha256, step_without_host_sync
 from safetensors.torch import load_file, save_file
 
 from models.errors import CheckpointError
+from models.families import inspect_checkpoint
 from models.loading import load_transformer
 from models.qwen_image.components import build_transformer
 from models.qwen_image.model import QUANTIZATION
@@ -24,6 +25,13 @@ CPU = torch.device("cpu")
 def fp8_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8") / "model"
     return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
+
+
+def test_quantized_copy_keeps_the_defaults_of_its_source(fp8_dir):
+    """An FP8 copy of the embedded model runs at its small size, steps and CFG, not at 1024x1024."""
+    copy, source = inspect_checkpoint(fp8_dir), inspect_checkpoint(None)
+    assert copy.fp8 and not source.fp8
+    assert copy.defaults == source.defaults and copy.defaults.width < 1024
 
 
 def test_quantized_checkpoint_layout_and_scales(fp8_dir):

@@ -78,7 +78,7 @@ def test_lora_spec_parsing(lora_dir):
     [
         ("/nowhere/style.safetensors", "LoRA file /nowhere/style.safetensors does not exist"),
         ("{dir}/style.safetensors:nan", "LoRA scale nan for {dir}/style.safetensors:nan must be a finite"),
-        ("{dir}/style.safetensors:x", "LoRA file {dir}/style.safetensors:x does not exist"),
+        ("{dir}/style.safetensors:x", "LoRA scale 'x' in '{dir}/style.safetensors:x' is not a number"),
         ("{tmp}/notes.safetensors", "LoRA file {tmp}/notes.safetensors is not a safetensors file"),
     ],
 )
@@ -96,14 +96,23 @@ def test_bad_lora_arguments_fail_in_one_line_before_the_model_loads(
         assert len(err) == 1 and err[0].startswith(f"error: {message}")
 
 
-def test_lora_that_does_not_fit_the_model_is_one_line_after_loading(tmp_path, capsys):
-    factors = {"transformer_blocks.7.attn.to_q": (torch.ones(2, 64), torch.ones(64, 2))}
+@pytest.mark.parametrize(
+    ("module", "shape", "message"),
+    [
+        ("transformer_blocks.7.attn.to_q", (2, 64), "matches no linear layer of the transformer"),
+        ("transformer_blocks.0.attn.to_q", (2, 96), "do not fit the layer's"),
+    ],
+)
+def test_lora_that_does_not_fit_the_model_is_one_line_before_loading(
+    tmp_path, monkeypatch, capsys, module, shape, message
+):
+    """Keys and shapes are checked against the transformer built from its config on the meta device."""
+    monkeypatch.setattr("ui.commands.load", lambda *_: pytest.fail("the model loaded before the LoRA check"))
+    factors = {module: (torch.ones(*shape), torch.ones(shape[1], shape[0]))}
     path = write_lightning(tmp_path / "other-model.safetensors", factors, 2.0)
     assert main(["generate", "a fox", "-o", str(tmp_path / "x.png"), "--lora", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith(
-        "transformer_blocks.7.attn.to_q.lora_A.weight matches no linear layer of the transformer"
-    )
+    assert len(err) == 1 and err[0].startswith(f"error: LoRA file {path}: {module}") and message in err[0]
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,14 @@ import json
 
 import pytest
 import torch
+from helpers import REPO
 
 from models.errors import InputError
 from models.family import Conditioning
 from models.sequence_parallel import Shards, cut_at_collectives, first_words, row_parts, run_collective
 from pipelines import load_pipeline
 from pipelines.cuda_graph import GraphSegments
-from pipelines.parallel import ParallelPlan, plan_for, resolve_plan
+from pipelines.parallel import ParallelPlan, counts_that_fit, plan_for, resolve_plan
 from pipelines.sampling import branch_velocities
 from ui.cli import main
 from ui.launch import RanksFailed
@@ -52,9 +53,15 @@ def test_plans_that_do_not_fit_are_refused(gpus, true_cfg, message):
         plan_for(gpus, QWEN_IMAGE_HEADS, true_cfg)
 
 
-def test_the_refusal_lists_the_counts_that_fit():
-    with pytest.raises(InputError, match=r"counts that fit \(with true CFG\): 1, 2, 3, 4, 6, 8, 12, 16$"):
+def test_the_refusal_lists_the_counts_that_fit_and_so_does_the_readme():
+    with pytest.raises(
+        InputError, match=r"counts that fit \(with true CFG\): 1, 2, 3, 4, 6, 8, 12, 16, 24, 48$"
+    ):
         plan_for(5, QWEN_IMAGE_HEADS, True)
+    listed = ", ".join(map(str, counts_that_fit(QWEN_IMAGE_HEADS, true_cfg=True)))
+    assert f"attention heads (24 for Qwen-Image): {listed} GPUs fit with true CFG" in " ".join(
+        (REPO / "README.md").read_text().split()
+    )
 
 
 def test_degrees_out_of_range_are_refused():

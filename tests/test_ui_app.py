@@ -168,7 +168,7 @@ def test_job_from_inputs_reads_a_valid_request() -> None:
         ({"width": 50}, "width", "width 50 must be a multiple of 16"),
         ({"height": 4096}, "height", "between 16 and 2048"),
         ({"num_inference_steps": 1}, "num_inference_steps", "must be between 2 and 200"),
-        ({"seed": -1}, "seed", "seed -1 must be an integer"),
+        ({"seed": -2}, "seed", "seed -2 must be an integer"),
         ({"true_cfg_scale": -2}, "true_cfg_scale", "must be a finite number >= 0"),
     ],
 )
@@ -204,9 +204,13 @@ def test_cost_cap_counts_pixels_steps_images_and_cfg() -> None:
     over = _job_of(request | {"negative_prompt": "blurry"})
     assert over.true_cfg and over.work == pytest.approx(2 * at_cap.work)
     with pytest.raises(
-        FieldError, match=r"79\.99 megapixel-steps .*4 images × 2 for true CFG.*at most 40 per request"
-    ):
+        FieldError,
+        match=r"79\.99 megapixel-steps \(width 1008 × height 992 / 10⁶ × num_inference_steps 10 × "
+        r"num_images 4 × 2 for true CFG \(negative_prompt with true_cfg_scale > 1\)\); "
+        r".*at most 40 per request",
+    ) as refused:
         check_work(over, limits)
+    assert refused.value.field == "num_inference_steps"
     no_cfg = _job_of(request | {"negative_prompt": "blurry", "true_cfg_scale": 1.0})
     check_work(no_cfg, limits)  # a negative prompt at scale 1 runs no CFG, so it costs no more
 
@@ -328,8 +332,18 @@ def test_api_generate_then_error_then_generate(served: tuple[FakePipe, Runner, s
 
     calls = len(pipe.calls)
     _, seed, details = client.predict("again", aspect=CUSTOM, num_inference_steps=2, api_name="/generate")
-    assert seed == pipe.calls[-1]["seed"] and f"`{seed}`" in details  # randomized by default
+    assert seed == pipe.calls[-1]["seed"] and f"`{seed}`" in details  # random by default (seed -1)
+    assert "was not used" not in details  # no seed given: nothing ignored
     assert len(pipe.calls) == calls + 1  # the refused requests never reached the pipeline
+    _, seed, details = client.predict(
+        "given", aspect=CUSTOM, num_inference_steps=2, seed=5, api_name="/generate"
+    )
+    assert seed == pipe.calls[-1]["seed"] == 5 and "was not used" not in details  # a given seed is used
+    _, seed, details = client.predict(
+        "both", aspect=CUSTOM, num_inference_steps=2, seed=5, randomize_seed=True, api_name="/generate"
+    )
+    assert seed == pipe.calls[-1]["seed"]
+    assert details.startswith("**Note:** seed 5 was not used: randomize_seed is on")
 
 
 def test_bad_values_are_refused_with_a_message_and_no_traceback(
@@ -364,7 +378,9 @@ def test_cost_cap_refuses_before_queueing(served: tuple[FakePipe, Runner, str]) 
     pipe, _, url = served
     calls = len(pipe.calls)
     with pytest.raises(
-        ValidationError, match=r"3\.527 megapixel-steps \(1328×1328 × 2 steps × 1 image\); .* at most 1 "
+        ValidationError,
+        match=r"3\.527 megapixel-steps \(width 1328 × height 1328 / 10⁶ × num_inference_steps 2 × "
+        r"num_images 1\); .* at most 1 ",
     ):
         _client(url).predict("big", aspect="1:1", num_inference_steps=2, api_name="/generate")
     assert len(pipe.calls) == calls

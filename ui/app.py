@@ -38,6 +38,7 @@ from ui.generation import (
     job_from_edit_inputs,
     job_from_inputs,
     preset_for,
+    seed_note,
     stop_message,
 )
 from ui.limits import Limits
@@ -132,7 +133,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             k = job.kwargs
             msg = f"Out of GPU memory at {k['width']}x{k['height']} x{k['num_images_per_prompt']}: "
             raise gr.Error(msg + "try a smaller size or fewer images.", print_exception=False) from None
-        return images, run.seed, format_details(run) + lora_details(run)
+        return images, run.seed, seed_note(job) + format_details(run) + lora_details(run)
 
     def stop(request: gr.Request) -> Any:
         """Stop this client's running generation after its current step (the Stop button, or "/stop");
@@ -169,7 +170,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     elem_id="aspect",
                 )
                 settings = settings_controls(pipe, variants)
-                width, height, seed = settings.width, settings.height, settings.seed
+                width, height = settings.width, settings.height
             with gr.Column(scale=6):
                 gallery = gr.Gallery(
                     label="Images",
@@ -196,7 +197,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             triggers,
             generate,
             inputs_kwargs=inputs,
-            outputs=[gallery, seed, details],
+            outputs=[gallery, settings.used_seed, details],
             api_name="generate",
             api_visibility="public" if generates else "private",
             show_progress_on=gallery,

@@ -7,7 +7,7 @@ from typing import Any
 import gradio as gr
 
 from pipelines.limits import MAX_STEPS, MIN_STEPS
-from ui.generation import MAX_IMAGES_PER_REQUEST, VARIANT_LABELS
+from ui.generation import MAX_IMAGES_PER_REQUEST, RANDOM_SEED, VARIANT_LABELS
 from ui.lora_controls import lora_controls
 
 
@@ -21,6 +21,7 @@ class Settings:
     cfg: gr.Slider
     seed: gr.Number
     randomize: gr.Checkbox
+    used_seed: gr.Number  # hidden: the seed a run used (an output)
     num_images: gr.Slider
     variant: gr.Dropdown
     lora_kwargs: gr.State
@@ -44,8 +45,15 @@ def settings_controls(pipe: Any, variants: list[str], prefix: str = "") -> Setti
         )
         cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
     with gr.Row():
-        seed = gr.Number(0, label="Seed", precision=0, minimum=0, elem_id=f"{prefix}seed")
-        randomize = gr.Checkbox(True, label="Randomize seed")
+        seed = gr.Number(
+            RANDOM_SEED,
+            label="Seed (-1: random)",
+            precision=0,
+            minimum=RANDOM_SEED,
+            elem_id=f"{prefix}seed",
+        )
+        randomize = gr.Checkbox(False, label="Randomize seed")
+        used_seed = gr.Number(label="Seed used", precision=0, visible=False)
         num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
     variant = gr.Dropdown(
         [(VARIANT_LABELS.get(v, v), v) for v in variants],
@@ -54,7 +62,7 @@ def settings_controls(pipe: Any, variants: list[str], prefix: str = "") -> Setti
         visible=len(variants) > 1,
     )
     lora_kwargs = lora_controls(pipe, steps, cfg)
-    return Settings(width, height, steps, cfg, seed, randomize, num_images, variant, lora_kwargs)
+    return Settings(width, height, steps, cfg, seed, randomize, used_seed, num_images, variant, lora_kwargs)
 
 
 def settings_fields(settings: Settings) -> list[Any]:

@@ -88,7 +88,7 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
         triggers,
         handlers.run,
         inputs_kwargs=inputs,
-        outputs=[gallery, settings.seed, details],
+        outputs=[gallery, settings.used_seed, details],
         api_name="edit",
         show_progress_on=gallery,
         concurrency_limit=1,

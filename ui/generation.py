@@ -19,6 +19,7 @@ from pipelines.limits import check_generation_args
 from ui.limits import Limits, work_of
 
 CUSTOM = "custom"
+RANDOM_SEED = -1  # the seed field's value (and the API default) for "draw a random seed"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
 ASPECT_RATIOS: dict[str, tuple[int, int]] = {
     "1:1": (1328, 1328),
@@ -112,6 +113,7 @@ class Job:
         self.session = session
         self.variant = variant
         self.kwargs = kwargs
+        self.ignored_seed: int | None = None  # a seed given with randomize_seed on (reported, not used)
         self.steps_done = 0
         self.stop_reason: str | None = None
         self.stopped = False  # it ended on its stop flag
@@ -219,7 +221,8 @@ def job_from_inputs(
     steps = _whole("num_inference_steps", values["num_inference_steps"])
     true_cfg_scale = _number("true_cfg_scale", values["true_cfg_scale"])
     randomize = _flag("randomize_seed", values["randomize_seed"])
-    seed = _random_seed() if randomize or values["seed"] is None else _whole("seed", values["seed"])
+    given = None if values["seed"] in (None, RANDOM_SEED) else _whole("seed", values["seed"])
+    seed = _random_seed() if randomize or given is None else given
     images = _whole("num_images", values["num_images"])
     if not 1 <= images <= MAX_IMAGES_PER_REQUEST:
         raise FieldError("num_images", f"num_images {images} must be between 1 and {MAX_IMAGES_PER_REQUEST}")
@@ -254,7 +257,9 @@ def job_from_inputs(
         "seed": seed,
         "num_images_per_prompt": images,
     }
-    return Job(session, variant, kwargs)
+    job = Job(session, variant, kwargs)
+    job.ignored_seed = given if randomize and given is not None else None
+    return job
 
 
 FROM_IMAGES = "from the images"  # the edit form's size choice: what the input images suggest
@@ -310,14 +315,16 @@ def check_work(job: Job, limits: Limits) -> None:
     if job.work <= limits.max_work:
         return
     k = job.kwargs
-    images, inputs = k["num_images_per_prompt"], len(k.get("image") or ())
-    edit = f" + {inputs} input image{'s' * (inputs > 1)} of about 1 MP" if inputs else ""
-    size = f"{k['width']}×{k['height']}{edit} × {job.total_steps} steps × {images} image{'s' * (images > 1)}"
-    cfg = " × 2 for true CFG" if job.true_cfg else ""
+    inputs = len(k.get("image") or ())
+    pixels = f"width {k['width']} × height {k['height']}"
+    if inputs:  # an Edit model sees each input image at about 1024x1024 (ui/limits.py)
+        pixels = f"({pixels} + {inputs} input image{'s' * (inputs > 1)} × 1024 × 1024)"
+    size = f"{pixels} / 10⁶ × num_inference_steps {job.total_steps} × num_images {k['num_images_per_prompt']}"
+    cfg = " × 2 for true CFG (negative_prompt with true_cfg_scale > 1)" if job.true_cfg else ""
     raise FieldError(
-        "prompt",
+        "num_inference_steps",
         f"This request is {job.work:.4g} megapixel-steps ({size}{cfg}); this server allows at most "
-        f"{limits.max_work:g} per request: use fewer steps, images or pixels.",
+        f"{limits.max_work:g} per request: lower num_inference_steps, num_images, width or height.",
     )
 
 
@@ -360,6 +367,16 @@ def _flag(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise FieldError(field, f"{field} must be true or false, not {value!r}")
     return value
+
+
+def seed_note(job: Job) -> str:
+    """A line for the details when a given seed was not used because randomize_seed was on ('' else)."""
+    if job.ignored_seed is None:
+        return ""
+    return (
+        f"**Note:** seed {job.ignored_seed} was not used: randomize_seed is on (pass randomize_seed=False "
+        f"to use it); this run's seed is `{job.kwargs['seed']}`.\n\n"
+    )
 
 
 def format_details(run: Any) -> str:

@@ -25,14 +25,13 @@ from kernels.seam import (
     residual_norm_modulate,
     residual_norm_modulate_quant,
 )
-from models.blocks import EPS, Producer, QKNorm
+from models.blocks import EPS, Producer, QKNorm, gate_blocks
 from models.errors import InputError
 from models.fp8 import Fp8Linear, QuantizedActivation
 from models.fusion import (
     FusionReport,
     PathDecision,
     configure_fp8_norm_quant,
-    fusion_enabled_by_env,
 )
 from models.modelopt import QuantConfig
 from models.numerics import NumericsAware, set_numerics
@@ -362,25 +361,9 @@ class QwenImageTransformer(nn.Module):
         set_numerics(self, numerics)
 
     def post_load_weights(self, fuse: bool | None = None) -> FusionReport:
-        """Run once after the weights are in place: FP8 inverse scales, then every block's fusion gate.
-
-        `fuse=False` (or QWEN_IMAGE_FP8_FUSION=0) forces the unfused path; FP8 models use contract numerics.
-        """
-        fuse = fusion_enabled_by_env() if fuse is None else fuse and fusion_enabled_by_env()
-        for module in self.modules():
-            if isinstance(module, Fp8Linear):
-                module.post_load_weights()
-        if self.is_fp8:
-            self.set_numerics(Numerics.CONTRACT)
-        decisions = [
-            d
-            for i, block in enumerate(self.transformer_blocks)
-            for d in block.post_load_weights(fuse, prefix=f"transformer_blocks.{i}.")
-        ]
-        self.fusion_report = FusionReport(
-            block=tuple(d for d in decisions if not d.name.endswith("_hidden")),
-            mlp=tuple(d for d in decisions if d.name.endswith("_hidden")),
-        )
+        """Run once after the weights are in place: FP8 inverse scales, then every block's fusion gate
+        (models/blocks.py `gate_blocks`); `fuse=False` or QWEN_IMAGE_FP8_FUSION=0 forces the unfused path."""
+        self.fusion_report = gate_blocks(self, fuse)
         return self.fusion_report
 
     def rope(self, layout: ImageLayout, text_len: int, device: torch.device) -> Rope:

@@ -26,10 +26,11 @@ from kernels.seam import (
     tanh_residual_norm_scale,
     tanh_residual_norm_scale_quant,
 )
-from models.blocks import Producer, QKNorm
+from models.blocks import Producer, QKNorm, gate_blocks
 from models.fp8 import Fp8Linear, QuantizedActivation
-from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, fusion_enabled_by_env
+from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant
 from models.modelopt import QuantConfig
+from models.numerics import NumericsAware, set_numerics
 from models.qwen_image21.config import QwenImage21Config
 from models.qwen_image21.layout import (
     PassPlan,
@@ -74,12 +75,8 @@ class TanhResidualScaleNorm(Producer):
         return r, self.quantized(y, q, r.dtype)
 
 
-class TanhResidual(nn.Module):
+class TanhResidual(NumericsAware, nn.Module):
     """`residual + tanh(gate[row]) * x` after the MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.numerics = Numerics.REFERENCE
 
     def forward(
         self, residual: torch.Tensor, gate: TanhGate, x: torch.Tensor, rows: ModulationRows
@@ -318,33 +315,13 @@ class QwenImage21Transformer(nn.Module):
         return self.transformer_blocks[0].attn.norm_q.weight.device
 
     def set_numerics(self, numerics: Numerics | str) -> None:
-        """Reference (diffusers op for op) or contract (DESIGN §4) arithmetic for every module that has it."""
-        numerics = Numerics(numerics)
-        for module in self.modules():
-            if hasattr(module, "numerics"):
-                module.numerics = numerics
+        """Reference (diffusers op for op) or contract (DESIGN §4) arithmetic for every producer."""
+        set_numerics(self, numerics)
 
     def post_load_weights(self, fuse: bool | None = None) -> FusionReport:
-        """Run once after the weights are in place: FP8 inverse scales, then every block's fusion gate.
-
-        `fuse=False` (or QWEN_IMAGE_FP8_FUSION=0) forces the unfused path; FP8 models use contract numerics.
-        """
-        fuse = fusion_enabled_by_env() if fuse is None else fuse and fusion_enabled_by_env()
-        for module in self.modules():
-            if isinstance(module, Fp8Linear):
-                module.post_load_weights()
-        if self.is_fp8:
-            self.set_numerics(Numerics.CONTRACT)
-        decisions = [
-            d
-            for i, block in enumerate(self.transformer_blocks)
-            for d in block.post_load_weights(fuse, prefix=f"transformer_blocks.{i}.")
-        ]
-        self.fusion_report = FusionReport(
-            block=tuple(d for d in decisions if not d.name.endswith("_hidden")),
-            mlp=tuple(d for d in decisions if d.name.endswith("_hidden")),
-            mlp_label="SwiGLU",
-        )
+        """Run once after the weights are in place: FP8 inverse scales, then every block's fusion gate
+        (models/blocks.py `gate_blocks`); `fuse=False` or QWEN_IMAGE_FP8_FUSION=0 forces the unfused path."""
+        self.fusion_report = gate_blocks(self, fuse, mlp_label="SwiGLU")
         return self.fusion_report
 
     def layout(

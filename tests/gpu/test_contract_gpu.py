@@ -53,9 +53,11 @@ def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def test_producer1_twin_on_cuda_is_the_cpu_twin(case):
     t = PRODUCER1_CASES[case]()
     inv = inverse_scale(torch.tensor(QUANT_SCALE))
-    y, q = layer_norm_modulate_torch(t["x"], t["shift"], t["scale"], EPS, inv)
+    y, q = layer_norm_modulate_torch(t["x"], t["shift"], t["scale"], EPS, inv, mod_index=t.get("mod_index"))
     c = on_cuda(t)
-    y_cuda, q_cuda = layer_norm_modulate_torch(c["x"], c["shift"], c["scale"], EPS, inv.to(CUDA))
+    y_cuda, q_cuda = layer_norm_modulate_torch(
+        c["x"], c["shift"], c["scale"], EPS, inv.to(CUDA), mod_index=c.get("mod_index")
+    )
     same(y_cuda, y, f"{case}: y")
     same(q_cuda, q, f"{case}: q")
 
@@ -65,9 +67,13 @@ def test_producer2_twin_on_cuda_is_the_cpu_twin(case):
     t = PRODUCER2_CASES[case]()
     inv = inverse_scale(torch.tensor(QUANT_SCALE))
     names = ("residual", "gate", "x", "shift", "scale")
-    cpu = gated_residual_layer_norm_modulate_torch(*(t[n] for n in names), EPS, inv)
+    cpu = gated_residual_layer_norm_modulate_torch(
+        *(t[n] for n in names), EPS, inv, mod_index=t.get("mod_index")
+    )
     c = on_cuda(t)
-    gpu = gated_residual_layer_norm_modulate_torch(*(c[n] for n in names), EPS, inv.to(CUDA))
+    gpu = gated_residual_layer_norm_modulate_torch(
+        *(c[n] for n in names), EPS, inv.to(CUDA), mod_index=c.get("mod_index")
+    )
     for name, got, want in zip("ryq", gpu, cpu, strict=True):
         same(got, want, f"{case}: {name}")
 

@@ -3,8 +3,12 @@ transformers' torchvision backend (what `AutoProcessor` / diffusers' loading pic
 `pixel_values` and `image_grid_thw` as the PIL backend (`Qwen2VLImageProcessorPil`, what a CPU install
 without torchvision uses through `models.qwen_image_edit.conditioning.load_processor`)? Checked on the
 fixture's processor folder for small, odd, large, RGBA- and palette-converted images and the Edit / Plus
-prepared images; then diffusers' own `from_pretrained` (no processor handed in) against our PIL-backend
-prompt embeddings. Mismatch counts are printed (run with -s); the answer goes into docs/DESIGN.md.
+prepared images; then diffusers' own `from_pretrained` (no processor handed in) against our embeddings with
+the backend `load_processor` picks where torchvision is installed.
+
+Measured on the H200 (2026-12-01, transformers 5.17, torchvision 0.26): the grids are identical, and 53-73%
+of the pixel values differ by one or two of 255 levels (the two resize implementations round differently);
+docs/DESIGN.md §8 states it. The tests hold that measurement: never more than two levels apart.
 """
 
 import pytest
@@ -61,11 +65,12 @@ def compare(backends, images, tag: str) -> None:
     print(
         f"{tag}: {int((diff > 0).sum())} of {diff.numel()} pixel values differ, max {float(diff.max()):.3g}"
     )
-    assert torch.equal(pil["pixel_values"], tv["pixel_values"]), tag
+    level = 1 / 255 / min(backends["pil"].image_processor.image_std)  # one 8-bit level after normalizing
+    assert float(diff.max()) <= 2 * level + 1e-6, tag
 
 
 @pytest.mark.parametrize("name", list(IMAGES))
-def test_backends_give_the_same_pixel_values(backends, name):
+def test_backends_are_at_most_two_levels_apart(backends, name):
     compare(backends, [load_edit_image(drawn_image(*IMAGES[name]))], name)
 
 
@@ -78,7 +83,7 @@ def test_backends_agree_on_prepared_edit_images(backends, pipeline):
     compare(backends, prepared.condition, pipeline)
 
 
-def test_diffusers_loads_the_processor_itself_and_matches_our_pil_embeddings(checkpoint, backends):
+def test_diffusers_loads_the_processor_itself_and_our_auto_backend_matches_it(checkpoint, backends):
     pipe = QwenImageEditPlusPipeline.from_pretrained(checkpoint)
     assert type(pipe.processor.image_processor).__name__ == "Qwen2VLImageProcessor"
     kind = EDIT_KINDS["QwenImageEditPlusPipeline"]
@@ -89,7 +94,13 @@ def test_diffusers_loads_the_processor_itself_and_matches_our_pil_embeddings(che
     condition = prepare_edit_images(images, kind, 8, 96 * 96, 64 * 64).condition
     with torch.no_grad():
         want, _ = pipe.encode_prompt("put them together", image=condition, device="cpu")
+    auto = load_processor(checkpoint / "processor")  # torchvision where it is installed, as diffusers
+    assert type(auto.image_processor) is type(pipe.processor.image_processor)
     got, _ = encode_edit_prompts(
-        pipe.text_encoder, backends["pil"], ["put them together"], condition, kind, "cpu", torch.float32
+        pipe.text_encoder, auto, ["put them together"], condition, kind, "cpu", torch.float32
     )
     assert torch.equal(got, want)
+    pil, _ = encode_edit_prompts(
+        pipe.text_encoder, backends["pil"], ["put them together"], condition, kind, "cpu", torch.float32
+    )
+    print(f"PIL backend embeddings vs diffusers': max |diff| {float((pil - want).abs().max()):.3g}")
