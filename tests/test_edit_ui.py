@@ -38,7 +38,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {name: root / f"{name}.png" for name in ("a", "b", "big", "huge")}
     drawn_image(75, 53, 1).save(paths["a"])
     drawn_image(50, 70, 2, "P").save(paths["b"])
-    drawn_image(300, 300, 3).save(paths["big"])  # noise: about 200 kB
+    drawn_image(800, 800, 3).save(paths["big"])  # noise: about 1.9 MB, past the guard's 1 MB spool
     Image.new("RGB", (5000, 4000), (10, 20, 30)).save(paths["huge"])  # 20 MP in a few kB
     paths["text"] = root / "notes.txt"
     paths["text"].write_text("x" * 2048)
@@ -115,7 +115,9 @@ def upload(url: str, path: Path) -> httpx.Response:
 
 def test_uploads_are_bounded_per_input_kind(server, files, tmp_path) -> None:
     url, _ = server
-    assert upload(url, files["big"]).status_code == 200  # an image for the Edit tab
+    taken = upload(url, files["big"])  # an image for the Edit tab, replayed from the guard's spool file
+    assert taken.status_code == 200
+    assert Path(taken.json()[0]).read_bytes() == files["big"].read_bytes()
     for name, problem in (("text", "notes.txt: not an image"), ("huge", "huge.png: 5000x4000 pixels")):
         refused = upload(url, files[name])
         assert refused.status_code == 413 and refused.text == f"{problem}; this server takes {upload_caps()}"

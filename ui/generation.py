@@ -73,6 +73,10 @@ class Pipeline(Protocol):
 
     def generate(self, prompt: str, **kwargs: Any) -> list[Image.Image]: ...
 
+    def default_size(self, images: list[Image.Image]) -> tuple[int, int]:
+        """The output size for these input images (the Edit tab also reads `spec.max_images`)."""
+        ...
+
 
 class FieldError(InputError):
     """A request value is invalid; `field` names the input (one of INPUT_NAMES) it concerns."""

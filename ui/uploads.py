@@ -9,8 +9,9 @@ file any of its inputs takes, and enforces per input kind itself:
   tab's image inputs get image-sized uploads, nothing else does.
 """
 
-from collections.abc import AsyncIterator
-from typing import Any
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from typing import IO, Any
 
 import PIL.Image
 from starlette.datastructures import Headers, UploadFile
@@ -23,7 +24,9 @@ from pipelines.images import MAX_INPUT_BYTES
 from pipelines.limits import MAX_INPUT_PIXELS
 
 NO_FILES = 1024  # bytes: what Gradio's upload route takes when no input takes files
-MAX_FILES_PER_UPLOAD = 8  # one upload request's files (the page sends one per image input)
+MAX_FILES_PER_UPLOAD = 3  # one upload request's files (the page sends one; a model takes at most 3)
+SPOOL_BYTES = 2**20  # an upload body past this waits in a temporary file, not in memory
+CHUNK_BYTES = 2**16
 
 
 def upload_caps() -> str:
@@ -44,7 +47,8 @@ def upload_options(edits: bool) -> dict[str, Any]:
 
 class UploadGuard:
     """Refuses (413, one line) a multipart request holding a file above 1 kB that is not an image Pillow
-    reads within the pixel cap, or a body larger than the images it may hold; passes the rest on."""
+    reads within the pixel cap, or a body larger than the images it may hold; passes the rest on. The body
+    is spooled to a temporary file past 1 MB, so a large upload does not sit in memory."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -53,46 +57,59 @@ class UploadGuard:
         if not (scope["type"] == "http" and scope["method"] == "POST" and _multipart(scope)):
             await self.app(scope, receive, send)
             return
-        body, complete = await _read_body(receive, MAX_FILES_PER_UPLOAD * MAX_INPUT_BYTES + 2**20)
-        problem = await _problem(scope, body) if complete else f"this server takes {upload_caps()}"
-        if problem is not None:
-            await PlainTextResponse(problem, status_code=413)(scope, receive, send)
+        with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as body:
+            complete = await _read_body(receive, body, MAX_FILES_PER_UPLOAD * MAX_INPUT_BYTES + 2**20)
+            problem = await _problem(scope, body) if complete else f"this server takes {upload_caps()}"
+            if problem is not None:
+                await PlainTextResponse(problem, status_code=413)(scope, receive, send)
+                return
+            messages = _messages(body)
+
+            async def replay() -> dict[str, Any]:
+                """The spooled body again, then the client's own messages (its disconnect, when it comes)."""
+                message = next(messages, None)
+                return message if message is not None else await receive()
+
+            await self.app(scope, replay, send)
+
+
+def _messages(body: IO[bytes]) -> Iterator[dict[str, Any]]:
+    """ASGI request messages carrying `body` from its start, the last one without `more_body`."""
+    body.seek(0)
+    chunk = body.read(CHUNK_BYTES)
+    while True:
+        following = body.read(CHUNK_BYTES)
+        yield {"type": "http.request", "body": chunk, "more_body": bool(following)}
+        if not following:
             return
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        chunk = following
 
 
 def _multipart(scope: Scope) -> bool:
     return Headers(scope=scope).get("content-type", "").startswith("multipart/")
 
 
-async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
-    """The request body, and whether it ended within `limit` bytes (reading stops past it)."""
-    chunks, size = [], 0
+async def _read_body(receive: Receive, body: IO[bytes], limit: int) -> bool:
+    """Write the request body into `body`; whether it ended within `limit` bytes (reading stops past it)."""
+    size = 0
     while True:
         message = await receive()
         chunk = message.get("body", b"")
-        chunks.append(chunk)
         size += len(chunk)
         if size > limit:
-            return b"", False
+            return False
+        body.write(chunk)
         if not message.get("more_body", False):
-            return b"".join(chunks), True
+            return True
 
 
-async def _problem(scope: Scope, body: bytes) -> str | None:
+async def _problem(scope: Scope, body: IO[bytes]) -> str | None:
     """Why this upload body is refused, or None."""
 
     async def stream() -> AsyncIterator[bytes]:
-        yield body
+        body.seek(0)
+        while chunk := body.read(CHUNK_BYTES):
+            yield chunk
 
     headers = Headers(scope=scope)
     try:
