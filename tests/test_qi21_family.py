@@ -213,7 +213,7 @@ def test_turbo_info_shows_its_grid(tmp_path, capsys):
         (["--gpus", "2"], "Ulysses sequence parallelism is not built for the qwen-image-2.1 family"),
         (["--preset", "lightning-8"], "preset lightning-8 is made for qwen-image checkpoints"),
         (["--image", "IMAGE"] * 5, "5 input images, but"),
-        (["--image", "/nonexistent.png"], "cannot read input image /nonexistent.png"),
+        (["--image", "/nonexistent.png"], "input image /nonexistent.png does not exist"),
         (["--width", "48"], "width 48 must be a multiple of 32"),
     ],
 )

@@ -19,30 +19,30 @@ from PIL import Image
 from models.embedded import EMBEDDED_NAME
 from models.errors import InputError, QwenImageError
 from pipelines import load_pipeline
-from pipelines.limits import MAX_STEPS, MIN_STEPS
 from pipelines.parallel import ParallelPlan
+from ui.controls import settings_controls, settings_fields
+from ui.edit_tab import Handlers, edit_tab
 from ui.generation import (
     CUSTOM,
     INPUT_NAMES,
-    MAX_IMAGES_PER_REQUEST,
-    RANDOM_SEED,
-    VARIANT_LABELS,
     FieldError,
     Pipeline,
     aspect_ratios,
     check_work,
     format_details,
+    job_from_edit_inputs,
     job_from_inputs,
     preset_for,
     seed_note,
 )
 from ui.limits import Limits
-from ui.lora_controls import load_lora_files, lora_controls, lora_details
+from ui.lora_controls import load_lora_files, lora_details
 from ui.ranks import serve
 from ui.runner import CANCELLED, DISCONNECTED, STOP_PRESSED, Job, Runner, Stopped
+from ui.uploads import upload_options
 
 LORA_KWARGS = "lora_kwargs"  # the preset and LoRA controls' generate() arguments, beside INPUT_NAMES
-MAX_UPLOAD = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger
+EDIT_SIZE = "size"  # the edit form's size choice (EDIT_INPUT_NAMES): it marks an /edit request
 EMBEDDED_EXAMPLES = [  # scenes the embedded default was trained on (eval/scenes.py): colours at positions
     "a red circle on the left and a blue square on the right",
     "two green triangles at the top, black background",
@@ -74,8 +74,13 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
     delete_cache = (max(1, min(60, keep_s // 2)), keep_s)  # (every, older than) seconds
 
     def admit(values: dict[str, Any], session: str | None) -> Job:
-        """The checked job for one request's values (INPUT_NAMES, and the preset and LoRA controls' state)."""
-        job = job_from_inputs(session, values, variants, pipe.size_multiple)
+        """The checked job for one request's values: a /generate request (INPUT_NAMES) or an /edit one
+        (EDIT_INPUT_NAMES, whose "size" replaces "aspect", and the image inputs); with the preset and LoRA
+        controls' state."""
+        if EDIT_SIZE in values:
+            job = job_from_edit_inputs(session, values, variants, pipe, demo.upload_file_set)
+        else:
+            job = job_from_inputs(session, values, variants, pipe.size_multiple)
         job.kwargs.update(values.get(LORA_KWARGS) or {})
         check_work(job, limits)
         return job
@@ -93,8 +98,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     "wait for it or press Stop.",
                 )
         except FieldError as err:
-            return [gr.validate(name != err.field, str(err) * (name == err.field)) for name in inputs]
-        return [gr.validate(True, "") for _ in inputs]
+            return [gr.validate(name != err.field, str(err) * (name == err.field)) for name in values]
+        return [gr.validate(True, "") for _ in values]
 
     async def generate(
         request: gr.Request,
@@ -140,9 +145,14 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         """The page was closed or the client went away: stop what it left running."""
         runner.stop_session(request.session_hash, DISCONNECTED)
 
+    edits, generates = _takes_images(pipe)
     with gr.Blocks(title="Qwen-Image", analytics_enabled=False, delete_cache=delete_cache) as demo:
         gr.Markdown(_header(pipe, limits))
-        with gr.Row():
+        if edits:
+            edit_tab(
+                pipe, variants, Handlers(validate, generate, stop, LORA_KWARGS), None if generates else "stop"
+            )
+        with gr.Row(visible=generates):  # a model that needs input images only edits
             with gr.Column(scale=5):
                 prompt = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt")
                 negative = gr.Textbox("", label="Negative prompt (true CFG)", lines=1, elem_id="negative")
@@ -155,37 +165,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     label="Aspect ratio",
                     elem_id="aspect",
                 )
-                with gr.Row():
-                    width = gr.Number(defaults.width, label="Width", precision=0, elem_id="width")
-                    height = gr.Number(defaults.height, label="Height", precision=0, elem_id="height")
-                with gr.Row():
-                    steps = gr.Slider(
-                        MIN_STEPS,
-                        MAX_STEPS,
-                        defaults.num_inference_steps,
-                        step=1,
-                        label="Steps",
-                        elem_id="steps",
-                    )
-                    cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
-                with gr.Row():
-                    seed = gr.Number(
-                        RANDOM_SEED,
-                        label="Seed (-1: random)",
-                        precision=0,
-                        minimum=RANDOM_SEED,
-                        elem_id="seed",
-                    )
-                    randomize = gr.Checkbox(False, label="Randomize seed")
-                    used_seed = gr.Number(label="Seed used", precision=0, visible=False)
-                    num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
-                variant = gr.Dropdown(
-                    [(VARIANT_LABELS.get(v, v), v) for v in variants],
-                    value=pipe.variant,
-                    label="Pipeline variant",
-                    visible=len(variants) > 1,
-                )
-                lora_kwargs = lora_controls(pipe, steps, cfg)
+                settings = settings_controls(pipe, variants)
+                width, height = settings.width, settings.height
             with gr.Column(scale=6):
                 gallery = gr.Gallery(
                     label="Images",
@@ -197,7 +178,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                 )
                 details = gr.Markdown("Run details appear here.", label="Details", elem_id="details")
         examples = EMBEDDED_EXAMPLES if pipe.model_name == EMBEDDED_NAME else EXAMPLES
-        gr.Examples([[p] for p in examples], inputs=[prompt], label="Example prompts")
+        gr.Examples([[p] for p in examples], inputs=[prompt], label="Example prompts", visible=generates)
 
         private = {"queue": False, "api_visibility": "private"}
         aspect.input(
@@ -207,23 +188,26 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             field.input(lambda: CUSTOM, None, aspect, **private)
         triggers = [generate_btn.click, prompt.submit]
         gr.on(triggers, lambda: "", None, details, **private)  # a new request's details replace the last
-        fields = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
+        fields = [prompt, negative, aspect, *settings_fields(settings)]
         # By name: INPUT_NAMES are the API's parameters; the controls' state is not one (a gr.State).
-        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: lora_kwargs}
+        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: settings.lora_kwargs}
         run = gr.on(
             triggers,
             generate,
             inputs_kwargs=inputs,
-            outputs=[gallery, used_seed, details],
+            outputs=[gallery, settings.used_seed, details],
             api_name="generate",
+            api_visibility="public" if generates else "private",
             show_progress_on=gallery,
             concurrency_limit=1,
+            concurrency_id="model",
             validator=validate,
             preprocess=False,  # raw values reach job_from_inputs, which checks each one
         )
         # Gradio's cancel drops a request still waiting in the queue (the page does not cancel a running
         # one); stop() ends a running one and reports it.
-        stop_btn.click(stop, None, details, cancels=[run], queue=False, api_name="stop")
+        stop_options = {"api_name": "stop"} if generates else {"api_visibility": "private"}
+        stop_btn.click(stop, None, details, cancels=[run], queue=False, **stop_options)
         demo.unload(closed)
     return demo.queue(max_size=limits.queue_size, default_concurrency_limit=1)
 
@@ -239,6 +223,12 @@ async def _run(
     except asyncio.CancelledError:
         job.stop(CANCELLED)
         raise
+
+
+def _takes_images(pipe: Pipeline) -> tuple[bool, bool]:
+    """(edits, generates): whether the model takes input images, and whether it runs without them."""
+    spec = getattr(pipe, "spec", None)  # a pipeline without a spec (tests' fakes) generates from text
+    return (spec is not None and spec.max_images > 0), (spec is None or not spec.images_required)
 
 
 def _pending_requests(demo: gr.Blocks, session: str | None) -> int:
@@ -266,7 +256,7 @@ def launch(
     are mounted at scale 0 (on every rank) for the LoRA sliders. `limits`: Limits fields to override on
     the device's defaults; `auth`: (user, password) accounts; `on_start(port, limits)` runs once the page
     is up. Gradio's share link stays off whatever the environment says (GRADIO_SHARE), and so does its
-    MCP server; uploads are refused (the page takes none).
+    MCP server; uploads are refused above 1 kB, except the Edit tab's images (ui/uploads.py).
     """
     pipe = load_pipeline(model=model, variant=variant, device=device, dtype=dtype, parallel=parallel)
     if lora_files is not None:
@@ -281,9 +271,9 @@ def launch(
             auth=auth or None,
             share=False,
             mcp_server=False,
-            max_file_size=MAX_UPLOAD,
             quiet=True,
             prevent_thread_lock=True,
+            **upload_options(_takes_images(app_pipe)[0]),
         )
         if on_start is not None:
             on_start(demo.server_port, applied)

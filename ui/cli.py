@@ -1,4 +1,4 @@
-"""`qwen-image`: generate images, inspect a model, run the web demo or the HTTP image server.
+"""`qwen-image`: generate and edit images, inspect a model, run the web demo or the HTTP image server.
 
 User errors (bad arguments, bad checkpoints) print one line `error: ...` and exit 2, no traceback.
 """
@@ -14,12 +14,20 @@ from pathlib import Path
 from models.errors import ParallelError, QwenImageError
 from models.family import DEFAULT_SEQUENCE_LENGTH, DEFAULT_TRUE_CFG_SCALE, MAX_SEQUENCE_LENGTH
 from pipelines.launch_env import is_leader_process
-from pipelines.limits import DTYPE_NAMES, MAX_IMAGES_PER_PROMPT, MAX_SIDE, MAX_STEPS, MIN_STEPS
+from pipelines.limits import (
+    DTYPE_NAMES,
+    MAX_IMAGES_PER_PROMPT,
+    MAX_INPUT_PIXELS,
+    MAX_SIDE,
+    MAX_STEPS,
+    MIN_STEPS,
+)
 from pipelines.presets import LORA_MODES, PRESETS
 from pipelines.variants import AUTO, VARIANTS
 from ui.access import parse_account
 from ui.commands import COMMANDS
 from ui.limits import DEVICE_LIMITS, Limits
+from ui.uploads import upload_caps
 
 PRESET_HELP = "settings for a distilled LoRA (explicit --steps / --true-cfg-scale win): " + "; ".join(
     p.describe() for p in PRESETS.values()
@@ -69,30 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = command("generate", "generate images from a prompt")
     gen.add_argument("prompt")
-    gen.add_argument("-o", "--out", default="out.png", help="output PNG (index appended for several images)")
-    gen.add_argument(
-        "--negative-prompt",
-        help="enables true CFG when --true-cfg-scale > 1 (default: the model's: none for diffusers "
-        'checkpoints, " " for the embedded model, which was trained for it)',
-    )
-    side = f"a multiple of the model's size multiple (16 for Qwen-Image: `qwen-image info`) up to {MAX_SIDE}"
-    model_default = "default: the model's, 1024 for Qwen-Image checkpoints, 256 for the embedded model"
-    gen.add_argument("--width", type=int, help=f"image width in pixels, {side} ({model_default})")
-    gen.add_argument("--height", type=int, help=f"image height in pixels, {side} ({model_default})")
-    gen.add_argument(
-        "--steps",
-        type=int,
-        dest="num_inference_steps",
-        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS}; a --preset sets its own "
-        "(default: 50, 20 for the embedded model)",
-    )
-    gen.add_argument(
-        "--true-cfg-scale",
-        type=float,
-        help="true CFG scale; needs a negative prompt; 1 turns CFG off; a --preset sets 1.0 "
-        f"(default: the model's, {DEFAULT_TRUE_CFG_SCALE:g})",
-    )
-    gen.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
+    _add_sampling_args(gen, "the model's, 1024 for Qwen-Image checkpoints, 256 for the embedded model")
     gen.add_argument(
         "--image",
         action="append",
@@ -102,29 +87,33 @@ def build_parser() -> argparse.ArgumentParser:
         "(`qwen-image info` says how many a model takes)",
     )
     gen.add_argument(
-        "--num-images",
-        type=int,
-        default=1,
-        dest="num_images_per_prompt",
-        help=f"images, 1..{MAX_IMAGES_PER_PROMPT}",
-    )
-    gen.add_argument(
         "--max-sequence-length",
         type=int,
         default=DEFAULT_SEQUENCE_LENGTH,
         help=f"text tokens kept, 1..{MAX_SEQUENCE_LENGTH}",
     )
-    _add_lora_args(gen)
-    gen.add_argument(
-        "--lora-mode",
-        choices=LORA_MODES,
-        default="branch",
-        help="branch: each LoRA beside its layers, FP8 paths stay fused (dual output); "
-        "merge: folded into the weights, no extra GEMMs (FP8 weights requantized)",
-    )
-    gen.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
+    _add_lora_run_args(gen)
     _add_model_args(gen)
     _add_gpus_arg(gen, "generate")
+
+    edit = command("edit", "edit images following an instruction (a Qwen-Image-Edit checkpoint)")
+    edit.add_argument("prompt", metavar="instruction", help="what to change, e.g. 'make the sky red'")
+    edit.add_argument(
+        "--image",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help=f"an input image (any format Pillow reads, at most {MAX_INPUT_PIXELS / 1e6:.1f} MP: 4096x4096); "
+        "repeat it for a model that takes several (`qwen-image info` says how many: 3 for Edit-2509/2511, "
+        "which call them Picture 1, 2, ... in this order)",
+    )
+    _add_sampling_args(
+        edit, "the aspect of the first (Edit) or last (Plus) image at about 1024x1024 pixels, as diffusers"
+    )
+    _add_lora_run_args(edit)
+    _add_model_args(edit)
+    _add_gpus_arg(edit, "edit")
+    edit.set_defaults(max_sequence_length=DEFAULT_SEQUENCE_LENGTH)  # Edit prompts ignore it, as in diffusers
 
     info = command("info", "components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
@@ -133,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant = command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
     quant.add_argument("--out", required=True, help="new checkpoint directory")
-    quant.add_argument("--calib-prompts", help="text file, one prompt per line (default: a built-in set)")
+    quant.add_argument(
+        "--calib-prompts",
+        help="text file, one prompt per line; for a checkpoint that edits, an edit set (.jsonl: one "
+        '{"prompt": ..., "images": [...]} per line, image paths relative to it) (default: a built-in set: '
+        "8 prompts, or the drawn image + instruction pairs of pipelines/edit_sets)",
+    )
     quant.add_argument(
         "--steps", type=int, help="denoising steps per calibration prompt (default: the model's, at most 20)"
     )
@@ -154,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     ui.epilog = (
         "By default only this machine can open the page. To serve others, listen on another address with "
         "accounts: qwen-image ui --host 0.0.0.0 --auth alice:s3cret (or --auth-file FILE, one USER:PASS per "
-        "line). --no-auth serves without sign-in."
+        "line). --no-auth serves without sign-in. A model that edits images gets an Edit tab, which takes "
+        f"{upload_caps()}; a text-to-image model's page takes no uploads (1 kB at most)."
     )
     _add_ui_args(ui)
     ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
@@ -309,6 +304,57 @@ def _positive(kind: type) -> Callable[[str], float]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, size_default: str) -> None:
+    """The options `generate` and `edit` share: output, negative prompt, size, steps, CFG, seed, count."""
+    parser.add_argument(
+        "-o", "--out", default="out.png", help="output PNG (index appended for several images)"
+    )
+    parser.add_argument(
+        "--negative-prompt",
+        help="enables true CFG when --true-cfg-scale > 1 (default: the model's: none for diffusers "
+        'checkpoints, " " for the embedded model, which was trained for it)',
+    )
+    side = f"a multiple of the model's size multiple (16 for Qwen-Image: `qwen-image info`) up to {MAX_SIDE}"
+    parser.add_argument("--width", type=int, help=f"image width in pixels, {side} (default: {size_default})")
+    parser.add_argument(
+        "--height", type=int, help=f"image height in pixels, {side} (default: {size_default})"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        dest="num_inference_steps",
+        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS}; a --preset sets its own "
+        "(default: the model's, 50; 20 for the embedded model)",
+    )
+    parser.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        help="true CFG scale; needs a negative prompt; 1 turns CFG off; a --preset sets 1.0 "
+        f"(default: the model's, {DEFAULT_TRUE_CFG_SCALE:g})",
+    )
+    parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
+    parser.add_argument(
+        "--num-images",
+        type=int,
+        default=1,
+        dest="num_images_per_prompt",
+        help=f"images, 1..{MAX_IMAGES_PER_PROMPT}",
+    )
+
+
+def _add_lora_run_args(parser: argparse.ArgumentParser) -> None:
+    """LoRAs to run with, their mode, and a distilled LoRA's preset (`generate` and `edit`)."""
+    _add_lora_args(parser)
+    parser.add_argument(
+        "--lora-mode",
+        choices=LORA_MODES,
+        default="branch",
+        help="branch: each LoRA beside its layers, FP8 paths stay fused (dual output); "
+        "merge: folded into the weights, no extra GEMMs (FP8 weights requantized)",
+    )
+    parser.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
 
 
 def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None:

@@ -12,9 +12,11 @@ import PIL.Image
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import CheckpointSpec
+from pipelines.images import open_input_image, read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
+from pipelines.requests import check_requests, read_requests
 from pipelines.variants import resolve_variant
 from ui.access import check_access, is_loopback, read_accounts, read_api_keys
 from ui.limits import Limits
@@ -136,27 +138,33 @@ def check_generate_args(args: argparse.Namespace, spec: CheckpointSpec) -> None:
     )
 
 
-def read_input_images(paths: list[str] | None, spec: CheckpointSpec) -> list[PIL.Image.Image]:
-    """The --image files, opened with their EXIF orientation applied (mode kept: a model may read alpha)
-    and checked against what the model takes, before it loads."""
-    from PIL import ImageOps
-
-    from pipelines.limits import check_images
-
-    images = []
-    for path in paths or []:
-        try:
-            with PIL.Image.open(path) as image:
-                images.append(ImageOps.exif_transpose(image))
-        except (OSError, ValueError, PIL.Image.DecompressionBombError) as err:
-            raise InputError(f"cannot read input image {path}: {err}") from err
-    return check_images(images, spec.max_images, spec.images_required, spec.name)
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
+    if spec.images_required and not args.image:
+        raise InputError(
+            f"{spec.name} edits images and cannot generate from text alone: "
+            "run `qwen-image edit INSTRUCTION --image FILE` with it"
+        )
+    images = read_input_images(args.image or [], spec.max_images, spec.images_required, spec.name)
+    run_generation(args, spec, images)
+
+
+def cmd_edit(args: argparse.Namespace) -> None:
+    spec = check_model_args(args)
+    if spec.max_images == 0:
+        raise InputError(
+            f"{spec.name} generates from text only and cannot edit images: give `qwen-image edit` a "
+            "Qwen-Image-Edit checkpoint (its model_index.json names QwenImageEditPipeline or "
+            "QwenImageEditPlusPipeline)"
+        )
+    images = read_input_images(args.image, spec.max_images, spec.images_required, spec.name)
+    run_generation(args, spec, images)
+
+
+def run_generation(args: argparse.Namespace, spec: CheckpointSpec, images: list[PIL.Image.Image]) -> None:
+    """`generate` and `edit` (with input `images`): every argument checked, the ranks started when asked
+    (each reads the image files itself), then the model loaded and run."""
     check_generate_args(args, spec)
-    inputs = read_input_images(args.image, spec)
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     chosen = plan(args, spec, true_cfg_on(args, spec))
     if chosen is not None and launched_world_size() == 1:
@@ -170,19 +178,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     pipe.set_lora_mode(args.lora_mode)
     names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
     options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    images = pipe.generate(
+    result = pipe.generate(
         args.prompt,
         negative_prompt=args.negative_prompt,
         true_cfg_scale=args.true_cfg_scale,
         progress=is_leader_process(),
         preset=args.preset,
-        image=inputs or None,
+        image=images or None,
         **options,
     )
     if not is_leader_process():
         return
-    paths = image_paths(Path(args.out), len(images))
-    for image, path in zip(images, paths, strict=True):
+    paths = image_paths(Path(args.out), len(result))
+    for image, path in zip(result, paths, strict=True):
         save_image(image, path)
     print_run(pipe, paths)
 
@@ -207,8 +215,9 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
         f"wrote {', '.join(map(str, paths))} "
         f"({run.width}x{run.height}, seed {run.seed}, variant {run.variant}, {pipe.precision.describe()})"
     )
+    images = f"image encoding {t['image_encoding']:.2f} s | " if "image_encoding" in t else ""
     print(
-        f"text encoding {t['text_encoding']:.2f} s | denoising {t['denoising']:.2f} s "
+        f"text encoding {t['text_encoding']:.2f} s | {images}denoising {t['denoising']:.2f} s "
         f"({run.ms_per_step:.0f} ms/step x {run.num_inference_steps}) | decoding {t['decoding']:.2f} s "
         f"| total {t['total']:.2f} s"
     )
@@ -245,19 +254,22 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     if args.size is not None:
         check_size(args.size, args.size, spec.size_multiple)
     get_preset(args.preset, spec.family.name)
-    from pipelines.prompts import read_prompt_file
-
-    prompts = None if args.calib_prompts is None else read_prompt_file(Path(args.calib_prompts))
+    prompts = None if args.calib_prompts is None else read_requests(Path(args.calib_prompts))
+    if prompts is not None:
+        check_requests(prompts, spec.max_images, spec.images_required, spec.name)
+        for request in prompts:
+            for path in request.images:
+                open_input_image(path)
     ignore = None if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     check_device(args.device)
     loras = read_loras(lora_specs, spec)
-    from pipelines.quantize import DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
+    from pipelines.quantize import quantize_checkpoint
 
     written = quantize_checkpoint(
         args.model,
         out,
-        prompts or DEFAULT_CALIBRATION_PROMPTS,
+        prompts,
         ignore,
         steps=args.steps,
         size=args.size,
@@ -419,6 +431,7 @@ def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
 
 COMMANDS = {
     "generate": cmd_generate,
+    "edit": cmd_edit,
     "info": cmd_info,
     "quantize": cmd_quantize,
     "ui": cmd_ui,

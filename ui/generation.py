@@ -6,13 +6,14 @@ Kept apart from the layout so it can be unit-tested with a fake pipeline and no 
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any, Protocol
 
 from PIL import Image
 
 from models.errors import InputError
 from models.family import DEFAULT_SEQUENCE_LENGTH
+from pipelines.images import MAX_INPUT_BYTES, open_input_image
 from pipelines.limits import check_generation_args
 from ui.limits import Limits
 from ui.runner import Job
@@ -35,7 +36,7 @@ VARIANT_LABELS = {
     "contract": "BF16",
     "reference": "BF16 (diffusers reference)",
 }
-STAGES = ("text_encoding", "denoising", "decoding", "total")
+STAGES = ("text_encoding", "image_encoding", "denoising", "decoding", "total")
 MAX_IMAGES_PER_REQUEST = 4  # per request: what the gallery shows at once
 MAX_PROMPT_CHARS = 20_000  # far beyond the 512 tokens the text encoder keeps; bounds tokenizer work
 # The /generate API's parameters in order: the page's inputs.
@@ -72,6 +73,10 @@ class Pipeline(Protocol):
     def parallel_summary(self) -> str: ...
 
     def generate(self, prompt: str, **kwargs: Any) -> list[Image.Image]: ...
+
+    def default_size(self, images: list[Image.Image]) -> tuple[int, int]:
+        """The output size for these input images (the Edit tab also reads `spec.max_images`)."""
+        ...
 
 
 class FieldError(InputError):
@@ -150,15 +155,64 @@ def check_values(kwargs: Mapping[str, Any], size_multiple: int, fields: Mapping[
         raise FieldError(fields.get(str(err).split()[0], "prompt"), str(err)) from None
 
 
+FROM_IMAGES = "from the images"  # the edit form's size choice: what the input images suggest
+# The /edit API's parameters besides the input images (`image_1` ... `image_N`, N the images the model
+# takes): /generate's, with the size choice in the place of the aspect ratio.
+EDIT_INPUT_NAMES = tuple("size" if name == "aspect" else name for name in INPUT_NAMES)
+
+
+def image_input_names(max_images: int) -> tuple[str, ...]:
+    """The edit form's image inputs: one per image the model takes (Picture 1, 2, ...)."""
+    return tuple(f"image_{i}" for i in range(1, max_images + 1))
+
+
+def job_from_edit_inputs(
+    session: str | None,
+    values: Mapping[str, Any],
+    variants: Sequence[str],
+    pipe: Any,
+    uploaded: Container[str],
+) -> Job:
+    """Check an /edit request (from the page or any API client) and build its Job: the images are files
+    this server received through its upload route (`uploaded`), each opened and checked (an image, not
+    truncated, within the byte and pixel caps); the size is what they suggest (`pipe.default_size`) or
+    custom; every other value as for /generate."""
+    names = image_input_names(pipe.spec.max_images)
+    images = [_uploaded_image(name, values[name], uploaded) for name in names if values[name] is not None]
+    if not images:
+        raise FieldError(names[0], "give an input image to edit")
+    size = values["size"]
+    if size not in (FROM_IMAGES, CUSTOM):
+        raise FieldError("size", f"size {size!r} must be {FROM_IMAGES!r} or {CUSTOM!r}")
+    sides = (
+        dict(zip(("width", "height"), pipe.default_size(images), strict=True)) if size == FROM_IMAGES else {}
+    )
+    job = job_from_inputs(session, {**values, "aspect": CUSTOM, **sides}, variants, pipe.size_multiple)
+    job.kwargs["image"] = images
+    return job
+
+
+def _uploaded_image(name: str, value: Any, uploaded: Container[str]) -> Image.Image:
+    """The image of one raw image input: Gradio's file data of an upload to this server, decoded."""
+    path = value.get("path") if isinstance(value, dict) else None
+    if not isinstance(path, str) or path not in uploaded:
+        raise FieldError(name, f"{name} must be an image uploaded to this server")
+    try:
+        return open_input_image(path, MAX_INPUT_BYTES)
+    except InputError as err:
+        raise FieldError(name, str(err).replace(f"input image {path}", name)) from None
+
+
 def check_work(job: Job, limits: Limits) -> None:
     """FieldError when the job costs more than the server allows per request (shown at the prompt)."""
     if job.work <= limits.max_work:
         return
     k = job.kwargs
-    size = (
-        f"width {k['width']} × height {k['height']} / 10⁶ × num_inference_steps {job.total_steps} × "
-        f"num_images {k['num_images_per_prompt']}"
-    )
+    inputs = len(k.get("image") or ())
+    pixels = f"width {k['width']} × height {k['height']}"
+    if inputs:  # an Edit model sees each input image at about 1024x1024 (ui/limits.py)
+        pixels = f"({pixels} + {inputs} input image{'s' * (inputs > 1)} × 1024 × 1024)"
+    size = f"{pixels} / 10⁶ × num_inference_steps {job.total_steps} × num_images {k['num_images_per_prompt']}"
     cfg = " × 2 for true CFG (negative_prompt with true_cfg_scale > 1)" if job.true_cfg else ""
     raise FieldError(
         "num_inference_steps",

@@ -14,9 +14,15 @@ from models.errors import InputError
 DEVICE_LIMITS: dict[str, tuple[float, float]] = {"cuda": (1000.0, 300.0), "cpu": (32.0, 120.0)}
 
 
-def work_of(width: int, height: int, steps: int, images: int, true_cfg: bool) -> float:
-    """A request's cost in megapixel-steps (true CFG runs the transformer twice per step)."""
-    return width * height / 1e6 * steps * images * (2 if true_cfg else 1)
+# An Edit model sees each input image at about this many pixels (diffusers' fixed 1024x1024 VAE area): its
+# latents join the target's tokens at every step, so an edit costs as if its output were that much larger.
+EDIT_INPUT_PIXELS = 1024 * 1024
+
+
+def work_of(width: int, height: int, steps: int, images: int, true_cfg: bool, inputs: int = 0) -> float:
+    """A request's cost in megapixel-steps (true CFG runs the transformer twice per step); `inputs` input
+    images of an edit add their pixels to the output's."""
+    return (width * height + inputs * EDIT_INPUT_PIXELS) / 1e6 * steps * images * (2 if true_cfg else 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,7 +92,10 @@ class Job:
     @property
     def work(self) -> float:
         k = self.kwargs
-        return work_of(k["width"], k["height"], self.total_steps, k["num_images_per_prompt"], self.true_cfg)
+        inputs = len(k.get("image") or ())
+        return work_of(
+            k["width"], k["height"], self.total_steps, k["num_images_per_prompt"], self.true_cfg, inputs
+        )
 
     @property
     def done(self) -> bool:

@@ -14,12 +14,13 @@ DEFAULT_SAMPLE_SIZE = 128  # latent cells per side by default, as diffusers' pip
 class QwenImageFamily(ModelFamily):
     name = "qwen-image"
     pipeline_classes = (PIPELINE_CLASS,)
+    component_dirs = COMPONENT_DIRS
 
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:
         index = read_model_index(directory)
         builtin_tokenizer = index.get("_builtin_tokenizer") is not None
         check_layout(
-            directory, tuple(d for d in COMPONENT_DIRS if not (builtin_tokenizer and d == "tokenizer"))
+            directory, tuple(d for d in self.component_dirs if not (builtin_tokenizer and d == "tokenizer"))
         )
         configs = read_configs(directory)
         multiple = 2 * configs.vae_scale_factor  # one latent cell per side after 2x2 packing

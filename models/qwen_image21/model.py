@@ -32,7 +32,7 @@ from models.qwen_image21.conditioning import (
 )
 from models.qwen_image21.quantization import QUANTIZATION
 from models.qwen_image21.steps import Conditioning21, RequestSteps, StepPlanner
-from models.qwen_image_edit.conditioning import calculate_dimensions
+from models.qwen_image_edit.config import calculate_dimensions
 
 KV_CACHE_ENV = "QWEN_IMAGE_KV_CACHE"
 
