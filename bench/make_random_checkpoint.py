@@ -4,42 +4,67 @@ Real architecture and sizes: the 60-layer DiT, a Qwen2.5-VL-7B-sized language mo
 tower: prompts never use it), the full VAE and the real tokenizer. The DiT is calibrated through the
 real `quantize` path (true CFG, a few steps) and written as a ModelOpt FP8 checkpoint.
 
-    python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60]
+`--edit` writes an Edit-2511 checkpoint instead (`QwenImageEditPlusPipeline`, `zero_cond_t`): the same DiT,
+Qwen2.5-VL-7B's full-size vision tower (it sees the input images), the Qwen2-VL processor, calibrated on
+two of the built-in image + instruction pairs.
+
+    python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60] [--edit]
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8mod --fp8-modulation
 """
 
 import argparse
+import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLQwenImage
-from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
 from models.family import GenerationDefaults
-from models.qwen_image.components import Components, default_scheduler, save_components
+from models.qwen_image.components import Components, default_scheduler
 from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.family import FAMILY
 from models.qwen_image.model import QwenImageModel
 from models.qwen_image.text_encoder import qwen25_vl_7b_config
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer
+from models.qwen_image_edit.components import EditComponents
+from models.qwen_image_edit.conditioning import load_processor
+from models.qwen_image_edit.config import EDIT_KINDS
+from models.qwen_image_edit.family import FAMILY as EDIT_FAMILY
+from models.qwen_image_edit.model import QwenImageEditModel
 from pipelines.pipeline import Pipeline
 from pipelines.quantize import quantize_pipeline
+from pipelines.requests import edit_requests_for
 
 
-def full_size_components(layers: int, device: torch.device) -> Components:
-    """Random-weight components at the public checkpoint's sizes, built on `device` in bf16."""
+def full_size_components(layers: int, device: torch.device, edit: bool = False) -> Components:
+    """Random-weight components at the public checkpoint's sizes, built on `device` in bf16 (`edit`: an
+    Edit-2511 DiT with `zero_cond_t` and the full vision tower)."""
     torch.manual_seed(0)
-    config = qwen25_vl_7b_config()
+    config = qwen25_vl_7b_config(vision=edit)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval().requires_grad_(False)
-        transformer = QwenImageTransformer(QwenImageConfig(num_layers=layers)).eval().requires_grad_(False)
+        dit = QwenImageConfig(num_layers=layers, zero_cond_t=edit)
+        transformer = QwenImageTransformer(dit).eval().requires_grad_(False)
         vae = AutoencoderKLQwenImage().eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     transformer.post_load_weights()
     return Components(build_qwen2_tokenizer(), text_encoder, transformer, vae, default_scheduler())
+
+
+def edit_model(components: Components, device: torch.device, work: Path) -> QwenImageEditModel:
+    """The components as an Edit-2511 (Plus) model, with the Qwen2-VL processor (default image settings,
+    which are Qwen2.5-VL's: patch 14, merge 2, temporal patch 2) and the real tokenizer."""
+    Qwen2VLImageProcessorPil().save_pretrained(work)
+    components.tokenizer.save_pretrained(work)
+    shared = {f.name: getattr(components, f.name) for f in fields(Components)}
+    kind = EDIT_KINDS["QwenImageEditPlusPipeline"]
+    edit = EditComponents(**shared, processor=load_processor(work), kind=kind)
+    return QwenImageEditModel(edit, device, torch.bfloat16)
 
 
 def main() -> None:
@@ -52,23 +77,27 @@ def main() -> None:
         action="store_true",
         help="the modulation FP8 weight-only (quantize --fp8-modulation)",
     )
+    parser.add_argument(
+        "--edit", action="store_true", help="an Edit-2511 checkpoint (zero_cond_t, processor)"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
-    components = full_size_components(args.layers, device)
+    components = full_size_components(args.layers, device, args.edit)
     print(f"built full-size random components in {time.time() - start:.0f} s", flush=True)
-    if args.bf16:
-        save_components(components, args.out)
+    if args.edit:
+        model = edit_model(components, device, Path(tempfile.mkdtemp(prefix="processor_")))
+        requests = edit_requests_for(3)
+        family, prompts = EDIT_FAMILY, [requests[0], requests[-1]]  # a one-image and a three-image pair
     else:
         model = QwenImageModel(components, device, torch.bfloat16)
-        pipe = Pipeline.from_model(model, FAMILY.spec_for(model, "random-full-size", GenerationDefaults()))
+        family, prompts = FAMILY, ["a red fox in the snow"]
+    if args.bf16:
+        model.save(args.out, (), GenerationDefaults())
+    else:
+        pipe = Pipeline.from_model(model, family.spec_for(model, "random-full-size", GenerationDefaults()))
         quantize_pipeline(
-            pipe,
-            args.out,
-            prompts=["a red fox in the snow"],
-            steps=4,
-            size=512,
-            fp8_modulation=args.fp8_modulation,
+            pipe, args.out, prompts=prompts, steps=4, size=512, fp8_modulation=args.fp8_modulation
         )
     print(f"wrote {args.out} in {time.time() - start:.0f} s", flush=True)
 

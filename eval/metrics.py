@@ -98,9 +98,15 @@ class Lpips:
     def available(self) -> bool:
         return self.model is not None
 
-    def unavailable_for_size(self, width: int, height: int) -> "Lpips":
-        """This scorer, or an unavailable one when the images are too small for AlexNet."""
-        if self.available and min(width, height) < LPIPS_MIN_SIDE:
+    def unavailable_for_size(self, width: int | None, height: int | None) -> "Lpips":
+        """This scorer, or an unavailable one when the images are too small for AlexNet (None: each edit's
+        input images decide its size, about 1024x1024 pixels)."""
+        if (
+            self.available
+            and width is not None
+            and height is not None
+            and min(width, height) < LPIPS_MIN_SIDE
+        ):
             reason = f"images of {width}x{height} are below AlexNet's {LPIPS_MIN_SIDE} px minimum"
             return Lpips(model=None, reason=reason, weights=self.weights)
         return self

@@ -1,6 +1,7 @@
 """Pixel-parity harness: generate every prompt x seed with two pipeline variants and compare the images.
 
     python -m eval.parity --a contract --b reference --prompts smoke --size 64x64 --steps 2
+    python -m eval.parity --model EDIT_DIR --a fp8-unfused --b fp8-fused --prompts edit --expect identical
     torchrun --nproc_per_node 8 -m eval.parity --model DIR --a fp8-unfused --b fp8-fused --prompts diverse
     python -m eval.parity --model BF16_DIR --model-b FP8_DIR --a reference --b fp8-fused --expect "psnr>=30"
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from eval.expect import Term, judge, parse_expect
 from eval.metrics import Lpips, load_lpips
-from eval.prompts import load_prompts
+from eval.prompts import load_requests
 from eval.report import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -44,7 +45,9 @@ from eval.runner import (
 from eval.variants import VariantSpec, parse_variant
 from models.errors import InputError, QwenImageError
 from models.families import inspect_checkpoint
+from pipelines.images import open_input_image
 from pipelines.limits import check_size, check_steps
+from pipelines.requests import Request, check_requests
 from pipelines.variants import AUTO, VARIANTS
 
 VARIANT_HELP = """variants: NAME[:DEVICE[:INDEX]][:DTYPE]
@@ -65,7 +68,7 @@ class Config:
     """A validated command line."""
 
     models: dict[str, str | None]  # checkpoint per side; None: the embedded default
-    prompts: list[str]
+    prompts: list[Request]  # prompts, with input images for an edit set
     prompt_source: str
     seeds: list[int]
     specs: dict[str, VariantSpec]
@@ -105,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         default="smoke",
         metavar="FILE|SET",
-        help="prompt file, or a built-in set: smoke, diverse",
+        help="prompt file, or an edit set (.jsonl: image + instruction pairs), or a built-in set: smoke, "
+        "diverse; edit, edit-plus (drawn images and instructions, for Edit checkpoints)",
     )
     parser.add_argument("--a", required=True, metavar="VARIANT", help="variant of side a (grammar below)")
     parser.add_argument("--b", required=True, metavar="VARIANT", help="variant of side b (grammar below)")
@@ -168,10 +172,15 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
     if args.steps is not None:
         check_steps(args.steps)
     width, height = parse_size(args.size)
-    if width is not None:
-        for model in models.values():
-            check_size(width, height, inspect_checkpoint(model).size_multiple)
-    prompts, seeds = load_prompts(args.prompts), parse_seeds(args.seeds)
+    prompts, seeds = load_requests(args.prompts), parse_seeds(args.seeds)
+    for model in models.values():
+        spec = inspect_checkpoint(model)
+        if width is not None:
+            check_size(width, height, spec.size_multiple)
+        check_requests(prompts, spec.max_images, spec.images_required, spec.name)
+    for request in prompts:
+        for path in request.images:
+            open_input_image(path)
     expect = parse_expect(args.expect) if args.expect is not None else None
 
     known = (*VARIANTS, AUTO)

@@ -1,4 +1,6 @@
-"""Prompt sets: a text file with one prompt per line, or a built-in set name (smoke, diverse).
+"""Prompt sets: a text file with one prompt per line, or a built-in set name (smoke, diverse); and edit
+sets (image + instruction pairs, pipelines/requests.py): a `.jsonl` file, or the built-in `edit` and
+`edit-plus`.
 
 Blank lines and lines whose first non-space character is '#' are skipped; a '#' later in a line is
 part of the prompt.
@@ -9,6 +11,7 @@ from pathlib import Path
 
 from models.errors import InputError
 from pipelines.prompts import parse_prompts, read_prompt_file
+from pipelines.requests import BUILTIN_EDIT_SETS, Request, as_requests, builtin_edit_set, read_requests
 
 
 def builtin_sets() -> list[str]:
@@ -26,3 +29,16 @@ def load_prompts(spec: str) -> list[str]:
     if spec not in builtin_sets():
         raise InputError(f"prompt file not found: {spec} (built-in sets: {', '.join(builtin_sets())})")
     return parse_prompts((resources.files("eval") / "prompts" / f"{spec}.txt").read_text(encoding="utf-8"))
+
+
+def load_requests(spec: str) -> list[Request]:
+    """The requests of a prompt file or edit set (`.jsonl`), else of a built-in prompt or edit set."""
+    path = Path(spec)
+    if path.is_file():
+        return read_requests(path)
+    if spec in BUILTIN_EDIT_SETS:
+        return builtin_edit_set(spec)
+    if spec not in builtin_sets():
+        names = ", ".join([*builtin_sets(), *BUILTIN_EDIT_SETS])
+        raise InputError(f"prompt file not found: {spec} (built-in sets: {names})")
+    return as_requests(load_prompts(spec))

@@ -121,11 +121,18 @@ def image_cell(path: str | None, caption: str) -> str:
     return f'<td><a href="{src}"><img src="{src}" alt="{text}"></a><span class="cap">{text}</span></td>'
 
 
+def input_images(paths: list[str]) -> str:
+    """An edit pair's input image files, under its prompt."""
+    if not paths:
+        return ""
+    return f'<span class="cap">images: {html.escape(", ".join(Path(p).name for p in paths))}</span>'
+
+
 def pair_row(p: dict) -> str:
     diff_caption = "identical" if p["diff_image"] is None else f"diff x{p['diff_gain']:.1f}"
     cells = [
         f"<td>{p['id']}</td>",
-        f'<td class="prompt">{html.escape(p["prompt"])}</td>',
+        f'<td class="prompt">{html.escape(p["prompt"])}{input_images(p.get("images", []))}</td>',
         f"<td>{p['seed']}</td>",
         f"<td>{'yes' if p['identical'] else 'no'}</td>",
         *(f"<td>{number(p[key])}</td>" for key in METRIC_KEYS),

@@ -19,6 +19,7 @@ from PIL import Image
 from eval.metrics import Lpips, compare, decode_png, diff_heatmap
 from eval.variants import VariantSpec
 from models.errors import QwenImageError
+from pipelines.requests import Request, as_requests
 
 SLOTS = ("a", "b")
 
@@ -29,12 +30,14 @@ class WorkerCrash(RuntimeError):
 
 @dataclass(frozen=True)
 class Job:
-    """One prompt x seed pair; `index` is its place in the whole run (all ranks)."""
+    """One prompt x seed pair; `index` is its place in the whole run (all ranks); `images` the input image
+    files of an edit request."""
 
     index: int
     prompt_index: int
     prompt: str
     seed: int
+    images: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -52,9 +55,13 @@ class Settings:
     true_cfg_scale: float = 4.0
 
 
-def make_jobs(prompts: list[str], seeds: list[int]) -> list[Job]:
-    pairs = [(p, s) for p in range(len(prompts)) for s in seeds]
-    return [Job(i, p, prompts[p], s) for i, (p, s) in enumerate(pairs)]
+def make_jobs(prompts: list[str] | list[Request], seeds: list[int]) -> list[Job]:
+    requests = as_requests(prompts)
+    pairs = [(p, s) for p in range(len(requests)) for s in seeds]
+    return [
+        Job(i, p, requests[p].prompt, s, tuple(map(str, requests[p].images)))
+        for i, (p, s) in enumerate(pairs)
+    ]
 
 
 def shard(jobs: list[Job], rank: int, world: int) -> list[Job]:
@@ -131,6 +138,7 @@ def generate(worker: Worker, job: Job, settings: Settings, out_dir: Path) -> dic
         "steps": settings.steps,
         "negative_prompt": settings.negative_prompt,
         "true_cfg_scale": settings.true_cfg_scale,
+        "images": list(job.images),
         "png": str(out_dir / image_name(job, worker.slot)),
     }
     return worker.request(request)
@@ -162,6 +170,7 @@ def pair_record(
         "id": job.id,
         "prompt_index": job.prompt_index,
         "prompt": job.prompt,
+        "images": list(job.images),
         "seed": job.seed,
         "width": reply["width"],
         "height": reply["height"],

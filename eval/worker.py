@@ -3,9 +3,11 @@
 Protocol: one ASCII JSON object per line (so no locale matters); stdout carries only these replies,
 everything else the pipeline prints goes to stderr.
   first reply   {"event": "ready", "variant", "device", "dtype", "model_name", "fusion_summary",
-                 "load_seconds", "width", "height", "steps"}    (width/height/steps: pipe.defaults)
+                 "load_seconds", "width", "height", "steps"}    (width/height/steps: pipe.defaults;
+                                                                 width/height null for a model that edits)
   request       {"id", "prompt", "seed", "width", "height", "steps", "negative_prompt",
-                 "true_cfg_scale", "png"}                       (null width/height/steps: defaults)
+                 "true_cfg_scale", "images", "png"}             (null width/height/steps: defaults;
+                                                                 images: input image files, may be [])
   reply         {"event": "done", "id", "seconds", "seed", "width", "height", "steps", "timings"}
   on error      {"event": "error", "id" (absent at load), "error": one line, "user_error": bool}
 The worker exits when stdin closes, or after a load error.
@@ -62,15 +64,18 @@ def load(args: argparse.Namespace) -> tuple[object, dict]:
         "model_name": pipe.model_name,
         "fusion_summary": pipe.fusion_summary(),
         "load_seconds": time.perf_counter() - start,
-        "width": pipe.defaults.width,
-        "height": pipe.defaults.height,
+        "width": None if pipe.spec.images_required else pipe.defaults.width,  # edits: the images decide
+        "height": None if pipe.spec.images_required else pipe.defaults.height,
         "steps": pipe.defaults.num_inference_steps,
     }
     return pipe, info
 
 
 def generate(pipe: object, request: dict) -> dict:
+    from pipelines.images import open_input_image
+
     start = time.perf_counter()
+    inputs = [open_input_image(path) for path in request.get("images", [])]
     images = pipe.generate(
         request["prompt"],
         negative_prompt=request.get("negative_prompt"),
@@ -79,6 +84,7 @@ def generate(pipe: object, request: dict) -> dict:
         num_inference_steps=request.get("steps"),
         true_cfg_scale=request.get("true_cfg_scale", 4.0),
         seed=request["seed"],
+        image=inputs or None,
     )
     images[0].save(request["png"], format="PNG")
     run = pipe.last_run

@@ -54,6 +54,30 @@ def read_hf_quant_config(directory: Path) -> dict[str, Any] | None:
     return None
 
 
+# processor key -> the vision tower's config key
+VISION_KEYS = {
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "spatial_merge_size",
+}
+
+
+def check_vision_processor(processor: Path, text_encoder: Path) -> None:
+    """Refuse a vision-language checkpoint whose text encoder has no vision tower, or whose `processor/`
+    patches images otherwise than that tower (patch size, temporal patch size, merge size), naming both
+    values: the image slots the processor writes must be the ones the tower fills."""
+    found = read_json(processor / "preprocessor_config.json")
+    vision = read_json(text_encoder / "config.json").get("vision_config")
+    if not isinstance(vision, dict):
+        raise CheckpointError(f"{text_encoder / 'config.json'} has no vision_config: it cannot see images")
+    for key, theirs in VISION_KEYS.items():
+        if found.get(key) is not None and vision.get(theirs) is not None and found[key] != vision[theirs]:
+            raise CheckpointError(
+                f"{processor}: {key} {found[key]} differs from the text encoder's vision {theirs} "
+                f"{vision[theirs]}"
+            )
+
+
 def is_fp8_transformer(directory: Path) -> bool:
     """Whether a transformer directory declares ModelOpt FP8 weights (its quantization config)."""
     raw = read_json(directory / "config.json")

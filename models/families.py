@@ -13,7 +13,11 @@ from models.embedded import DEFAULT_MODEL_DIR, EMBEDDED_NAME
 from models.errors import CheckpointError
 from models.family import CheckpointSpec, ModelFamily
 
-FAMILY_MODULES = ("models.qwen_image.family",)
+FAMILY_MODULES = (
+    "models.qwen_image.family",
+    "models.qwen_image_edit.family",
+    "models.qwen_image21.family",
+)
 
 
 @cache

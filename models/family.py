@@ -88,6 +88,7 @@ class CheckpointSpec:
     fp8: bool  # the transformer is a ModelOpt FP8 export
     max_images: int = 0  # input images a request may carry (0: text to image only)
     images_required: bool = False  # the model cannot generate without an input image
+    sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,12 @@ def load_transformer(
     return transformer_from_state(model, state, quant, dtype, directory, origins)
 
 
+def meta_transformer(directory: Path, build: Callable[[dict[str, Any]], nn.Module]) -> nn.Module:
+    """The transformer of `directory` built from its config.json on the meta device (shapes, no weights)."""
+    with torch.device("meta"):
+        return build(read_json(directory / "config.json"))
+
+
 def transformer_from_state(
     model: nn.Module,
     state: dict[str, torch.Tensor],
@@ -169,6 +175,61 @@ def quiet_loading() -> Iterator[None]:
         diffusers_logging.set_verbosity(levels[1])
         if bars:
             transformers_logging.enable_progress_bar()
+
+
+def load_diffusers_model(
+    directory: Path, model_class: type, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """A diffusers model (a VAE) of a local folder, built from its config.json on the meta device and given
+    its safetensors, every tensor checked by name and shape; a config the class refuses is one line."""
+    config_path = directory / "config.json"
+    config = read_json(config_path)
+    try:
+        with torch.device("meta"):
+            model = model_class.from_config(config)
+    except (TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise CheckpointError(f"{config_path}: not a valid {model_class.__name__} config: {err}") from err
+    origins: dict[str, Path] = {}
+    state = read_state_dict(directory, device, origins)
+    check_state_dict(model.state_dict(), state, directory, origins)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def load_pretrained_model(
+    directory: Path, model_class: type, dtype: torch.dtype, device: torch.device | str, what: str
+) -> nn.Module:
+    """A transformers model (`what`: e.g. "text encoder") of a local folder, every weight required and
+    shaped as its config.json says; any loading problem is one CheckpointError."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{what} folder not found: {directory}")
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{what} folder has no config.json: {directory}")
+    try:
+        model, info = model_class.from_pretrained(
+            directory,
+            local_files_only=True,
+            dtype=dtype,
+            ignore_mismatched_sizes=True,  # reported below as one message instead of a log table
+            output_loading_info=True,
+        )
+    except Exception as exc:  # transformers raises OSError, ValueError, RuntimeError... for a bad folder
+        raise CheckpointError(f"{what} in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
+    mismatched = sorted(
+        f"{key} is {tuple(saved)}, config wants {tuple(wanted)}"
+        for key, saved, wanted in info["mismatched_keys"]
+    )
+    if mismatched:
+        raise CheckpointError(
+            f"{what} in {directory} does not match its config.json ({len(mismatched)} tensors, "
+            f"e.g. {mismatched[0]})"
+        )
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise CheckpointError(
+            f"{what} in {directory} lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}"
+        )
+    return model.to(device).eval()
 
 
 def load_scheduler(directory: Path) -> FlowMatchEulerDiscreteScheduler:

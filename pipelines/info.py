@@ -5,7 +5,7 @@ from models.errors import InputError
 from models.family import CheckpointSpec
 from models.fp8 import Fp8Linear
 from models.fp8_weight_only import Fp8WeightOnlyLinear
-from pipelines.parallel import plan_for
+from pipelines.parallel import check_supported, plan_for
 from pipelines.pipeline import Pipeline
 
 
@@ -42,6 +42,13 @@ def _training(pipe: Pipeline) -> list[str]:
     ]
 
 
+def _input_images(spec: CheckpointSpec) -> str:
+    if spec.max_images == 0:
+        return "none (text to image)"
+    need = "at least 1" if spec.images_required else "optional"
+    return f"{need}, at most {spec.max_images} (generate --image FILE, repeatable)"
+
+
 def describe(pipe: Pipeline) -> str:
     """Family, components, parameter counts by dtype, precision, variants, defaults and FP8 fusion state."""
     d = pipe.defaults
@@ -57,6 +64,7 @@ def describe(pipe: Pipeline) -> str:
         f"variants available: {', '.join(pipe.available_variants())}",
         *pipe.model.describe(),
         f"image sizes: multiples of {pipe.size_multiple}",
+        f"input images: {_input_images(pipe.spec)}",
         f"defaults: {d.width}x{d.height}, {d.num_inference_steps} steps, {cfg}",
         f"quantization: {_quantization(pipe)}",
         pipe.fusion_summary(),
@@ -72,7 +80,9 @@ def describe_plans(gpus: int, spec: CheckpointSpec) -> str:
     lines = []
     for true_cfg in (True, False):
         try:
-            plan = plan_for(gpus, heads, true_cfg).describe()
+            chosen = plan_for(gpus, heads, true_cfg)
+            check_supported(chosen, spec)
+            plan = chosen.describe()
         except InputError as err:
             plan = f"none ({err})"
         lines.append(f"--gpus {gpus} with true CFG {'on' if true_cfg else 'off'}: {plan}")

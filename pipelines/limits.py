@@ -103,25 +103,33 @@ def _is_number(value: object) -> bool:
 MAX_INPUT_PIXELS = 4096 * 4096  # an input image larger than this is refused (models resize to ~1 MP)
 
 
+def check_image_count(count: int, max_images: int, required: bool, model: str) -> None:
+    """InputError when a model cannot take `count` input images: it takes none, fewer, or needs one."""
+    if count == 0:
+        if required:
+            raise InputError(f"{model} edits images: give at least one input image")
+        return
+    if max_images == 0:
+        raise InputError(f"{model} generates from text only and takes no input images")
+    if count > max_images:
+        raise InputError(f"{count} input images, but {model} takes at most {max_images}")
+
+
+def check_pixels(width: int, height: int, what: str) -> None:
+    """InputError for an image above MAX_INPUT_PIXELS (read from its header, before it is decoded)."""
+    if width * height > MAX_INPUT_PIXELS:
+        raise InputError(f"{what} is {width}x{height}: at most {MAX_INPUT_PIXELS / 1e6:.1f} MP (4096x4096)")
+
+
 def check_images(images: object, max_images: int, required: bool, model: str) -> list:
     """The request's input images as a list (PIL images; empty without any), checked against what the model
     takes: InputError for a model that takes none, too many, a non-image or an image above the pixel cap."""
     import PIL.Image
 
     found = [] if images is None else list(images) if isinstance(images, list | tuple) else [images]
-    if not found:
-        if required:
-            raise InputError(f"{model} edits images: give at least one input image")
-        return found
-    if max_images == 0:
-        raise InputError(f"{model} generates from text only and takes no input images")
-    if len(found) > max_images:
-        raise InputError(f"{len(found)} input images, but {model} takes at most {max_images}")
+    check_image_count(len(found), max_images, required, model)
     for i, each in enumerate(found, 1):
         if not isinstance(each, PIL.Image.Image):
             raise InputError(f"input image {i} is a {type(each).__name__}, not a PIL image")
-        if each.width * each.height > MAX_INPUT_PIXELS:
-            raise InputError(
-                f"input image {i} is {each.width}x{each.height}: at most {MAX_INPUT_PIXELS / 1e6:.1f} MP"
-            )
+        check_pixels(each.width, each.height, f"input image {i}")
     return found

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from models.errors import InputError
 from models.families import inspect_checkpoint
+from models.family import CheckpointSpec
 from models.sequence_parallel import SequenceParallel, all_gather, run_collective, shard_sequence
 from pipelines.launch_env import LEADER_RANK, launched_world_size
 
@@ -89,24 +90,29 @@ def _fits(world_size: int, heads: int, true_cfg: bool) -> bool:
     return heads % (world_size // cfg) == 0
 
 
-def attention_heads(model: str | Path | None) -> int:
-    """The attention heads of a checkpoint's transformer (from its configs only), or of the embedded model."""
-    return inspect_checkpoint(model).attention_heads
+def check_supported(plan: ParallelPlan, spec: CheckpointSpec) -> None:
+    """InputError when `plan` splits the sequence of a model whose family has no Ulysses plan."""
+    if plan.ulysses > 1 and not spec.sequence_parallel:
+        raise InputError(
+            f"{plan.describe()}: Ulysses sequence parallelism is not built for the {spec.family.name} "
+            "family; run true CFG on 2 GPUs (CFG-parallel) or on one GPU"
+        )
 
 
 def resolve_plan(parallel: ParallelPlan | str | None, model: str | Path | None) -> ParallelPlan | None:
-    """The plan `load_pipeline(parallel=...)` asks for, checked against the model's heads before loading:
+    """The plan `load_pipeline(parallel=...)` asks for, checked against the model's configs before loading:
     None for one process, "auto" for the launched world size with true CFG, or a ParallelPlan."""
     if parallel is None:
         return None
-    heads = attention_heads(model)
+    spec = inspect_checkpoint(model)
     if parallel == "auto":
-        plan = plan_for(launched_world_size(), heads)
+        plan = plan_for(launched_world_size(), spec.attention_heads)
     elif isinstance(parallel, ParallelPlan):
         plan = parallel
-        plan.check_heads(heads)
+        plan.check_heads(spec.attention_heads)
     else:
         raise InputError(f"parallel={parallel!r}: give None, 'auto' or a ParallelPlan")
+    check_supported(plan, spec)
     return None if plan.world_size == 1 else plan
 
 

@@ -30,7 +30,7 @@ from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by
 from pipelines.limits import as_prompt_list, check_generation_args, check_images
 from pipelines.lora import LoadedLora, LoraSet
 from pipelines.memory import GpuMemory, in_phase, plan_for
-from pipelines.parallel import ParallelPlan, Ranks, join_ranks, resolve_plan
+from pipelines.parallel import ParallelPlan, Ranks, check_supported, join_ranks, resolve_plan
 from pipelines.presets import get_preset
 from pipelines.sampling import Step, branch_velocities, euler_loop, flow_timesteps
 from pipelines.variants import AUTO, Variant, resolve_variant, variants_for
@@ -274,6 +274,8 @@ class Pipeline:
     def set_parallel(self, plan: ParallelPlan | None) -> None:
         """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
         calls it at the same point; captured graphs are dropped."""
+        if plan is not None:
+            check_supported(plan, self.spec)
         if self.ranks is not None:
             self.ranks.release()
         self.ranks = None if plan is None or plan.world_size == 1 else Ranks(plan, self.transformer)
@@ -288,6 +290,12 @@ class Pipeline:
         if not self.spec.fp8:
             return "FP8 norm+quant fusion: off (BF16 weights)"
         return self.transformer.fusion_report.summary()
+
+    def default_size(self, images: list[PIL.Image.Image] | None = None) -> tuple[int, int]:
+        """(width, height) of a request that gives none: what its input images suggest (Edit: the
+        1024x1024-area size at the aspect of diffusers' chosen image), else the checkpoint's defaults."""
+        suggested = self.model.default_size(images) if images else None
+        return suggested or (self.defaults.width, self.defaults.height)
 
     def encode(
         self,
@@ -326,14 +334,12 @@ class Pipeline:
             raise InputError(f"output_type {output_type!r} must be 'pil' or 'latent'")
         prompts = as_prompt_list(prompt, "prompt")
         images = check_images(image, self.spec.max_images, self.spec.images_required, self.model_name)
-        if images and width is None and height is None:
-            width, height = self.model.default_size(images) or (None, None)
+        size = self.default_size(images)  # each side not given follows it (diffusers' Edit pipelines)
+        width, height = size[0] if width is None else width, size[1] if height is None else height
         negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
         negatives = as_prompt_list(negative_prompt, "negative_prompt")
-        run_preset = get_preset(preset)
+        run_preset = get_preset(preset, self.spec.family.name)
         suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
-        width = self.defaults.width if width is None else width
-        height = self.defaults.height if height is None else height
         steps = suggested.num_inference_steps if num_inference_steps is None else num_inference_steps
         true_cfg_scale = suggested.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
         check_generation_args(
@@ -369,6 +375,8 @@ class Pipeline:
         timer.lap("text_encoding")
 
         canvas = self.model.canvas(width, height, images)
+        if images:
+            timer.lap("image_encoding")
         latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)
         timer.lap("denoising")
         images = latents if output_type == "latent" else self.model.decode(latents, canvas)

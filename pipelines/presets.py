@@ -11,7 +11,8 @@ from typing import Any
 from models.errors import InputError
 
 # The scheduler configuration Qwen-Image-Lightning was distilled for ("We use shift=3 in distillation"),
-# from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (docs/DESIGN.md §7 gives the source).
+# from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (docs/DESIGN.md §7 gives the source); the
+# same script runs the Edit Lightning LoRAs with it (its QwenImageEditPipeline branch, DESIGN §8).
 LIGHTNING_SCHEDULER: dict[str, Any] = {
     "base_image_seq_len": 256,
     "base_shift": math.log(3),
@@ -40,6 +41,7 @@ class Preset:
     true_cfg_scale: float
     scheduler: dict[str, Any]
     lora: str  # the LoRA file the preset is made for (load it with --lora)
+    families: tuple[str, ...] = ("qwen-image",)  # the model families its LoRAs were distilled for
 
     def describe(self) -> str:
         """One line for --help and the UI."""
@@ -63,17 +65,41 @@ PRESETS: dict[str, Preset] = {
     for preset in (
         Preset("lightning-8", 8, 1.0, LIGHTNING_SCHEDULER, "Qwen-Image-Lightning-8steps-*.safetensors"),
         Preset("lightning-4", 4, 1.0, LIGHTNING_SCHEDULER, "Qwen-Image-Lightning-4steps-*.safetensors"),
+        # Qwen-Image-Edit, Edit-2509 and Edit-2511 Lightning (lightx2v): the same schedule on Edit checkpoints
+        *(
+            Preset(
+                f"edit-lightning-{steps}",
+                steps,
+                1.0,
+                LIGHTNING_SCHEDULER,
+                f"Qwen-Image-Edit-*Lightning-{steps}steps-*.safetensors",
+                ("qwen-image-edit",),
+            )
+            for steps in (8, 4)
+        ),
     )
 }
 
 
-def get_preset(name: str | None) -> Preset | None:
-    """The preset called `name` (None stays None); InputError naming the choices otherwise."""
+def get_preset(name: str | None, family: str | None = None) -> Preset | None:
+    """The preset called `name` (None stays None); InputError naming the choices otherwise, or when the
+    preset is not made for the model `family` (when given)."""
     if name is None:
         return None
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    return PRESETS[name]
+    preset = PRESETS[name]
+    if family is not None and family not in preset.families:
+        raise InputError(
+            f"preset {name} is made for {' and '.join(preset.families)} checkpoints ({preset.lora}), "
+            f"not for the {family} family"
+        )
+    return preset
+
+
+def presets_for(family: str | None) -> list[Preset]:
+    """The presets made for the model `family` (every preset for None)."""
+    return [p for p in PRESETS.values() if family is None or family in p.families]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """`qwen-image quantize`: static per-tensor FP8 calibration through the denoise loop, ModelOpt export.
 
 Input amax is recorded on every linear to be quantized while real prompts are denoised (with true
-CFG, so both branches are seen); weights get per-tensor amax scales; linears that read one activation
-(the family's shared-input groups, e.g. the Q/K/V of a stream) share one input scale. The family's
+CFG, so both branches are seen; a checkpoint that edits runs image + instruction pairs); weights get
+per-tensor amax scales; linears that read one activation (the family's shared-input groups, e.g. the
+Q/K/V of a stream) share one input scale. The family's
 recipe names the layers kept in BF16. The result is a diffusers-layout checkpoint whose `transformer/`
 is a ModelOpt FP8 export (DESIGN §3) that this project and other ModelOpt consumers load; the other
 components and the checkpoint's own generation defaults are those of the source.
@@ -19,11 +20,15 @@ from tqdm.auto import tqdm
 
 from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
 from models.errors import InputError
+from models.families import inspect_checkpoint
+from models.family import CheckpointSpec
 from models.fp8_weight_only import WEIGHT_ONLY_KEY
 from models.loading import save_tensors
 from models.lora_files import LoraFile
+from pipelines.images import open_input_image
 from pipelines.pipeline import Pipeline, load_pipeline
 from pipelines.presets import get_preset
+from pipelines.requests import Request, as_requests, check_requests, edit_requests_for
 
 DEFAULT_CALIBRATION_PROMPTS = (
     "a red fox in fresh snow at sunrise, detailed fur",
@@ -38,29 +43,38 @@ DEFAULT_CALIBRATION_PROMPTS = (
 PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
 
 
+def default_calibration(spec: CheckpointSpec) -> list[Request]:
+    """The built-in calibration set of a checkpoint: the text prompts above, or for a model that edits,
+    the built-in edit sets' image + instruction pairs it can take (pipelines/edit_sets)."""
+    if spec.images_required:
+        return edit_requests_for(spec.max_images)
+    return as_requests(DEFAULT_CALIBRATION_PROMPTS)
+
+
 def calibrate(
     pipe: Pipeline,
     linears: dict[str, nn.Linear],
-    prompts: Sequence[str],
+    requests: Sequence[Request],
     steps: int,
     size: int,
     seed: int,
     preset: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Max |input| seen by each linear over all prompts and denoising steps (device tensors, no syncs);
-    true CFG runs unless a preset turns it off."""
+    """Max |input| seen by each linear over all requests (prompts, or edits of their images) and denoising
+    steps (device tensors, no syncs); true CFG runs unless a preset turns it off."""
     graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # hooks must run on every step, not a replay
     try:
         with record_input_amax(linears) as amax:
-            for i, prompt in enumerate(tqdm(prompts, desc="calibrating", unit="prompt")):
+            for i, request in enumerate(tqdm(requests, desc="calibrating", unit="prompt")):
                 pipe.generate(
-                    prompt,
+                    request.prompt,
                     negative_prompt=" ",
                     width=size,
                     height=size,
                     num_inference_steps=steps,
                     seed=seed + i,
                     preset=preset,
+                    image=[open_input_image(path) for path in request.images] or None,
                     output_type="latent",  # calibration needs the transformer's inputs, not pictures
                 )
     finally:
@@ -104,7 +118,7 @@ def write_fp8_transformer(
 def quantize_checkpoint(
     model: str | Path | None,
     out: Path,
-    prompts: Sequence[str] = DEFAULT_CALIBRATION_PROMPTS,
+    prompts: Sequence[str | Request] | None = None,
     ignore: Sequence[str] | None = None,
     steps: int | None = None,
     size: int | None = None,
@@ -115,24 +129,29 @@ def quantize_checkpoint(
     fp8_modulation: bool = False,
 ) -> Path:
     """Calibrate `model` (None: the embedded default) and write its FP8 ModelOpt checkpoint to `out`;
-    `loras` (file, scale) are baked into the BF16 weights first, `preset` sets the calibration run;
-    `ignore` None keeps the family's BF16 fallback list; `fp8_modulation` stores the family's weight-only
-    layers (Qwen-Image's modulation) in FP8 with per-channel scales instead of BF16."""
+    `prompts` (text prompts or requests with images; None: the built-in set for the model) are checked
+    against what the model takes before it loads; `loras` (file, scale) are baked into the BF16 weights
+    first, `preset` sets the calibration run; `ignore` None keeps the family's BF16 fallback list;
+    `fp8_modulation` stores the family's weight-only layers (Qwen-Image's modulation) in FP8 with
+    per-channel scales instead of BF16."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"output {out} exists and is not an empty directory")
-    get_preset(preset)
+    spec = inspect_checkpoint(model)
+    get_preset(preset, spec.family.name)
+    requests = default_calibration(spec) if prompts is None else as_requests(prompts)
+    check_requests(requests, spec.max_images, spec.images_required, spec.name)
     pipe = load_pipeline(model, variant="contract", device=device)
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
     source = pipe.spec.directory
-    return quantize_pipeline(pipe, out, prompts, ignore, steps, size, seed, source, preset, fp8_modulation)
+    return quantize_pipeline(pipe, out, requests, ignore, steps, size, seed, source, preset, fp8_modulation)
 
 
 def quantize_pipeline(
     pipe: Pipeline,
     out: Path,
-    prompts: Sequence[str] = DEFAULT_CALIBRATION_PROMPTS,
+    prompts: Sequence[str | Request] | None = None,
     ignore: Sequence[str] | None = None,
     steps: int | None = None,
     size: int | None = None,
@@ -141,10 +160,12 @@ def quantize_pipeline(
     preset: str | None = None,
     fp8_modulation: bool = False,
 ) -> Path:
-    """Calibrate a loaded BF16 pipeline and write the FP8 checkpoint; its loaded LoRAs are baked into the
-    weights first (so calibration sees the activations they cause); the other components (and the
-    checkpoint's generation defaults) are copied from `source` when given, else saved from memory."""
-    if not prompts:
+    """Calibrate a loaded BF16 pipeline on `prompts` (None: its built-in set) and write the FP8 checkpoint;
+    its loaded LoRAs are baked into the weights first (so calibration sees the activations they cause); the
+    other components (and the checkpoint's generation defaults) are copied from `source` when given, else
+    saved from memory."""
+    requests = default_calibration(pipe.spec) if prompts is None else as_requests(prompts)
+    if not requests:
         raise InputError("no calibration prompts")
     if pipe.spec.fp8:
         raise InputError(f"{pipe.model_name} is already an FP8 checkpoint: quantize its BF16 source")
@@ -154,7 +175,7 @@ def quantize_pipeline(
     if fp8_modulation and not weight_only_globs:
         raise InputError(f"{pipe.model_name}: its family names no layers to store FP8 weight-only")
     ignore = tuple(glob for glob in ignore if glob not in weight_only_globs)
-    run_preset = get_preset(preset)
+    run_preset = get_preset(preset, pipe.spec.family.name)
     steps = steps or (
         run_preset.num_inference_steps if run_preset else min(pipe.defaults.num_inference_steps, 20)
     )
@@ -169,7 +190,7 @@ def quantize_pipeline(
         if name not in linears
     }
     amax = share_group_amax(
-        calibrate(pipe, linears, prompts, steps, size, seed, preset), recipe.shared_inputs
+        calibrate(pipe, linears, requests, steps, size, seed, preset), recipe.shared_inputs
     )
     state = fp8_state_dict(pipe.transformer, linears, amax, weight_only)
     if source is None:

@@ -41,7 +41,7 @@ from models.qwen_image.model import QUANTIZATION
 from models.qwen_image.text_encoder import build_tiny_text_encoder
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer
-from models.qwen_image_edit.conditioning import load_processor
+from models.qwen_image_edit.conditioning import load_edit_image, load_processor
 
 PIPELINES = {cls.__name__: cls for cls in (QwenImageEditPipeline, QwenImageEditPlusPipeline)}
 TEXT_HIDDEN = 64
@@ -91,6 +91,20 @@ def build_edit_checkpoint(directory: Path, pipeline_class: str, zero_cond_t: boo
     return directory
 
 
+EDIT_VARIANTS = {  # name: (pipeline class, zero_cond_t): Edit, and Plus as Edit-2509 and Edit-2511 are
+    "edit": ("QwenImageEditPipeline", False),
+    "plus-2509": ("QwenImageEditPlusPipeline", False),
+    "plus-2511": ("QwenImageEditPlusPipeline", True),
+}
+
+
+def build_edit_checkpoints(root: Path, seeds: dict[str, int]) -> dict[str, Path]:
+    """Tiny checkpoints of the named EDIT_VARIANTS under `root`, each with its own seed."""
+    return {
+        name: build_edit_checkpoint(root / name, *EDIT_VARIANTS[name], seed) for name, seed in seeds.items()
+    }
+
+
 def diffusers_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32) -> Any:
     """diffusers' own Edit pipeline of `directory` (the class model_index.json names), loaded by its
     `from_pretrained`; the processor comes from `load_processor` (transformers' PIL backend here)."""
@@ -99,6 +113,15 @@ def diffusers_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32)
         directory, processor=load_processor(directory / "processor"), dtype=dtype
     )
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def our_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32, variant: str = "reference") -> Any:
+    """Our pipeline of `directory` on the CPU, with the image areas `small_edit_areas` gives diffusers."""
+    from pipelines import load_pipeline
+
+    pipe = load_pipeline(directory, variant=variant, device="cpu", dtype=dtype)
+    pipe.model.vae_area, pipe.model.condition_area = SMALL_VAE_AREA, SMALL_CONDITION_AREA
     return pipe
 
 
@@ -117,6 +140,40 @@ def small_edit_areas(
         yield
     finally:
         plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE, edit.calculate_dimensions = saved
+
+
+def diffusers_edit(
+    pipe: Any,
+    prompts: list[str],
+    images: list[PIL.Image.Image],
+    negative: str | None,
+    size: tuple[int, int],
+    steps: int = 2,
+    true_cfg_scale: float = 4.0,
+    per_prompt: int = 1,
+    seed: int = 0,
+) -> list[PIL.Image.Image]:
+    """diffusers' Edit pipeline on `load_image`-converted images at the small image areas. Edit takes one
+    image, or a list with one per prompt for a prompt batch (its vision tower then sees them unresized:
+    give an image already at the resized size and that path computes what one shared image does)."""
+    rgb = [load_edit_image(image) for image in images]
+    plus = isinstance(pipe, QwenImageEditPlusPipeline)
+    batch = len(prompts) > 1
+    image = rgb if plus else rgb * len(prompts) if batch else rgb[0]
+    negatives = [negative] * len(prompts) if batch and negative else negative
+    width, height = size
+    with small_edit_areas():
+        return pipe(
+            image=image,
+            prompt=prompts if batch else prompts[0],
+            negative_prompt=negatives,
+            true_cfg_scale=true_cfg_scale,
+            width=width,
+            height=height,
+            num_inference_steps=steps,
+            num_images_per_prompt=per_prompt,
+            generator=torch.Generator().manual_seed(seed),
+        ).images
 
 
 def drawn_image(width: int, height: int, seed: int, mode: str = "RGB") -> PIL.Image.Image:

@@ -66,10 +66,9 @@ def step_without_host_sync(
     over the image tokens of `grid` (a layout: target and reference grids): a warm-up that fills the RoPE
     cache as the first step does, then one under NoHostSync, which fails on any host synchronisation."""
     tokens = ImageLayout.of(grid).tokens
-    latents = torch.randn(2, tokens, model.config.in_channels, dtype=torch.bfloat16, device=device)
-    prompt = torch.randn(
-        2, text_tokens, model.config.joint_attention_dim, dtype=torch.bfloat16, device=device
-    )
+    dtype = model.proj_out.weight.dtype  # the activations' dtype (a BF16 linear also in FP8 models)
+    latents = torch.randn(2, tokens, model.config.in_channels, dtype=dtype, device=device)
+    prompt = torch.randn(2, text_tokens, model.config.joint_attention_dim, dtype=dtype, device=device)
     mask = None
     if pad_from is not None:
         mask = torch.ones(2, text_tokens, dtype=torch.long, device=device)

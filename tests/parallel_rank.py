@@ -6,7 +6,10 @@ images and what it saw to OUT_DIR.
 Scenarios: `two` (CFG-2 and Ulysses-2 on BF16 and FP8, no host syncs in a sharded step, the web demo's
 leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step), `gpu`
 (tests/gpu/test_parallel_gpu.py: CFG-2 and Ulysses-2 on two GPUs, graphs and eager), `edit` (the tiny
-Edit-2511 transformer under Ulysses: the per-token modulation index splits with the image rows).
+Edit-2511 transformer under Ulysses: the per-token modulation index splits with the image rows),
+`edit-cfg` (an Edit checkpoint's pipeline under CFG-2: FP8_DIR is the Edit checkpoint), `qi21` (a tiny
+Qwen-Image 2.1 checkpoint, the third argument, under CFG-2 with a condition image, KV cache on and off;
+Ulysses refused).
 """
 
 import json
@@ -22,6 +25,9 @@ from pipelines.parallel import ParallelPlan
 PROMPTS = ["a red fox", "a long prompt about a small blue bird singing on a branch at dawn"]
 SIZE = dict(width=64, height=48, num_inference_steps=2, seed=3)
 CFG_ON = dict(negative_prompt="blurry", **SIZE)
+# BF16 numerics pinned on both sides of every comparison: the CPU's own default (FP32 on CPUs without
+# native BF16) would tie the bytes to the CPU the suite meets.
+BF16 = dict(dtype="bf16", variant="contract")
 GPU_ARGS = dict(negative_prompt=" ", width=256, height=192, num_inference_steps=10, seed=3)
 
 
@@ -44,14 +50,15 @@ def sharded_step_has_no_host_sync(pipe) -> bool:
 
 def web_demo_jobs(pipe, out: Path) -> dict:
     """Rank 0 leads four jobs as the demo's Runner would (one stopped, one refused); the others follow."""
-    from ui.generation import STOP_PRESSED, Job, Runner, Stopped
+    from ui.limits import Limits
     from ui.ranks import Leader, follow
+    from ui.runner import STOP_PRESSED, Job, Runner, Stopped
 
     if not pipe.ranks.is_leader:
         follow(pipe)
         return {}
     leader = Leader(pipe)
-    runner = Runner(leader, time_limit_s=600)
+    runner = Runner(leader, Limits.for_device("cpu", time_limit_s=600))
     seen = {}
 
     def job(prompt: str, **kwargs) -> Job:
@@ -79,7 +86,7 @@ def web_demo_jobs(pipe, out: Path) -> dict:
 
 
 def run_two(out: Path, fp8: str) -> dict:
-    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2))
+    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2), **BF16)
     for name, images in generate_all(pipe).items():
         save(out, f"bf16-cfg2-{name}", images)
     seen = web_demo_jobs(pipe, out)
@@ -103,7 +110,7 @@ def run_two(out: Path, fp8: str) -> dict:
 
 
 def run_four(out: Path, fp8: str) -> dict:
-    pipe = load_pipeline(device="cpu", parallel="auto")
+    pipe = load_pipeline(device="cpu", parallel="auto", **BF16)
     for name, images in generate_all(pipe).items():
         save(out, f"bf16-c2u2-{name}", images)
     fp8_pipe = load_pipeline(fp8, device="cpu", parallel="auto")
@@ -129,7 +136,7 @@ def run_gpu(out: Path, fp8: str) -> dict:
 
 
 def run_die(out: Path) -> dict:
-    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2))
+    pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2), **BF16)
 
     def die_after_first_step(i: int, total: int) -> None:
         if pipe.ranks.rank == 1:
@@ -171,10 +178,65 @@ def run_edit(out: Path, _: str | None) -> dict:
     return {"fusion": models["fp8"].fusion_report.summary().splitlines()[0], "no_host_sync": True}
 
 
+QI21_PROMPTS = ["make it snow", "a much longer prompt: make it snow and add a red sledge"]
+
+
+def qi21_args() -> dict:
+    """The 2.1 request every rank and the one process make: a condition image, true CFG, three steps."""
+    from edit_fixtures import drawn_image
+
+    image = drawn_image(96, 64, seed=4, mode="RGBA")
+    return dict(image=image, negative_prompt="blurry", true_cfg_scale=3.0, num_inference_steps=3, seed=3)
+
+
+def run_qi21(out: Path, model: str) -> dict:
+    from qi21_checkpoints import RESOLUTION
+
+    pipe = load_pipeline(model, variant="reference", device="cpu", dtype="fp32", parallel=ParallelPlan(cfg=2))
+    pipe.model.resolution = RESOLUTION
+    for cache in (True, False):
+        pipe.model.use_kv_cache = cache
+        save(out, f"qi21-cfg2-{'cache' if cache else 'nocache'}", pipe.generate(QI21_PROMPTS, **qi21_args()))
+    seen = {"plan": pipe.parallel_summary()}
+    try:
+        pipe.set_parallel(ParallelPlan(ulysses=2))
+    except InputError as err:  # on every rank alike, before any collective
+        seen["ulysses"] = str(err)
+    return seen
+
+
+EDIT_ARGS = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=2, seed=3)
+
+
+def edit_inputs() -> list:
+    from edit_fixtures import drawn_image
+
+    return [drawn_image(60, 44, 1), drawn_image(37, 52, 2, "RGBA")]
+
+
+def run_edit_cfg(out: Path, edit_dir: str) -> dict:
+    """Edits of an Edit-2511-like checkpoint under CFG-2, true CFG on and off (small image areas)."""
+    from edit_fixtures import SMALL_CONDITION_AREA, SMALL_VAE_AREA
+
+    pipe = load_pipeline(edit_dir, device="cpu", parallel=ParallelPlan(cfg=2))
+    pipe.model.vae_area, pipe.model.condition_area = SMALL_VAE_AREA, SMALL_CONDITION_AREA
+    save(out, "edit-cfg2-cfg", pipe.generate("put 1 beside 2", image=edit_inputs(), **EDIT_ARGS))
+    no_cfg = {**EDIT_ARGS, "negative_prompt": None}
+    save(out, "edit-cfg2-nocfg", pipe.generate("put 1 beside 2", image=edit_inputs(), **no_cfg))
+    return {"plan": pipe.parallel_summary()}
+
+
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     fp8 = sys.argv[3] if len(sys.argv) > 3 else None
-    runs = {"two": run_two, "four": run_four, "gpu": run_gpu, "edit": run_edit}
+    runs = {
+        "two": run_two,
+        "four": run_four,
+        "gpu": run_gpu,
+        "edit": run_edit,
+        "edit-cfg": run_edit_cfg,
+        "qi21": run_qi21,
+    }
     seen = runs[scenario](out, fp8) if scenario != "die" else run_die(out)
     if os.environ.get("RANK") == "0":
         (out / "seen.json").write_text(json.dumps(seen))

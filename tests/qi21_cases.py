@@ -52,15 +52,18 @@ def diffusers_config(config: QwenImage21Config) -> dict:
 
 @functools.cache
 def model_pair(name: str, dtype: torch.dtype) -> tuple[QwenImage21Transformer2DModel, QwenImage21Transformer]:
-    """diffusers' model with random weights (std 0.3, as in tests/test_transformer_oracle.py) and ours
-    loading its state dict strictly, both in `dtype` and eval mode."""
+    """diffusers' model with random weights (std 0.3, as in tests/test_transformer_oracle.py) in `dtype` as
+    its `from_pretrained(dtype=...)` leaves it (the non-persistent timestep frequencies stay FP32, which
+    `model.to(dtype)` would round), and ours loading its state dict strictly; both in eval mode."""
     config = CONFIGS[name]
     torch.manual_seed(0)
     ref = QwenImage21Transformer2DModel(**diffusers_config(config))
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.3)
+    freqs = ref.time_text_embed.time_proj.freqs
     ref = ref.to(dtype).eval()
+    ref.time_text_embed.time_proj.freqs = freqs
     ours = QwenImage21Transformer(config).to(dtype).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     return ref, ours

@@ -1,7 +1,7 @@
 """The documented examples run as written: every fenced `bash` or `python` block that a doc marks with
 `<!-- cpu-example -->` on the line before it runs on this CPU with the embedded default model;
 `<!-- cpu-example: server -->` blocks run against `qwen-image ui` started as the doc says (on a free port
-in place of 7860).
+in place of 7860), `<!-- cpu-example: serve -->` blocks against `qwen-image serve` (in place of 8000).
 
 Shell blocks run line by line (a trailing `\\` continues a line; `#` comments are dropped) in a temporary
 folder, with `qwen-image` meaning this checkout's CLI (`python -m ui.cli`) and a leading
@@ -21,16 +21,17 @@ import pytest
 from helpers import REPO, free_port
 
 DOCS = ("README.md", "docs/API.md", "ui/README.md", "eval/README.md")
-BLOCK = re.compile(r"^<!-- cpu-example(: server)? -->\n```(bash|python)\n(.*?)\n```", re.M | re.S)
-DEMO_PORT = "7860"
+BLOCK = re.compile(r"^<!-- cpu-example(?:: (server|serve))? -->\n```(bash|python)\n(.*?)\n```", re.M | re.S)
+# The server a marked block runs against: its command, the port the doc names, what it prints once up.
+SERVERS = {"server": ("ui", "7860", "Qwen-Image demo on"), "serve": ("serve", "8000", "Qwen-Image API on")}
 
 pytestmark = pytest.mark.slow
 
 
-def examples() -> list[tuple[str, bool, str, str]]:
-    """(doc, needs the demo server, language, code) of every marked block."""
+def examples() -> list[tuple[str, str, str, str]]:
+    """(doc, the server it needs ('' for none), language, code) of every marked block."""
     return [
-        (doc, bool(server), language, code)
+        (doc, server, language, code)
         for doc in DOCS
         for server, language, code in BLOCK.findall((REPO / doc).read_text(encoding="utf-8"))
     ]
@@ -55,19 +56,20 @@ def test_the_docs_mark_their_cpu_examples():
 
 
 @contextmanager
-def demo_server(env: dict[str, str]) -> Iterator[str]:
-    """`qwen-image ui` on a free port until the block is done; yields the port."""
+def demo_server(env: dict[str, str], kind: str) -> Iterator[str]:
+    """`qwen-image ui` (or `serve`) on a free port until the block is done; yields the port."""
+    name, _, ready = SERVERS[kind]
     port = str(free_port())
-    command = [sys.executable, "-m", "ui.cli", "ui", "--port", port]
+    command = [sys.executable, "-m", "ui.cli", name, "--port", port]
     server = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         for line in server.stdout:
-            if "Qwen-Image demo on" in line:
+            if ready in line:
                 break
         else:
-            pytest.fail("qwen-image ui exited before serving")
+            pytest.fail(f"qwen-image {name} exited before serving")
         yield port
     finally:
         server.terminate()
@@ -80,9 +82,11 @@ def test_example_runs_as_written(doc, server, language, code, tmp_path):
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "GRADIO_ANALYTICS_ENABLED": "False",
     }
-    with demo_server(env) if server else nullcontext(DEMO_PORT) as port:
+    with demo_server(env, server) if server else nullcontext() as port:
+        if server:
+            code = code.replace(SERVERS[server][1], port)
         if language == "python":
-            runs = [[sys.executable, "-c", code.replace(DEMO_PORT, port)]]
+            runs = [[sys.executable, "-c", code]]
         else:
             runs = [["bash", "-c", f"cd {tmp_path} && {command}"] for command in shell_commands(code)]
         for run in runs:

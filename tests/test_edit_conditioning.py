@@ -27,22 +27,24 @@ from transformers import Qwen2VLProcessor
 from models.errors import CheckpointError, InputError
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from models.qwen_image_edit.conditioning import (
-    CONDITION_AREA,
     EDIT_DROP_TOKENS,
-    EDIT_KINDS,
     EDIT_TEMPLATE,
     PLUS_TEMPLATE,
     SYSTEM_PROMPT,
-    VAE_AREA,
     ImageTextProcessor,
-    calculate_dimensions,
-    check_processor_fits,
     encode_edit_prompts,
     encode_reference_latents,
     load_edit_image,
     load_processor,
     prepare_edit_images,
     torchvision_available,
+)
+from models.qwen_image_edit.config import (
+    CONDITION_AREA,
+    EDIT_KINDS,
+    VAE_AREA,
+    calculate_dimensions,
+    check_processor_fits,
 )
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import RANK_SCRIPT, launch, png_sha256
-from parallel_rank import CFG_ON, PROMPTS, SIZE
+from parallel_rank import BF16, CFG_ON, PROMPTS, SIZE
 from PIL import Image
 
 from eval.metrics import abs_diff, psnr
@@ -30,7 +30,7 @@ def fp8_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bf16_pipe():
-    return load_pipeline(device="cpu")
+    return load_pipeline(device="cpu", **BF16)
 
 
 @pytest.fixture(scope="module")

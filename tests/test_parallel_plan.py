@@ -2,11 +2,14 @@
 (CLI and API), the Ulysses row split, CFG branches per rank, CUDA-graph segments cut at collectives."""
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
 from helpers import REPO
 
+from models.embedded import DEFAULT_MODEL_DIR
 from models.errors import InputError
 from models.family import Conditioning
 from models.sequence_parallel import Shards, cut_at_collectives, first_words, row_parts, run_collective
@@ -72,13 +75,15 @@ def test_degrees_out_of_range_are_refused():
 
 
 def _checkpoint_config(tmp_path, heads: int):
-    """A directory that passes the layout check, with a transformer config unlike Qwen-Image's."""
-    for name in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
-        (tmp_path / name).mkdir()
-    (tmp_path / "model_index.json").write_text("{}")
-    config = {"num_attention_heads": heads, "attention_head_dim": 40, "axes_dims_rope": [8, 16, 16]}
-    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
-    return tmp_path
+    """The embedded default's configs (weights linked) with a transformer of `heads` heads x 40 channels."""
+    copy = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, copy, copy_function=os.symlink)
+    path = copy / "transformer" / "config.json"
+    config = json.loads(path.read_text())
+    path.unlink()
+    config.update(num_attention_heads=heads, attention_head_dim=40, axes_dims_rope=[8, 16, 16])
+    path.write_text(json.dumps(config))
+    return copy
 
 
 def test_heads_come_from_the_checkpoint_config_before_loading(tmp_path):

@@ -29,17 +29,14 @@ from ui.generation import (
     ASPECT_RATIOS,
     CUSTOM,
     MAX_IMAGES_PER_REQUEST,
-    STOP_PRESSED,
     FieldError,
-    Job,
-    Runner,
-    Stopped,
     check_work,
     format_details,
     job_from_inputs,
     preset_for,
 )
 from ui.limits import DEVICE_LIMITS, Limits, work_of
+from ui.runner import STOP_PRESSED, Job, Runner, Stopped
 
 VARIANTS = ["reference", "contract", "fp8-unfused", "fp8-fused"]
 
@@ -221,12 +218,12 @@ def _job(session: str, steps: int) -> Job:
 
 def test_runner_switches_variant_and_counts_steps() -> None:
     pipe = FakePipe()
-    runner = Runner(pipe, time_limit_s=60)
+    runner = Runner(pipe, Limits(max_work=100, time_limit_s=60))
     seen: list[tuple[int, int]] = []
     job = _job("a", 2)
     images, run = runner.run(job, lambda i, n: seen.append((i, n)))
     assert pipe.variant == run.variant == "contract" and len(images) == 1
-    assert seen == [(1, 2), (2, 2)] and job.steps_done == 2 and job.finished.is_set() and not job.stopped
+    assert seen == [(1, 2), (2, 2)] and job.steps_done == 2 and job.done and not job.stopped
     assert runner.jobs() == []
 
 
@@ -234,7 +231,7 @@ def test_stop_flags_belong_to_jobs() -> None:
     """A session's second job does not take over the first one's flag: Stop reaches both, and stopping
     one job leaves the other running."""
     pipe = FakePipe(delay=0.01)
-    runner = Runner(pipe, time_limit_s=60)
+    runner = Runner(pipe, Limits(max_work=100, time_limit_s=60))
     first, second, other = _job("a", 200), _job("a", 3), _job("b", 3)
     results: dict[str, Any] = {}
 
@@ -268,7 +265,7 @@ def test_time_limit_stops_a_running_job() -> None:
     with pytest.raises(
         Stopped, match=r"^Stopped after \d+ of 200 steps: this server stops a request after 0.1 s\.$"
     ):
-        Runner(pipe, time_limit_s=0.1).run(job, lambda i, n: None)
+        Runner(pipe, Limits(max_work=100, time_limit_s=0.1)).run(job, lambda i, n: None)
     assert 1 <= job.steps_done < 50
 
 
@@ -294,7 +291,7 @@ def test_page_header_names_the_model_device_and_parallel_plan() -> None:
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[FakePipe, Runner, str]]:
     pipe = FakePipe(delay=0.05)
-    runner = Runner(pipe, LIMITS.time_limit_s)
+    runner = Runner(pipe, LIMITS)
     demo = build_app(pipe, LIMITS, runner)
     _, url, _ = demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
     try:
@@ -424,6 +421,30 @@ def test_stop_ends_the_running_generation_with_its_step_count(served: tuple[Fake
     assert message == f"Stopped after {k} of 200 steps." and 2 < k < 100
     assert job.result(timeout=10) == ([], 11, message)  # no images; the seed and the details say what ran
     assert _wait_idle(pipe, runner, within=1.0) < 1.0
+
+
+def test_stop_is_answered_at_once_while_a_long_step_runs() -> None:
+    """A step longer than gradio_client's 5 s read timeout: /stop answers at once with the steps done, the
+    request returns then, and the device drops the job when its step ends (no further step runs)."""
+    pipe = FakePipe(delay=6.0)
+    runner = Runner(pipe, LIMITS)
+    demo = build_app(pipe, LIMITS, runner)
+    _, url, _ = demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    try:
+        client = _client(url)
+        job = client.submit(
+            "long", num_inference_steps=3, seed=11, randomize_seed=False, api_name="/generate"
+        )
+        _wait_for(lambda: pipe.running)
+        start = time.monotonic()
+        message = client.predict(api_name="/stop")
+        assert message == "Stopped after 0 of 3 steps." and time.monotonic() - start < 2.0
+        assert job.result(timeout=2) == ([], 11, message)
+        assert pipe.steps_run == 0 and pipe.running  # answered while the step still runs
+        assert _wait_idle(pipe, runner, within=8.0) < 8.0
+        assert pipe.steps_run == 1
+    finally:
+        demo.close()
 
 
 def test_cancel_frees_the_server_within_a_step(served: tuple[FakePipe, Runner, str]) -> None:

@@ -18,8 +18,8 @@ from PIL import Image
 
 from pipelines import load_pipeline
 from ui.app import EMBEDDED_EXAMPLES, build_app
-from ui.generation import Runner
 from ui.limits import Limits
+from ui.runner import Runner
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -47,7 +47,7 @@ def server() -> Iterator[tuple[str, list[int], Runner]]:
 
     pipe.generate = recording_generate  # type: ignore[method-assign]
     limits = Limits.for_device("cpu")
-    runner = Runner(pipe, limits.time_limit_s)
+    runner = Runner(pipe, limits)
     demo = build_app(pipe, limits, runner)
     _, url, _ = demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
     try:

@@ -1,10 +1,14 @@
-"""Who may use a served model: accounts and the loopback rule, one policy for every front door.
+"""Who may use a served model: accounts, API keys and the loopback rule, one policy for every front door
+(the web demo, `qwen-image ui`, and the HTTP server, `qwen-image serve`).
 
 A server listening on a loopback address (127.0.0.0/8, ::1, or a name for them) serves this machine only
-and may run without accounts; any other address needs accounts, or an explicit `--no-auth` (warned).
+and may run without credentials; any other address needs accounts (the demo) or API keys (the server),
+or an explicit `--no-auth` (warned).
 """
 
 import argparse
+import hashlib
+import hmac
 import ipaddress
 import socket
 from pathlib import Path
@@ -36,6 +40,56 @@ def read_accounts(path: Path) -> list[tuple[str, str]]:
     if not accounts:
         raise InputError(f"auth file {path} has no USER:PASS line")
     return accounts
+
+
+MIN_KEY_CHARS = 16  # shorter API keys are refused; make keys with secrets.token_urlsafe()
+
+
+def read_api_keys(path: Path) -> list[str]:
+    """The API keys of a key file: one per line, blank lines and # comments skipped, each at least
+    MIN_KEY_CHARS long without spaces; InputError naming the file and line otherwise."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"cannot read API key file {path}: {err}") from None
+    keys = []
+    for number, line in enumerate(lines, 1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        if len(key) < MIN_KEY_CHARS or any(c.isspace() for c in key):
+            raise InputError(
+                f"{path} line {number}: an API key is one word of at least {MIN_KEY_CHARS} characters"
+            )
+        keys.append(key)
+    if not keys:
+        raise InputError(f"API key file {path} has no key")
+    return keys
+
+
+class ApiKeys:
+    """Bearer API keys, compared in constant time: every key is checked, each through a SHA-256 digest, so
+    neither the position of a mismatch nor a key's length shows in the time an answer takes."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self._digests = [_digest(key) for key in keys]
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def matches(self, given: str | None) -> bool:
+        """Whether `given` is one of the keys."""
+        digest = _digest(given or "")
+        return given is not None and sum(hmac.compare_digest(digest, key) for key in self._digests) > 0
+
+    def authorize(self, header: str | None) -> bool:
+        """Whether an `Authorization` header carries one of the keys as `Bearer KEY`."""
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and self.matches(token.strip())
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
 def is_loopback(host: str) -> bool:

@@ -7,6 +7,7 @@ client, or the time limit. The generate event has the stable API name "/generate
 """
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,37 +19,30 @@ from PIL import Image
 from models.embedded import EMBEDDED_NAME
 from models.errors import InputError, QwenImageError
 from pipelines import load_pipeline
-from pipelines.limits import MAX_STEPS, MIN_STEPS
 from pipelines.parallel import ParallelPlan
+from ui.controls import settings_controls, settings_fields
+from ui.edit_tab import Handlers, edit_tab
 from ui.generation import (
-    ASPECT_RATIOS,
-    CANCELLED,
     CUSTOM,
-    DISCONNECTED,
     INPUT_NAMES,
-    MAX_IMAGES_PER_REQUEST,
-    RANDOM_SEED,
-    STOP_PRESSED,
-    VARIANT_LABELS,
     FieldError,
-    Job,
     Pipeline,
-    Runner,
-    Stopped,
+    aspect_ratios,
     check_work,
     format_details,
+    job_from_edit_inputs,
     job_from_inputs,
     preset_for,
     seed_note,
-    stop_message,
 )
 from ui.limits import Limits
-from ui.lora_controls import load_lora_files, lora_controls, lora_details
+from ui.lora_controls import load_lora_files, lora_details
 from ui.ranks import serve
+from ui.runner import CANCELLED, DISCONNECTED, STOP_PRESSED, Job, Runner, Stopped
+from ui.uploads import upload_options
 
 LORA_KWARGS = "lora_kwargs"  # the preset and LoRA controls' generate() arguments, beside INPUT_NAMES
-MAX_UPLOAD = "1kb"  # the page takes no files: Gradio's upload route refuses anything larger
-STOP_WAIT_S = 120.0  # Stop answers once the running step ends; a step never takes this long
+EDIT_SIZE = "size"  # the edit form's size choice (EDIT_INPUT_NAMES): it marks an /edit request
 EMBEDDED_EXAMPLES = [  # scenes the embedded default was trained on (eval/scenes.py): colours at positions
     "a red circle on the left and a blue square on the right",
     "two green triangles at the top, black background",
@@ -68,18 +62,25 @@ EXAMPLES = [  # for a real Qwen-Image checkpoint
 def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | None = None) -> gr.Blocks:
     """The demo around an already loaded pipeline (variants switch in place on its weights).
 
-    `limits` default to the pipeline's device type (Limits.for_device); `runner` to one Runner on `pipe`.
+    `limits` default to the pipeline's device type (Limits.for_device); `runner` to one Runner on `pipe`
+    (the HTTP server passes its own, so the page and the API share one queue).
     """
     limits = limits or Limits.for_device(torch.device(pipe.device).type)
-    runner = runner or Runner(pipe, limits.time_limit_s)
+    runner = runner or Runner(pipe, limits)
     defaults = pipe.defaults
+    presets = aspect_ratios(pipe.size_multiple)  # a preset's size for the width/height fields
     variants = pipe.available_variants()
     keep_s = max(1, round(limits.keep_images_minutes * 60))
     delete_cache = (max(1, min(60, keep_s // 2)), keep_s)  # (every, older than) seconds
 
     def admit(values: dict[str, Any], session: str | None) -> Job:
-        """The checked job for one request's values (INPUT_NAMES, and the preset and LoRA controls' state)."""
-        job = job_from_inputs(session, values, variants, pipe.size_multiple)
+        """The checked job for one request's values: a /generate request (INPUT_NAMES) or an /edit one
+        (EDIT_INPUT_NAMES, whose "size" replaces "aspect", and the image inputs); with the preset and LoRA
+        controls' state."""
+        if EDIT_SIZE in values:
+            job = job_from_edit_inputs(session, values, variants, pipe, demo.upload_file_set)
+        else:
+            job = job_from_inputs(session, values, variants, pipe.size_multiple)
         job.kwargs.update(values.get(LORA_KWARGS) or {})
         check_work(job, limits)
         return job
@@ -97,8 +98,8 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     "wait for it or press Stop.",
                 )
         except FieldError as err:
-            return [gr.validate(name != err.field, str(err) * (name == err.field)) for name in inputs]
-        return [gr.validate(True, "") for _ in inputs]
+            return [gr.validate(name != err.field, str(err) * (name == err.field)) for name in values]
+        return [gr.validate(True, "") for _ in values]
 
     async def generate(
         request: gr.Request,
@@ -111,8 +112,11 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
 
-        def on_step(step: int, total: int) -> None:
-            progress((step, total), desc="Decoding" if step == total else "Denoising", unit="steps")
+        context = contextvars.copy_context()  # Gradio finds this request's progress bar through it
+
+        def on_step(step: int, total: int) -> None:  # called on the runner's worker thread
+            desc = "Decoding" if step == total else "Denoising"
+            context.run(progress, (step, total), desc=desc, unit="steps")
 
         progress(0, desc="Encoding the prompt")
         try:
@@ -131,21 +135,24 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         return images, run.seed, seed_note(job) + format_details(run) + lora_details(run)
 
     def stop(request: gr.Request) -> Any:
-        """Stop this client's running generation after its current step (the Stop button, or "/stop");
-        answers once it has, with where it stopped. A request still queued is the page's to cancel."""
-        jobs = runner.stop_session(request.session_hash, STOP_PRESSED)
-        for job in jobs:
-            job.finished.wait(STOP_WAIT_S)
-        stopped = [job for job in jobs if job.stopped]
-        return stop_message(stopped[0], STOP_PRESSED) if stopped else gr.skip()
+        """Stop this client's running generation (the Stop button, or "/stop") and answer at once with where
+        it stopped; the device drops the job after its current step. A request still queued is the page's
+        to cancel."""
+        stopped = [job for job in runner.stop_session(request.session_hash, STOP_PRESSED) if job.stopped]
+        return str(stopped[0].future.exception()) if stopped else gr.skip()
 
     def closed(request: gr.Request) -> None:
         """The page was closed or the client went away: stop what it left running."""
         runner.stop_session(request.session_hash, DISCONNECTED)
 
+    edits, generates = _takes_images(pipe)
     with gr.Blocks(title="Qwen-Image", analytics_enabled=False, delete_cache=delete_cache) as demo:
         gr.Markdown(_header(pipe, limits))
-        with gr.Row():
+        if edits:
+            edit_tab(
+                pipe, variants, Handlers(validate, generate, stop, LORA_KWARGS), None if generates else "stop"
+            )
+        with gr.Row(visible=generates):  # a model that needs input images only edits
             with gr.Column(scale=5):
                 prompt = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt")
                 negative = gr.Textbox("", label="Negative prompt (true CFG)", lines=1, elem_id="negative")
@@ -153,43 +160,13 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                 aspect = gr.Radio(
-                    [(f"{name} · {w}×{h}", name) for name, (w, h) in ASPECT_RATIOS.items()]
-                    + [("custom", CUSTOM)],
-                    value=preset_for(defaults.width, defaults.height),
+                    [(f"{name} · {w}×{h}", name) for name, (w, h) in presets.items()] + [("custom", CUSTOM)],
+                    value=preset_for(defaults.width, defaults.height, pipe.size_multiple),
                     label="Aspect ratio",
                     elem_id="aspect",
                 )
-                with gr.Row():
-                    width = gr.Number(defaults.width, label="Width", precision=0, elem_id="width")
-                    height = gr.Number(defaults.height, label="Height", precision=0, elem_id="height")
-                with gr.Row():
-                    steps = gr.Slider(
-                        MIN_STEPS,
-                        MAX_STEPS,
-                        defaults.num_inference_steps,
-                        step=1,
-                        label="Steps",
-                        elem_id="steps",
-                    )
-                    cfg = gr.Slider(1.0, 10.0, defaults.true_cfg_scale, step=0.1, label="True CFG scale")
-                with gr.Row():
-                    seed = gr.Number(
-                        RANDOM_SEED,
-                        label="Seed (-1: random)",
-                        precision=0,
-                        minimum=RANDOM_SEED,
-                        elem_id="seed",
-                    )
-                    randomize = gr.Checkbox(False, label="Randomize seed")
-                    used_seed = gr.Number(label="Seed used", precision=0, visible=False)
-                    num_images = gr.Slider(1, MAX_IMAGES_PER_REQUEST, 1, step=1, label="Images")
-                variant = gr.Dropdown(
-                    [(VARIANT_LABELS.get(v, v), v) for v in variants],
-                    value=pipe.variant,
-                    label="Pipeline variant",
-                    visible=len(variants) > 1,
-                )
-                lora_kwargs = lora_controls(pipe, steps, cfg)
+                settings = settings_controls(pipe, variants)
+                width, height = settings.width, settings.height
             with gr.Column(scale=6):
                 gallery = gr.Gallery(
                     label="Images",
@@ -201,31 +178,36 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
                 )
                 details = gr.Markdown("Run details appear here.", label="Details", elem_id="details")
         examples = EMBEDDED_EXAMPLES if pipe.model_name == EMBEDDED_NAME else EXAMPLES
-        gr.Examples([[p] for p in examples], inputs=[prompt], label="Example prompts")
+        gr.Examples([[p] for p in examples], inputs=[prompt], label="Example prompts", visible=generates)
 
         private = {"queue": False, "api_visibility": "private"}
-        aspect.input(_fill_size, [aspect, width, height], [width, height], **private)
+        aspect.input(
+            lambda name, w, h: presets.get(name, (w, h)), [aspect, width, height], [width, height], **private
+        )
         for field in (width, height):
             field.input(lambda: CUSTOM, None, aspect, **private)
         triggers = [generate_btn.click, prompt.submit]
         gr.on(triggers, lambda: "", None, details, **private)  # a new request's details replace the last
-        fields = [prompt, negative, aspect, width, height, steps, cfg, seed, randomize, num_images, variant]
+        fields = [prompt, negative, aspect, *settings_fields(settings)]
         # By name: INPUT_NAMES are the API's parameters; the controls' state is not one (a gr.State).
-        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: lora_kwargs}
+        inputs = dict(zip(INPUT_NAMES, fields, strict=True)) | {LORA_KWARGS: settings.lora_kwargs}
         run = gr.on(
             triggers,
             generate,
             inputs_kwargs=inputs,
-            outputs=[gallery, used_seed, details],
+            outputs=[gallery, settings.used_seed, details],
             api_name="generate",
+            api_visibility="public" if generates else "private",
             show_progress_on=gallery,
             concurrency_limit=1,
+            concurrency_id="model",
             validator=validate,
             preprocess=False,  # raw values reach job_from_inputs, which checks each one
         )
         # Gradio's cancel drops a request still waiting in the queue (the page does not cancel a running
         # one); stop() ends a running one and reports it.
-        stop_btn.click(stop, None, details, cancels=[run], queue=False, api_name="stop")
+        stop_options = {"api_name": "stop"} if generates else {"api_visibility": "private"}
+        stop_btn.click(stop, None, details, cancels=[run], queue=False, **stop_options)
         demo.unload(closed)
     return demo.queue(max_size=limits.queue_size, default_concurrency_limit=1)
 
@@ -233,14 +215,20 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
 async def _run(
     runner: Runner, job: Job, on_step: Callable[[int, int], None]
 ) -> tuple[list[Image.Image], Any]:
-    """`runner.run` in a worker thread. Gradio cancels this task on a client's cancel: the job stops,
-    and the task ends only once its thread has (within one step), so the next job never overlaps it."""
+    """The job through the runner's queue. Gradio cancels this task on a client's cancel: the job stops at
+    once (the runner drops it after the running step, and runs one job or batch at a time)."""
+    job.on_step = on_step
     try:
-        return await asyncio.to_thread(runner.run, job, on_step)
+        return await asyncio.wrap_future(runner.submit(job))
     except asyncio.CancelledError:
         job.stop(CANCELLED)
-        await asyncio.to_thread(job.finished.wait)
         raise
+
+
+def _takes_images(pipe: Pipeline) -> tuple[bool, bool]:
+    """(edits, generates): whether the model takes input images, and whether it runs without them."""
+    spec = getattr(pipe, "spec", None)  # a pipeline without a spec (tests' fakes) generates from text
+    return (spec is not None and spec.max_images > 0), (spec is None or not spec.images_required)
 
 
 def _pending_requests(demo: gr.Blocks, session: str | None) -> int:
@@ -270,8 +258,8 @@ def launch(
     are mounted at scale 0 (on every rank) for the LoRA sliders. `limits`: Limits fields to override on
     the device's defaults; `auth`: (user, password) accounts; `on_start(port, limits)` runs once the page
     is up. Gradio's share link stays off whatever the environment says (GRADIO_SHARE), and so does its
-    MCP server; uploads are refused (the page takes none). `gpu_memory` and `workload`: the memory plan
-    (pipelines.load_pipeline).
+    MCP server; uploads are refused above 1 kB, except the Edit tab's images (ui/uploads.py). `gpu_memory`
+    and `workload`: the memory plan (pipelines.load_pipeline).
     """
     pipe = load_pipeline(
         model=model,
@@ -294,9 +282,9 @@ def launch(
             auth=auth or None,
             share=False,
             mcp_server=False,
-            max_file_size=MAX_UPLOAD,
             quiet=True,
             prevent_thread_lock=True,
+            **upload_options(_takes_images(app_pipe)[0]),
         )
         if on_start is not None:
             on_start(demo.server_port, applied)
@@ -315,8 +303,3 @@ def _header(pipe: Pipeline, limits: Limits) -> str:
         f"# Qwen-Image\nModel `{pipe.model_name}`{note} on `{pipe.device}`, {pipe.parallel_summary()}.  \n"
         f"{limits.describe()}"
     )
-
-
-def _fill_size(aspect: str, width: float | None, height: float | None) -> tuple[float | None, float | None]:
-    """A preset's size for the width/height fields; "custom" keeps what they hold."""
-    return ASPECT_RATIOS.get(aspect, (width, height))

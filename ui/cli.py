@@ -1,4 +1,4 @@
-"""`qwen-image`: generate images, inspect a model, run the web demo.
+"""`qwen-image`: generate and edit images, inspect a model, run the web demo or the HTTP image server.
 
 User errors (bad arguments, bad checkpoints) print one line `error: ...` and exit 2, no traceback.
 """
@@ -14,12 +14,20 @@ from pathlib import Path
 from models.errors import ParallelError, QwenImageError
 from models.family import DEFAULT_SEQUENCE_LENGTH, DEFAULT_TRUE_CFG_SCALE, MAX_SEQUENCE_LENGTH
 from pipelines.launch_env import is_leader_process
-from pipelines.limits import DTYPE_NAMES, MAX_IMAGES_PER_PROMPT, MAX_SIDE, MAX_STEPS, MIN_STEPS
+from pipelines.limits import (
+    DTYPE_NAMES,
+    MAX_IMAGES_PER_PROMPT,
+    MAX_INPUT_PIXELS,
+    MAX_SIDE,
+    MAX_STEPS,
+    MIN_STEPS,
+)
 from pipelines.presets import LORA_MODES, PRESETS
 from pipelines.variants import AUTO, VARIANTS
 from ui.access import parse_account
 from ui.commands import COMMANDS
 from ui.limits import DEVICE_LIMITS, Limits
+from ui.uploads import upload_caps
 
 PRESET_HELP = "settings for a distilled LoRA (explicit --steps / --true-cfg-scale win): " + "; ".join(
     p.describe() for p in PRESETS.values()
@@ -76,36 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = command("generate", "generate images from a prompt")
     gen.add_argument("prompt")
-    gen.add_argument("-o", "--out", default="out.png", help="output PNG (index appended for several images)")
+    _add_sampling_args(gen, "the model's, 1024 for Qwen-Image checkpoints, 256 for the embedded model")
     gen.add_argument(
-        "--negative-prompt",
-        help="enables true CFG when --true-cfg-scale > 1 (default: the model's: none for diffusers "
-        'checkpoints, " " for the embedded model, which was trained for it)',
-    )
-    side = f"a multiple of the model's size multiple (16 for Qwen-Image: `qwen-image info`) up to {MAX_SIDE}"
-    model_default = "default: the model's, 1024 for Qwen-Image checkpoints, 256 for the embedded model"
-    gen.add_argument("--width", type=int, help=f"image width in pixels, {side} ({model_default})")
-    gen.add_argument("--height", type=int, help=f"image height in pixels, {side} ({model_default})")
-    gen.add_argument(
-        "--steps",
-        type=int,
-        dest="num_inference_steps",
-        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS}; a --preset sets its own "
-        "(default: 50, 20 for the embedded model)",
-    )
-    gen.add_argument(
-        "--true-cfg-scale",
-        type=float,
-        help="true CFG scale; needs a negative prompt; 1 turns CFG off; a --preset sets 1.0 "
-        f"(default: the model's, {DEFAULT_TRUE_CFG_SCALE:g})",
-    )
-    gen.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
-    gen.add_argument(
-        "--num-images",
-        type=int,
-        default=1,
-        dest="num_images_per_prompt",
-        help=f"images, 1..{MAX_IMAGES_PER_PROMPT}",
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an input image for models that take them (Qwen-Image 2.1: condition images, at most 4), in "
+        "order; repeatable. Without --width/--height the output takes the last image's aspect "
+        "(`qwen-image info` says how many a model takes)",
     )
     gen.add_argument(
         "--max-sequence-length",
@@ -113,17 +99,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SEQUENCE_LENGTH,
         help=f"text tokens kept, 1..{MAX_SEQUENCE_LENGTH}",
     )
-    _add_lora_args(gen)
-    gen.add_argument(
-        "--lora-mode",
-        choices=LORA_MODES,
-        default="branch",
-        help="branch: each LoRA beside its layers, FP8 paths stay fused (dual output); "
-        "merge: folded into the weights, no extra GEMMs (FP8 weights requantized)",
-    )
-    gen.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
+    _add_lora_run_args(gen)
     _add_model_args(gen)
     _add_gpus_arg(gen, "generate")
+
+    edit = command("edit", "edit images following an instruction (a Qwen-Image-Edit checkpoint)")
+    edit.add_argument("prompt", metavar="instruction", help="what to change, e.g. 'make the sky red'")
+    edit.add_argument(
+        "--image",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help=f"an input image (any format Pillow reads, at most {MAX_INPUT_PIXELS / 1e6:.1f} MP: 4096x4096); "
+        "repeat it for a model that takes several (`qwen-image info` says how many: 3 for Edit-2509/2511, "
+        "which call them Picture 1, 2, ... in this order)",
+    )
+    _add_sampling_args(
+        edit, "the aspect of the first (Edit) or last (Plus) image at about 1024x1024 pixels, as diffusers"
+    )
+    _add_lora_run_args(edit)
+    _add_model_args(edit)
+    _add_gpus_arg(edit, "edit")
+    edit.set_defaults(max_sequence_length=DEFAULT_SEQUENCE_LENGTH)  # Edit prompts ignore it, as in diffusers
 
     info = command("info", "components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
@@ -132,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant = command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
     quant.add_argument("--out", required=True, help="new checkpoint directory")
-    quant.add_argument("--calib-prompts", help="text file, one prompt per line (default: a built-in set)")
+    quant.add_argument(
+        "--calib-prompts",
+        help="text file, one prompt per line; for a checkpoint that edits, an edit set (.jsonl: one "
+        '{"prompt": ..., "images": [...]} per line, image paths relative to it) (default: a built-in set: '
+        "8 prompts, or the drawn image + instruction pairs of pipelines/edit_sets)",
+    )
     quant.add_argument(
         "--steps", type=int, help="denoising steps per calibration prompt (default: the model's, at most 20)"
     )
@@ -160,26 +162,80 @@ def build_parser() -> argparse.ArgumentParser:
     ui.epilog = (
         "By default only this machine can open the page. To serve others, listen on another address with "
         "accounts: qwen-image ui --host 0.0.0.0 --auth alice:s3cret (or --auth-file FILE, one USER:PASS per "
-        "line). --no-auth serves without sign-in."
+        "line). --no-auth serves without sign-in. A model that edits images gets an Edit tab, which takes "
+        f"{upload_caps()}; a text-to-image model's page takes no uploads (1 kB at most)."
     )
     _add_ui_args(ui)
     ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
     _add_model_args(ui)
     _add_gpus_arg(ui, "serve")
+
+    serve = command(
+        "serve",
+        "the HTTP image server: the OpenAI Images API (/v1/images/generations, /v1/images/edits), "
+        "requests batched, optionally the web demo on the same port",
+    )
+    serve.epilog = (
+        "By default only this machine can reach it. To serve others, listen on another address with API "
+        "keys: qwen-image serve --host 0.0.0.0 --api-key-file keys.txt (one key per line, at least 16 "
+        "characters). "
+        "--no-auth serves without keys."
+    )
+    _add_listen_args(serve, 8000, "an --api-key-file")
+    serve.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="API keys, one per line (# comments): requests must send Authorization: Bearer KEY",
+    )
+    serve.add_argument(
+        "--no-auth", action="store_true", help="listen on a non-loopback --host without API keys (warns)"
+    )
+    serve.add_argument(
+        "--ui",
+        action="store_true",
+        help="also serve the web demo at /ui on the same port and job queue (sign in: any user name, an API "
+        "key as the password, when there are keys)",
+    )
+    serve.add_argument(
+        "--max-batch",
+        type=_positive(int),
+        default=1,
+        metavar="IMAGES",
+        help="image rows one denoising step may hold: requests with the same settings share a step, and "
+        "every batch runs at its full size so each image equals the same request served alone (a lone "
+        "request computes the whole batch); 1 runs each request alone, as generate does; on CUDA also "
+        "bounded by free memory",
+    )
+    serve.add_argument(
+        "--batch-window-ms",
+        type=_positive(float),
+        default=20.0,
+        metavar="MS",
+        help="how long an idle server waits for requests that can share the first one's batch",
+    )
+    _add_limit_args(serve, http=True)
+    serve.add_argument(
+        "--lora-dir", help="load the *.safetensors LoRAs of this directory at scale 0 (lora_scales)"
+    )
+    _add_model_args(serve)
     return parser
+
+
+def _add_listen_args(parser: argparse.ArgumentParser, port: int, credentials: str) -> None:
+    """Where a server listens: --host (loopback by default) and --port."""
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=f"address to listen on: 127.0.0.1 is this machine only; any other needs {credentials} or "
+        "--no-auth",
+    )
+    parser.add_argument("--port", type=int, default=port, help="port to listen on")
 
 
 def _add_ui_args(ui: argparse.ArgumentParser) -> None:
     """Where `qwen-image ui` listens, who may sign in, and the job limits (their defaults by device)."""
-    cuda, cpu = DEVICE_LIMITS["cuda"], DEVICE_LIMITS["cpu"]
-    default = {f.name: f.default for f in dataclasses.fields(Limits)}
-    ui.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on: 127.0.0.1 is this machine only; any other needs an --auth account "
-        "or --no-auth",
-    )
-    ui.add_argument("--port", type=int, default=7860, help="port to listen on")
+    _add_listen_args(ui, 7860, "an --auth account")
     ui.add_argument(
         "--auth",
         action="append",
@@ -193,7 +249,14 @@ def _add_ui_args(ui: argparse.ArgumentParser) -> None:
     ui.add_argument(
         "--no-auth", action="store_true", help="listen on a non-loopback --host without sign-in (warns)"
     )
-    limits = ui.add_argument_group("job limits")
+    _add_limit_args(ui)
+
+
+def _add_limit_args(parser: argparse.ArgumentParser, http: bool = False) -> None:
+    """The job limits (their defaults by device); with `http`, the HTTP server's size bounds too."""
+    cuda, cpu = DEVICE_LIMITS["cuda"], DEVICE_LIMITS["cpu"]
+    default = {f.name: f.default for f in dataclasses.fields(Limits)}
+    limits = parser.add_argument_group("job limits")
     limits.add_argument(
         "--max-work",
         type=_positive(float),
@@ -219,7 +282,8 @@ def _add_ui_args(ui: argparse.ArgumentParser) -> None:
         type=_positive(int),
         metavar="N",
         help="requests one browser tab or API client may have waiting or running "
-        f"(default: {default['jobs_per_client']})",
+        + ("(the web demo's; the HTTP API is bounded by --queue-size alone) " if http else "")
+        + f"(default: {default['jobs_per_client']})",
     )
     limits.add_argument(
         "--keep-images",
@@ -228,6 +292,16 @@ def _add_ui_args(ui: argparse.ArgumentParser) -> None:
         help="generated images are deleted from the server after this long "
         f"(default: {default['keep_images_minutes']:g})",
     )
+    if not http:
+        return
+    for flag, name, what in (
+        ("--max-body-mb", "max_body_mb", "largest JSON request body"),
+        ("--max-upload-mb", "max_upload_mb", "largest multipart request (an edit's input images)"),
+        ("--cache-mb", "cache_mb", "PNGs kept for response_format=url (the oldest go first)"),
+    ):
+        limits.add_argument(
+            flag, type=_positive(float), metavar="MB", help=f"{what} (default: {default[name]:g})"
+        )
 
 
 def _positive(kind: type) -> Callable[[str], float]:
@@ -244,6 +318,57 @@ def _positive(kind: type) -> Callable[[str], float]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, size_default: str) -> None:
+    """The options `generate` and `edit` share: output, negative prompt, size, steps, CFG, seed, count."""
+    parser.add_argument(
+        "-o", "--out", default="out.png", help="output PNG (index appended for several images)"
+    )
+    parser.add_argument(
+        "--negative-prompt",
+        help="enables true CFG when --true-cfg-scale > 1 (default: the model's: none for diffusers "
+        'checkpoints, " " for the embedded model, which was trained for it)',
+    )
+    side = f"a multiple of the model's size multiple (16 for Qwen-Image: `qwen-image info`) up to {MAX_SIDE}"
+    parser.add_argument("--width", type=int, help=f"image width in pixels, {side} (default: {size_default})")
+    parser.add_argument(
+        "--height", type=int, help=f"image height in pixels, {side} (default: {size_default})"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        dest="num_inference_steps",
+        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS}; a --preset sets its own "
+        "(default: the model's, 50; 20 for the embedded model)",
+    )
+    parser.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        help="true CFG scale; needs a negative prompt; 1 turns CFG off; a --preset sets 1.0 "
+        f"(default: the model's, {DEFAULT_TRUE_CFG_SCALE:g})",
+    )
+    parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
+    parser.add_argument(
+        "--num-images",
+        type=int,
+        default=1,
+        dest="num_images_per_prompt",
+        help=f"images, 1..{MAX_IMAGES_PER_PROMPT}",
+    )
+
+
+def _add_lora_run_args(parser: argparse.ArgumentParser) -> None:
+    """LoRAs to run with, their mode, and a distilled LoRA's preset (`generate` and `edit`)."""
+    _add_lora_args(parser)
+    parser.add_argument(
+        "--lora-mode",
+        choices=LORA_MODES,
+        default="branch",
+        help="branch: each LoRA beside its layers, FP8 paths stay fused (dual output); "
+        "merge: folded into the weights, no extra GEMMs (FP8 weights requantized)",
+    )
+    parser.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
 
 
 def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None:

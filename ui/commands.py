@@ -2,6 +2,8 @@
 headers can tell before importing torch or loading a model, then loads and runs."""
 
 import argparse
+import dataclasses
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,12 +14,14 @@ from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import CheckpointSpec
 from models.memory import Workload
+from pipelines.images import open_input_image, read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
 from pipelines.memory_plan import parse_size, plan_memory
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
+from pipelines.requests import check_requests, read_requests
 from pipelines.variants import resolve_variant
-from ui.access import check_access, is_loopback, read_accounts
+from ui.access import check_access, is_loopback, read_accounts, read_api_keys
 from ui.limits import Limits
 
 
@@ -115,11 +119,12 @@ def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
     world = launched_world_size()
     if world == 1 and args.gpus == 1:
         return None
-    from pipelines.parallel import plan_for
+    from pipelines.parallel import check_supported, plan_for
 
     if world > 1 and args.gpus not in (1, world):
         raise InputError(f"--gpus {args.gpus}, but the launcher started {world} ranks")
     chosen = plan_for(max(world, args.gpus), spec.attention_heads, true_cfg)
+    check_supported(chosen, spec)
     if world == 1:
         check_gpus_visible(args.gpus, args.device)
     return chosen
@@ -148,7 +153,7 @@ def launch(args: argparse.Namespace, chosen: Any) -> None:
 
 def true_cfg_on(args: argparse.Namespace, spec: CheckpointSpec) -> bool:
     """Whether the request runs true CFG: a negative prompt (given or the model's default) and a scale > 1."""
-    preset = get_preset(args.preset)
+    preset = get_preset(args.preset, spec.family.name)
     defaults = spec.defaults if preset is None else preset
     scale = defaults.true_cfg_scale if args.true_cfg_scale is None else args.true_cfg_scale
     negative = spec.defaults.negative_prompt if args.negative_prompt is None else args.negative_prompt
@@ -175,6 +180,30 @@ def check_generate_args(args: argparse.Namespace, spec: CheckpointSpec) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
+    if spec.images_required and not args.image:
+        raise InputError(
+            f"{spec.name} edits images and cannot generate from text alone: "
+            "run `qwen-image edit INSTRUCTION --image FILE` with it"
+        )
+    images = read_input_images(args.image or [], spec.max_images, spec.images_required, spec.name)
+    run_generation(args, spec, images)
+
+
+def cmd_edit(args: argparse.Namespace) -> None:
+    spec = check_model_args(args)
+    if spec.max_images == 0:
+        raise InputError(
+            f"{spec.name} generates from text only and cannot edit images: give `qwen-image edit` a "
+            "Qwen-Image-Edit checkpoint (its model_index.json names QwenImageEditPipeline or "
+            "QwenImageEditPlusPipeline)"
+        )
+    images = read_input_images(args.image, spec.max_images, spec.images_required, spec.name)
+    run_generation(args, spec, images)
+
+
+def run_generation(args: argparse.Namespace, spec: CheckpointSpec, images: list[PIL.Image.Image]) -> None:
+    """`generate` and `edit` (with input `images`): every argument checked, the ranks started when asked
+    (each reads the image files itself), then the model loaded and run."""
     check_generate_args(args, spec)
     budget = memory_budget(args)
     workload = request_workload(args, spec)
@@ -193,20 +222,33 @@ def cmd_generate(args: argparse.Namespace) -> None:
     pipe.set_lora_mode(args.lora_mode)
     names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
     options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    images = pipe.generate(
+    result = pipe.generate(
         args.prompt,
         negative_prompt=args.negative_prompt,
         true_cfg_scale=args.true_cfg_scale,
         progress=is_leader_process(),
         preset=args.preset,
+        image=images or None,
         **options,
     )
     if not is_leader_process():
         return
-    paths = image_paths(Path(args.out), len(images))
-    for image, path in zip(images, paths, strict=True):
-        image.save(path)
+    paths = image_paths(Path(args.out), len(result))
+    for image, path in zip(result, paths, strict=True):
+        save_image(image, path)
     print_run(pipe, paths)
+
+
+def save_image(image: PIL.Image.Image, path: Path) -> None:
+    """Save `image`; an RGBA image (Qwen-Image 2.1 decodes four channels) in a format without alpha, such
+    as JPEG, is saved as its RGB channels, with a warning."""
+    try:
+        image.save(path)
+    except OSError:
+        if image.mode != "RGBA":
+            raise
+        print(f"warning: {path.suffix} stores no alpha: {path} holds the RGB channels", file=sys.stderr)
+        image.convert("RGB").save(path)
 
 
 def print_run(pipe: Any, paths: list[Path]) -> None:
@@ -217,8 +259,9 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
         f"wrote {', '.join(map(str, paths))} "
         f"({run.width}x{run.height}, seed {run.seed}, variant {run.variant}, {pipe.precision.describe()})"
     )
+    images = f"image encoding {t['image_encoding']:.2f} s | " if "image_encoding" in t else ""
     print(
-        f"text encoding {t['text_encoding']:.2f} s | denoising {t['denoising']:.2f} s "
+        f"text encoding {t['text_encoding']:.2f} s | {images}denoising {t['denoising']:.2f} s "
         f"({run.ms_per_step:.0f} ms/step x {run.num_inference_steps}) | decoding {t['decoding']:.2f} s "
         f"| total {t['total']:.2f} s"
     )
@@ -262,20 +305,23 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         check_steps(args.steps)
     if args.size is not None:
         check_size(args.size, args.size, spec.size_multiple)
-    get_preset(args.preset)
-    from pipelines.prompts import read_prompt_file
-
-    prompts = None if args.calib_prompts is None else read_prompt_file(Path(args.calib_prompts))
+    get_preset(args.preset, spec.family.name)
+    prompts = None if args.calib_prompts is None else read_requests(Path(args.calib_prompts))
+    if prompts is not None:
+        check_requests(prompts, spec.max_images, spec.images_required, spec.name)
+        for request in prompts:
+            for path in request.images:
+                open_input_image(path)
     ignore = None if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     check_device(args.device)
     loras = read_loras(lora_specs, spec)
-    from pipelines.quantize import DEFAULT_CALIBRATION_PROMPTS, quantize_checkpoint
+    from pipelines.quantize import quantize_checkpoint
 
     written = quantize_checkpoint(
         args.model,
         out,
-        prompts or DEFAULT_CALIBRATION_PROMPTS,
+        prompts,
         ignore,
         steps=args.steps,
         size=args.size,
@@ -317,13 +363,7 @@ def cmd_ui(args: argparse.Namespace) -> None:
 
     if is_leader_process():
         print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
-    limits = {
-        "max_work": args.max_work,
-        "time_limit_s": args.time_limit,
-        "queue_size": args.queue_size,
-        "jobs_per_client": args.jobs_per_client,
-        "keep_images_minutes": args.keep_images,
-    }
+    limits = limit_overrides(args)
     launch_app(
         args.model,
         host=args.host,
@@ -353,13 +393,103 @@ def ui_workload(spec: CheckpointSpec) -> Workload:
     return Workload(width, height)
 
 
-def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
-    """What the console says once the demo is up: where, who may sign in, how to serve others, limits."""
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    wildcard = (
+def limit_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The Limits fields the command line sets (None: the device's default)."""
+    names = {
+        "max_work": "max_work",
+        "time_limit_s": "time_limit",
+        "queue_size": "queue_size",
+        "jobs_per_client": "jobs_per_client",
+        "keep_images_minutes": "keep_images",
+        "max_body_mb": "max_body_mb",
+        "max_upload_mb": "max_upload_mb",
+        "cache_mb": "cache_mb",
+    }
+    return {field: getattr(args, flag) for field, flag in names.items() if hasattr(args, flag)}
+
+
+def check_listen(host: str, port: int) -> None:
+    """InputError unless this process can listen on host:port now (so a taken port fails before loading)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as err:
+        raise InputError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    keys = read_api_keys(args.api_key_file) if args.api_key_file else []
+    how = "--api-key-file FILE (one key per line)"
+    warning = check_access(args.host, args.port, "the API", len(keys), args.no_auth, "--api-key-file", how)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    check_listen(args.host, args.port)
+    spec = check_model_args(args)
+    budget = memory_budget(args)
+    workload = dataclasses.replace(ui_workload(spec), images=args.max_batch)  # a full batch of the largest
+    if budget is not None and not (args.device or "cuda").startswith("cpu"):
+        gpu_memory_plan(args, spec, budget, workload)
+    lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
+    check_device(args.device)
+    from ui.server import serve
+
+    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        variant=args.variant,
+        device=args.device,
+        dtype=args.dtype,
+        lora_files=lora_files,
+        limits=limit_overrides(args),
+        keys=keys,
+        ui=args.ui,
+        max_batch=args.max_batch,
+        window_s=args.batch_window_ms / 1000,
+        gpu_memory=budget,
+        workload=workload,
+        on_start=lambda port, applied, slots: print(
+            api_serving_message(args.host, port, len(keys), applied, args.ui, slots), flush=True
+        ),
+    )
+
+
+def api_serving_message(host: str, port: int, keys: int, limits: Limits, ui: bool, batch: str) -> str:
+    """What the console says once the server is up: where, the keys, how to serve others, limits, batching."""
+    url = _url(host, port)
+    lines = [f"Qwen-Image API on {url}/v1{_wildcard(host, port)} (Ctrl+C stops it)."]
+    if ui:
+        lines.append(f"Web demo on {url}/ui/, on the same queue.")
+    if keys:
+        lines.append(f"API keys required: {keys} (Authorization: Bearer KEY).")
+    if is_loopback(host):
+        lines.append(
+            "Only this machine can reach it. To serve others: qwen-image serve --host 0.0.0.0 "
+            "--api-key-file FILE; see qwen-image serve --help."
+        )
+    lines.append(
+        f"Limits: {limits.max_work:g} megapixel-steps and {limits.time_limit_s:g} s per request, "
+        f"{limits.queue_size} waiting. Batching: {batch}."
+    )
+    return "\n".join(lines)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _wildcard(host: str, port: int) -> str:
+    return (
         f": every address of this machine, http://127.0.0.1:{port} here" if host in ("0.0.0.0", "::") else ""
     )
-    lines = [f"Qwen-Image demo on {url}{wildcard} (Ctrl+C stops it)."]
+
+
+def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
+    """What the console says once the demo is up: where, who may sign in, how to serve others, limits."""
+    lines = [f"Qwen-Image demo on {_url(host, port)}{_wildcard(host, port)} (Ctrl+C stops it)."]
     if accounts:
         lines.append(f"Sign-in required: {accounts} account{'s' if accounts > 1 else ''}.")
     if is_loopback(host):
@@ -374,4 +504,11 @@ def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"generate": cmd_generate, "info": cmd_info, "quantize": cmd_quantize, "ui": cmd_ui}
+COMMANDS = {
+    "generate": cmd_generate,
+    "edit": cmd_edit,
+    "info": cmd_info,
+    "quantize": cmd_quantize,
+    "ui": cmd_ui,
+    "serve": cmd_serve,
+}

@@ -1,4 +1,5 @@
-"""Job limits of the web demo and their per-device defaults; cheap to import (`qwen-image ui --help`)."""
+"""Job limits of the web demo and the HTTP server (one set, shared) and their per-device defaults; cheap to
+import (`qwen-image ui --help`, `qwen-image serve --help`)."""
 
 import dataclasses
 import math
@@ -13,9 +14,15 @@ from models.errors import InputError
 DEVICE_LIMITS: dict[str, tuple[float, float]] = {"cuda": (1000.0, 300.0), "cpu": (32.0, 120.0)}
 
 
-def work_of(width: int, height: int, steps: int, images: int, true_cfg: bool) -> float:
-    """A request's cost in megapixel-steps (true CFG runs the transformer twice per step)."""
-    return width * height / 1e6 * steps * images * (2 if true_cfg else 1)
+# An Edit model sees each input image at about this many pixels (diffusers' fixed 1024x1024 VAE area): its
+# latents join the target's tokens at every step, so an edit costs as if its output were that much larger.
+EDIT_INPUT_PIXELS = 1024 * 1024
+
+
+def work_of(width: int, height: int, steps: int, images: int, true_cfg: bool, inputs: int = 0) -> float:
+    """A request's cost in megapixel-steps (true CFG runs the transformer twice per step); `inputs` input
+    images of an edit add their pixels to the output's."""
+    return (width * height + inputs * EDIT_INPUT_PIXELS) / 1e6 * steps * images * (2 if true_cfg else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +34,19 @@ class Limits:
     queue_size: int = 64  # requests waiting at once; more are refused with "queue full"
     jobs_per_client: int = 1  # requests one browser tab or API client may have waiting or running
     keep_images_minutes: float = 30  # generated images are deleted from the server after this long
+    max_body_mb: float = 1.0  # the HTTP server's largest JSON request body
+    max_upload_mb: float = 32.0  # the HTTP server's largest multipart request (input images of an edit)
+    cache_mb: float = 256.0  # PNGs the HTTP server keeps for URL responses; the oldest go first
 
     def __post_init__(self) -> None:
-        for name in ("max_work", "time_limit_s", "keep_images_minutes"):
+        for name in (
+            "max_work",
+            "time_limit_s",
+            "keep_images_minutes",
+            "max_body_mb",
+            "max_upload_mb",
+            "cache_mb",
+        ):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not (number and math.isfinite(value) and value > 0):

@@ -11,7 +11,7 @@ from typing import Any
 
 import gradio as gr
 
-from pipelines.presets import PRESETS
+from pipelines.presets import PRESETS, presets_for
 
 NO_PRESET = "none"
 
@@ -41,12 +41,14 @@ def lora_controls(pipe: Any, steps: gr.Slider, cfg: gr.Slider) -> gr.State:
     """A preset choice and one scale slider per loaded LoRA (call inside the Blocks layout); returns the
     State holding the `generate()` arguments they make. Picking a preset also sets the steps and CFG."""
     loras = getattr(pipe, "loras", {})  # a pipeline without LoRA support offers the presets only
+    spec = getattr(pipe, "spec", None)  # the presets made for the model's family (all for a stand-in)
+    family = None if spec is None else spec.family.name
     names = list(loras)
     state = gr.State(run_kwargs(names, NO_PRESET, [loras[name].scale for name in names]))
     with gr.Accordion("Preset and LoRA", open=bool(names)):
         preset = gr.Dropdown(
             [("none (the model's scheduler and defaults)", NO_PRESET)]
-            + [(p.describe(), p.name) for p in PRESETS.values()],
+            + [(p.describe(), p.name) for p in presets_for(family)],
             value=NO_PRESET,
             label="Preset",
             elem_id="preset",

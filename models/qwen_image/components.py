@@ -1,6 +1,7 @@
 """The five components of a Qwen-Image checkpoint and their diffusers directory layout (DESIGN §2)."""
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,14 +10,12 @@ import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 
 from models.checkpoint import read_json
-from models.errors import CheckpointError
 from models.family import DEFAULTS_KEY, GenerationDefaults
 from models.loading import (
-    check_state_dict,
+    load_diffusers_model,
     load_scheduler,
     load_transformer,
     quiet_loading,
-    read_state_dict,
     save_transformer,
 )
 from models.qwen_image.config import (
@@ -71,6 +70,27 @@ class Components:
         """Latent channels before 2x2 packing: the transformer's `in_channels // 4`, as diffusers does."""
         return self.transformer.config.in_channels // 4
 
+    def model_index(self) -> dict[str, Any]:
+        """model_index.json's pipeline class and component entries, as diffusers writes them."""
+        return {
+            "_class_name": PIPELINE_CLASS,
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+            "tokenizer": ["transformers", type(self.tokenizer).__name__],
+            "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKLQwenImage"],
+        }
+
+    def writers(self) -> dict[str, Callable[[Path], None]]:
+        """How each component writes its folder of a diffusers-layout checkpoint."""
+        return {
+            "tokenizer": lambda path: self.tokenizer.save_pretrained(path),
+            "text_encoder": lambda path: self.text_encoder.save_pretrained(path),
+            "transformer": lambda path: save_transformer(self.transformer, path),
+            "vae": lambda path: self.vae.save_pretrained(path),
+            "scheduler": lambda path: self.scheduler.save_pretrained(path),
+        }
+
 
 def default_scheduler() -> FlowMatchEulerDiscreteScheduler:
     """The flow-matching Euler scheduler with Qwen-Image's dynamic shift settings."""
@@ -79,18 +99,7 @@ def default_scheduler() -> FlowMatchEulerDiscreteScheduler:
 
 def load_vae(directory: Path, dtype: torch.dtype, device: torch.device) -> AutoencoderKLQwenImage:
     """diffusers' Qwen-Image VAE from a local `vae/` directory, every tensor checked by name and shape."""
-    config_path = directory / "config.json"
-    config = read_json(config_path)
-    try:
-        with torch.device("meta"):
-            vae = AutoencoderKLQwenImage.from_config(config)
-    except (TypeError, ValueError, IndexError, RuntimeError) as err:
-        raise CheckpointError(f"{config_path}: not a valid AutoencoderKLQwenImage config: {err}") from err
-    origins: dict[str, Path] = {}
-    state = read_state_dict(directory, device, origins)
-    check_state_dict(vae.state_dict(), state, directory, origins)
-    vae.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    return vae.eval().requires_grad_(False)
+    return load_diffusers_model(directory, AutoencoderKLQwenImage, dtype, device)
 
 
 def build_transformer(raw: dict[str, Any]) -> QwenImageTransformer:
@@ -134,27 +143,13 @@ def save_components(
     Components named in `skip` are left for the caller to write (quantize writes its own transformer).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {
-        "_class_name": PIPELINE_CLASS,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", type(components.tokenizer).__name__],
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
-    }
+    index = components.model_index()
     if builtin_tokenizer:
         index[BUILTIN_TOKENIZER_KEY] = BUILTIN_QWEN2
         skip = (*skip, "tokenizer")
     if defaults is not None:
         index[DEFAULTS_KEY] = defaults.as_metadata()
     (directory / "model_index.json").write_text(json.dumps(index, indent=2))
-    writers = {
-        "tokenizer": lambda path: components.tokenizer.save_pretrained(path),
-        "text_encoder": lambda path: components.text_encoder.save_pretrained(path),
-        "transformer": lambda path: save_transformer(components.transformer, path),
-        "vae": lambda path: components.vae.save_pretrained(path),
-        "scheduler": lambda path: components.scheduler.save_pretrained(path),
-    }
-    for name, write in writers.items():
+    for name, write in components.writers().items():
         if name not in skip:
             write(directory / name)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from models.checkpoint import check_layout, is_fp8_transformer, read_json, read_model_index
+from models.checkpoint import check_layout, is_fp8_transformer, read_model_index
 from models.errors import CheckpointError
 from models.family import DEFAULTS_KEY, CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
 from models.qwen_image.config import PIPELINE_CLASS, read_configs
@@ -14,12 +14,13 @@ DEFAULT_SAMPLE_SIZE = 128  # latent cells per side by default, as diffusers' pip
 class QwenImageFamily(ModelFamily):
     name = "qwen-image"
     pipeline_classes = (PIPELINE_CLASS,)
+    component_dirs = COMPONENT_DIRS
 
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:
         index = read_model_index(directory)
         builtin_tokenizer = index.get("_builtin_tokenizer") is not None
         check_layout(
-            directory, tuple(d for d in COMPONENT_DIRS if not (builtin_tokenizer and d == "tokenizer"))
+            directory, tuple(d for d in self.component_dirs if not (builtin_tokenizer and d == "tokenizer"))
         )
         configs = read_configs(directory)
         multiple = 2 * configs.vae_scale_factor  # one latent cell per side after 2x2 packing
@@ -59,12 +60,10 @@ class QwenImageFamily(ModelFamily):
         )
 
     def meta_transformer(self, spec: CheckpointSpec):
-        import torch
-
+        from models.loading import meta_transformer
         from models.qwen_image.components import build_transformer
 
-        with torch.device("meta"):
-            return build_transformer(read_json(spec.directory / "transformer" / "config.json"))
+        return meta_transformer(spec.directory / "transformer", build_transformer)
 
     def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
         from models.qwen_image.memory import memory_profile

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from models.errors import CheckpointError, InputError
+from models.errors import InputError
 from models.family import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
+from models.loading import load_pretrained_model
 from models.qwen_image.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
 
 LOG = logging.getLogger("qwen_image")
@@ -148,12 +149,28 @@ QWEN25_VL_7B = {  # Qwen2.5-VL-7B's language model: the full-size stand-ins of t
 }
 
 
-def qwen25_vl_7b_config() -> Qwen2_5_VLConfig:
-    """Qwen2.5-VL-7B's language model at its real sizes, with the toy vision tower (prompts never use it)."""
+QWEN25_VL_7B_VISION = {  # Qwen2.5-VL-7B-Instruct's vision tower (config.json's vision_config)
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "out_hidden_size": 3584,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+    "window_size": 112,
+    "tokens_per_second": 2,
+}
+
+
+def qwen25_vl_7b_config(vision: bool = False) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL-7B's language model at its real sizes, with the toy vision tower (text prompts never use
+    it) or, with `vision`, the real one (an Edit model's encoder sees the input images)."""
     config = tiny_text_encoder_config(hidden_size=3584, num_layers=28)
     for key, value in QWEN25_VL_7B.items():
         setattr(config.text_config, key, value)
     config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]
+    if vision:
+        for key, value in QWEN25_VL_7B_VISION.items():
+            setattr(config.vision_config, key, value)
     return config
 
 
@@ -181,32 +198,4 @@ def load_text_encoder(
     directory: Path, dtype: torch.dtype, device: torch.device | str
 ) -> Qwen2_5_VLForConditionalGeneration:
     """A Qwen2.5-VL text encoder from a local folder (config.json + safetensors), every weight required."""
-    if not directory.is_dir():
-        raise CheckpointError(f"text encoder folder not found: {directory}")
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"text encoder folder has no config.json: {directory}")
-    try:
-        model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            directory,
-            local_files_only=True,
-            dtype=dtype,
-            ignore_mismatched_sizes=True,  # reported below as one message instead of a log table
-            output_loading_info=True,
-        )
-    except Exception as exc:  # transformers raises OSError, ValueError, RuntimeError... for a bad folder
-        raise CheckpointError(f"text encoder in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
-    mismatched = sorted(
-        f"{key} is {tuple(saved)}, config wants {tuple(wanted)}"
-        for key, saved, wanted in info["mismatched_keys"]
-    )
-    if mismatched:
-        raise CheckpointError(
-            f"text encoder in {directory} does not match its config.json ({len(mismatched)} tensors, "
-            f"e.g. {mismatched[0]})"
-        )
-    missing = sorted(info["missing_keys"])
-    if missing:
-        raise CheckpointError(
-            f"text encoder in {directory} lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}"
-        )
-    return model.to(device).eval()
+    return load_pretrained_model(directory, Qwen2_5_VLForConditionalGeneration, dtype, device, "text encoder")

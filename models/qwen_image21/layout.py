@@ -149,6 +149,21 @@ def _modulation_rows(batch: int, rows: int, target_from: int, causal: bool, devi
     return ModulationRows(index.to(device), causal)
 
 
+def target_pass(
+    prefix_len: int, seq_len: int, rope: torch.Tensor, rows: ModulationRows, mask: torch.Tensor | None
+) -> PassPlan:
+    """The target-only pass: rows `[prefix_len, seq_len)` with their RoPE rows and modulation rows, one SDPA
+    call over every key (`mask`: the padded text's key mask, broadcast [B, 1, 1, S], or None)."""
+    return PassPlan(
+        start=prefix_len,
+        rope=rope,
+        rows=rows,
+        calls=(AttentionCall(0, seq_len - prefix_len, seq_len, mask),),
+        output_start=0,
+        output_rows=rows,
+    )
+
+
 def build_layout(
     img_mask: torch.Tensor,
     img_shapes: list[tuple[int, int, int]],
@@ -208,14 +223,7 @@ def build_layout(
         output_start=prefix_len,
         output_rows=ModulationRows(full_rows.index[:, prefix_len:].contiguous(), causal),
     )
-    target = PassPlan(
-        start=prefix_len,
-        rope=rope[prefix_len:],
-        rows=target_rows,
-        calls=(AttentionCall(0, target_len, seq_len, target_mask),),
-        output_start=0,
-        output_rows=target_rows,
-    )
+    target = target_pass(prefix_len, seq_len, rope[prefix_len:], target_rows, target_mask)
 
     def on_device(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device)

@@ -223,9 +223,9 @@ class TextProjection(nn.Module):
 class TemporalTimesteps(nn.Module):
     """`[cos, sin]` of `1000 * t` times 128 frequencies (diffusers' `QwenImage21TemporalTimesteps`).
 
-    diffusers keeps the frequencies in a buffer cast with the model, so a BF16 model multiplies by
-    BF16-rounded frequencies; they are rounded to the activation dtype here (cached per device and dtype:
-    no copy per step).
+    diffusers keeps the frequencies in a non-persistent FP32 buffer, which its `from_pretrained(dtype=...)`
+    leaves in FP32 (only `model.to(dtype)` would round it), so they stay FP32 here, whatever the activation
+    dtype (cached per device: no copy per step).
     """
 
     def __init__(self, channels: int = TIMESTEP_CHANNELS, max_period: int = 10000) -> None:
@@ -233,13 +233,12 @@ class TemporalTimesteps(nn.Module):
         half = channels // 2
         exponent = -math.log(max_period) * torch.arange(0, half, dtype=torch.float32, device="cpu")
         self._freqs = torch.exp(exponent / half)
-        self._on_device: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._on_device: dict[torch.device, torch.Tensor] = {}
 
-    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (timestep.device, dtype)
-        if key not in self._on_device:
-            self._on_device[key] = self._freqs.to(dtype).to(timestep.device)
-        args = (1000.0 * timestep.float())[:, None] * self._on_device[key][None]
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        if timestep.device not in self._on_device:
+            self._on_device[timestep.device] = self._freqs.to(timestep.device)
+        args = (1000.0 * timestep.float())[:, None] * self._on_device[timestep.device][None]
         return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
@@ -265,7 +264,7 @@ class TimeEmbed(nn.Module):
         self.timestep_embedder = TimestepEmbedder(dim)
 
     def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.timestep_embedder(self.time_proj(timestep, dtype).to(dtype))
+        return self.timestep_embedder(self.time_proj(timestep).to(dtype))
 
 
 class OutputNorm(nn.Module):
@@ -390,9 +389,12 @@ class QwenImage21Transformer(nn.Module):
         timestep: torch.Tensor,
         layout: TokenLayout,
         kv_cache: PrefixKVCache,
+        plan: PassPlan | None = None,
     ) -> torch.Tensor:
         """Target-only step (diffusers' `kv_cache_mode="cached"`): target latents [B, T, C] attend to the
-        prefix keys/values the full pass left in `kv_cache`. No host syncs, no per-step buffers."""
+        prefix keys/values the full pass left in `kv_cache`. No host syncs, no per-step buffers. `plan`
+        (default `layout.target`) is the same pass over other tensors holding the same values, e.g. a CUDA
+        graph's static copies of the RoPE rows and key mask (`layout.target_pass`)."""
         self._check_cache(kv_cache, layout)
         if not kv_cache.filled:
             raise RuntimeError("the KV cache is empty: run the full pass (forward with kv_cache) first")
@@ -400,7 +402,8 @@ class QwenImage21Transformer(nn.Module):
             raise ValueError(
                 f"target latents {list(hidden_states.shape)} do not fit {layout.target_len} rows"
             )
-        return self._run(self.img_in(hidden_states), timestep, layout.target, kv_cache)
+        plan = layout.target if plan is None else plan
+        return self._run(self.img_in(hidden_states), timestep, plan, kv_cache)
 
     def _check_cache(self, kv_cache: PrefixKVCache, layout: TokenLayout) -> None:
         if kv_cache.layout is not layout:

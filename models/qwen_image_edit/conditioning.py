@@ -6,7 +6,8 @@ and the VAE latents of the reference images. Plain functions: the family-neutral
 What the pipeline must do, in diffusers' order:
 1. Images: `load_edit_image` each input (EXIF rotation, RGB: diffusers' `load_image`; its pipelines fail on
    RGBA or palette images given directly); then `prepare_edit_images`. The output size defaults to
-   `default_size` (from the first image for Edit, the last for Plus), floored to multiples of 16.
+   `config.default_output_size` (from the first image for Edit, the last for Plus), floored to multiples of
+   16.
 2. Text: `encode_edit_prompts(..., images.condition)` for the prompt, and for a negative prompt with the same
    images (true CFG); Plus takes one prompt per call, Edit one image per prompt.
 3. Reference latents: `encode_reference_latents(vae, images.pixels, ...)` once: packed 2x2, concatenated in
@@ -24,7 +25,6 @@ What the pipeline must do, in diffusers' order:
 
 import functools
 import importlib.util
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,10 +42,10 @@ from transformers import (
 )
 
 from models.errors import CheckpointError, InputError
-from models.loading import read_json
 from models.qwen_image.math import pack_latents
 from models.qwen_image.text_encoder import padded_prompt_rows
 from models.qwen_image.tokenizer import load_tokenizer
+from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind, calculate_dimensions
 
 Grid = tuple[int, int, int]
 
@@ -60,34 +60,6 @@ EDIT_TEMPLATE = SYSTEM_PROMPT + VISION_SLOT + "{}<|im_end|>\n<|im_start|>assista
 PLUS_TEMPLATE = SYSTEM_PROMPT + "{}<|im_end|>\n<|im_start|>assistant\n"
 PICTURE_LABEL = "Picture {}: " + VISION_SLOT
 EDIT_DROP_TOKENS = 64  # the system part and "<|im_start|>user\n"
-VAE_AREA = 1024 * 1024
-CONDITION_AREA = 384 * 384  # Plus: the images the vision tower sees
-
-
-@dataclass(frozen=True)
-class EditKind:
-    """What differs between the two Edit pipelines of diffusers (chosen by model_index.json's class name)."""
-
-    pipeline_class: str
-    plus: bool  # several images, "Picture N:" labels, 384x384-area vision images; one prompt per call
-
-    @property
-    def template(self) -> str:
-        return PLUS_TEMPLATE if self.plus else EDIT_TEMPLATE
-
-
-EDIT_KINDS = {
-    kind.pipeline_class: kind
-    for kind in (EditKind("QwenImageEditPipeline", False), EditKind("QwenImageEditPlusPipeline", True))
-}
-
-
-def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
-    """(width, height) with about `target_area` pixels at aspect `ratio`, each rounded to a multiple of 32
-    (diffusers' `calculate_dimensions`)."""
-    width = math.sqrt(target_area * ratio)
-    height = width / ratio
-    return round(width / 32) * 32, round(height / 32) * 32
 
 
 def load_edit_image(image: PIL.Image.Image) -> PIL.Image.Image:
@@ -98,11 +70,11 @@ def load_edit_image(image: PIL.Image.Image) -> PIL.Image.Image:
 @dataclass(frozen=True)
 class EditImages:
     """The prepared input images: what the vision tower sees, the VAE's pixels ([1, 3, 1, H, W] in
-    [-1, 1] each), and the output size (width, height) the images suggest."""
+    [-1, 1] each), and each input's own (width, height)."""
 
     condition: list[PIL.Image.Image]
     pixels: list[torch.Tensor]
-    default_size: tuple[int, int]
+    sizes: list[tuple[int, int]]
 
 
 @functools.cache
@@ -133,11 +105,11 @@ def prepare_edit_images(
             condition.append(processor.resize(image, height, width))
             width, height = calculate_dimensions(vae_area, _ratio(image))
             pixels.append(processor.preprocess(image, height, width).unsqueeze(2))
-        return EditImages(condition, pixels, calculate_dimensions(VAE_AREA, _ratio(images[-1])))
+        return EditImages(condition, pixels, [image.size for image in images])
     width, height = calculate_dimensions(vae_area, _ratio(images[0]))
     resized = processor.resize(images[0], height, width)
     pixels = processor.preprocess(resized, height, width).unsqueeze(2)
-    return EditImages([resized], [pixels], calculate_dimensions(VAE_AREA, _ratio(images[0])))
+    return EditImages([resized], [pixels], [images[0].size])
 
 
 def _ratio(image: PIL.Image.Image) -> float:
@@ -147,7 +119,8 @@ def _ratio(image: PIL.Image.Image) -> float:
 def edit_prompt_texts(prompts: list[str], image_count: int, kind: EditKind) -> list[str]:
     """The templated texts: Plus labels every image ("Picture 1: <vision>Picture 2: <vision>...")."""
     labels = "".join(PICTURE_LABEL.format(i + 1) for i in range(image_count)) if kind.plus else ""
-    return [kind.template.format(labels + prompt) for prompt in prompts]
+    template = PLUS_TEMPLATE if kind.plus else EDIT_TEMPLATE
+    return [template.format(labels + prompt) for prompt in prompts]
 
 
 @torch.no_grad()
@@ -249,21 +222,3 @@ def load_processor(directory: Path, backend: str = "auto") -> Qwen2VLProcessor:
         raise CheckpointError(f"processor in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
     tokenizer: PreTrainedTokenizerBase = load_tokenizer(directory)
     return ImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
-
-
-VISION_KEYS = ("patch_size", "temporal_patch_size", "merge_size")
-
-
-def check_processor_fits(directory: Path) -> None:
-    """Refuse, before weights are read, a `processor/` whose patching differs from the text encoder's
-    vision tower (patch size, temporal patch size, merge size), naming both values."""
-    processor = read_json(directory / "processor" / "preprocessor_config.json")
-    vision = read_json(directory / "text_encoder" / "config.json").get("vision_config", {})
-    vision_names = {"merge_size": "spatial_merge_size"}
-    for key in VISION_KEYS:
-        theirs = vision.get(vision_names.get(key, key))
-        if processor.get(key) is not None and theirs is not None and processor[key] != theirs:
-            raise CheckpointError(
-                f"{directory}: processor {key} {processor[key]} differs from the text encoder's vision "
-                f"{vision_names.get(key, key)} {theirs}"
-            )

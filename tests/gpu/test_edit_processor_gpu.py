@@ -18,13 +18,13 @@ from edit_fixtures import build_edit_checkpoint, drawn_image
 from transformers import Qwen2VLProcessor
 
 from models.qwen_image_edit.conditioning import (
-    EDIT_KINDS,
     encode_edit_prompts,
     load_edit_image,
     load_processor,
     prepare_edit_images,
     torchvision_available,
 )
+from models.qwen_image_edit.config import EDIT_KINDS
 
 pytestmark = [
     pytest.mark.gpu,

@@ -32,16 +32,8 @@ def fp8_dir(bf16_dir, tmp_path_factory):
     return quantize(model, tmp_path_factory.mktemp("qi21gpufp8") / "transformer", QUANTIZATION.all_blocks_fp8)
 
 
-def test_fused_runs_triton_and_equals_unfused(fp8_dir, monkeypatch):
-    fused = load_transformer(fp8_dir, build_transformer21, torch.bfloat16, CUDA)
-    layers = fused.config.num_layers
-    assert fused.fusion_report.summary().splitlines()[:2] == [
-        f"FP8 norm+quant fusion: {2 * layers}/{2 * layers} block paths",
-        f"FP8 SwiGLU+quant fusion: {layers}/{layers} MLP paths",
-    ]
-    unfused = load_transformer(fp8_dir, build_transformer21, torch.bfloat16, CUDA)
-    unfused.post_load_weights(fuse=False)
-    want = run_steps(unfused)
+def forbid_torch_twins(monkeypatch) -> None:
+    """Make every 2.1 producer's torch twin fail: a CUDA producer must run its Triton kernel."""
 
     def no_twin(*_):
         raise AssertionError("a CUDA producer fell back to its torch twin")
@@ -53,6 +45,20 @@ def test_fused_runs_triton_and_equals_unfused(fp8_dir, monkeypatch):
         (swiglu_quant, "silu_mul_torch"),
     ):
         monkeypatch.setattr(module, name, no_twin)
+
+
+def test_fused_runs_triton_and_equals_unfused(fp8_dir, monkeypatch):
+    fused = load_transformer(fp8_dir, build_transformer21, torch.bfloat16, CUDA)
+    layers = fused.config.num_layers
+    assert fused.fusion_report.summary().splitlines()[:2] == [
+        f"FP8 norm+quant fusion: {2 * layers}/{2 * layers} block paths",
+        f"FP8 SwiGLU+quant fusion: {layers}/{layers} MLP paths",
+    ]
+    unfused = load_transformer(fp8_dir, build_transformer21, torch.bfloat16, CUDA)
+    unfused.post_load_weights(fuse=False)
+    want = run_steps(unfused)
+
+    forbid_torch_twins(monkeypatch)
     got = run_steps(fused)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"step {step}: {int((a != b).sum())} values differ"

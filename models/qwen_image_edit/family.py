@@ -1,0 +1,44 @@
+"""The Qwen-Image-Edit family (Edit, Edit-2509, Edit-2511): its checkpoints read without torch, loaded into
+`QwenImageEditModel`. The Qwen-Image family's checks and loaders serve it; this adds the processor, the
+vision tower, and how many images a request takes.
+
+An Edit checkpoint always needs an input image: diffusers' Edit pipelines fail on `image=None` (they read
+its size for the default output), so a request without one is refused in one line before anything runs.
+"""
+
+from dataclasses import replace
+from pathlib import Path
+
+from models.checkpoint import read_model_index
+from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
+from models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
+from models.qwen_image_edit.config import EDIT_KINDS, check_processor_fits
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    name = "qwen-image-edit"
+    pipeline_classes = tuple(EDIT_KINDS)
+    component_dirs = (*COMPONENT_DIRS, "processor")
+
+    def inspect(self, directory: Path, name: str) -> CheckpointSpec:
+        spec = super().inspect(directory, name)
+        check_processor_fits(directory)
+        kind = EDIT_KINDS[read_model_index(directory)["_class_name"]]
+        return replace(spec, max_images=kind.max_images, images_required=True)
+
+    def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
+        from models.qwen_image_edit.model import QwenImageEditModel
+
+        return QwenImageEditModel.load(spec.directory, dtype, device, vae_dtype)
+
+    def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int) -> None:
+        """None: Qwen-Image's profile leaves out the input images' tokens and the vision tower, so an Edit
+        checkpoint loads whole onto the device (a budget is refused in one line) until it has its own."""
+        return None
+
+    def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
+        spec = super().spec_for(model, name, defaults)
+        return replace(spec, max_images=model.kind.max_images, images_required=True)
+
+
+FAMILY = QwenImageEditFamily()

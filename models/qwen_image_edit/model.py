@@ -1,0 +1,138 @@
+"""A loaded Qwen-Image-Edit checkpoint as the family-neutral pipeline drives it.
+
+Each hook follows diffusers' `QwenImageEditPipeline` (one image) or `QwenImageEditPlusPipeline` (up to
+three) op for op: the input images prepared and seen by the vision tower in the prompt, their VAE latents
+appended after the target's tokens at every step, the transformer's output cut to the target before true
+CFG; noise, CFG rescale and decoding are Qwen-Image's own (this class extends `QwenImageModel`). So the
+`reference` variant's pixels equal diffusers' on the same weights and images.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import PIL.Image
+import torch
+
+from models.family import Conditioning, StepCall
+from models.qwen_image.math import ImageLayout
+from models.qwen_image.model import LatentCanvas, QwenImageModel, latent_size
+from models.qwen_image_edit.components import EditComponents, load_edit_components
+from models.qwen_image_edit.conditioning import (
+    EditImages,
+    encode_edit_prompts,
+    encode_reference_latents,
+    load_edit_image,
+    prepare_edit_images,
+)
+from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, default_output_size
+
+
+@dataclass(frozen=True)
+class EditCanvas:
+    """A request's geometry: the target's latent canvas, the packed reference latents of its input images
+    ([1, tokens, channels], in image order) and the transformer's layout (target grid, then each image's)."""
+
+    target: LatentCanvas
+    references: torch.Tensor
+    layout: ImageLayout
+
+
+class QwenImageEditModel(QwenImageModel):
+    """An Edit checkpoint's components on one device, with the editing hooks of the shared pipeline.
+
+    `vae_area` and `condition_area` are diffusers' fixed image areas (1024x1024 for the VAE, 384x384 for
+    Plus's vision tower); tests shrink them, with diffusers' constants, to run in seconds on a CPU."""
+
+    components: EditComponents
+
+    def __init__(self, components: EditComponents, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(components, device, dtype)
+        self.kind = components.kind
+        self.vae_area, self.condition_area = VAE_AREA, CONDITION_AREA
+        self._prepared: tuple[list[PIL.Image.Image], EditImages] | None = None
+
+    @classmethod
+    def load(
+        cls, directory: Path, dtype: torch.dtype, device: torch.device, vae_dtype: torch.dtype
+    ) -> "QwenImageEditModel":
+        return cls(load_edit_components(directory, dtype, device, vae_dtype), device, dtype)
+
+    def prepare(self, images: list[PIL.Image.Image]) -> EditImages:
+        """The request's images converted as diffusers' `load_image` does (EXIF rotation, RGB) and prepared
+        for the vision tower and the VAE. One request asks for them several times (default size, both CFG
+        branches, the canvas): the last request's are kept, by the identity of its image objects."""
+        if self._prepared is None or not _same_objects(self._prepared[0], images):
+            rgb = [load_edit_image(image) for image in images]
+            prepared = prepare_edit_images(
+                rgb, self.kind, self.vae_scale_factor, self.vae_area, self.condition_area
+            )
+            self._prepared = (list(images), prepared)
+        return self._prepared[1]
+
+    def default_size(self, images: list[PIL.Image.Image]) -> tuple[int, int]:
+        """The 1024x1024-area size at the aspect of the first (Edit) or last (Plus) image, EXIF rotation
+        applied, floored to the size multiple (diffusers)."""
+        return default_output_size(self.kind, self.prepare(images).sizes, 2 * self.vae_scale_factor)
+
+    def encode(
+        self, prompts: list[str], max_sequence_length: int, images: list[PIL.Image.Image] | None = None
+    ) -> Conditioning:
+        """Each prompt with the request's images in its vision slots (Edit: the one image for every prompt;
+        Plus: one prompt per call). `max_sequence_length` does not apply: diffusers passes it nowhere."""
+        c = self.components
+        condition = self.prepare(images or []).condition
+        if not self.kind.plus:
+            condition = condition * len(prompts)
+        embeds, mask = encode_edit_prompts(
+            c.text_encoder, c.processor, prompts, condition, self.kind, self.device, self.dtype
+        )
+        return Conditioning(embeds, mask)
+
+    def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> EditCanvas:
+        """The target canvas and the input images' VAE latents (encoded in the VAE's dtype, then in the
+        model's; diffusers runs both in one dtype)."""
+        vae = self.components.vae
+        pixels = self.prepare(images or []).pixels
+        references, grids = encode_reference_latents(vae, pixels, 1, self.device, vae.dtype)
+        target = latent_size(width, height, self.vae_scale_factor)
+        return EditCanvas(target, references.to(self.dtype), ImageLayout(target.grid, grids))
+
+    def initial_latents(self, canvas: EditCanvas, batch: int, seed: int) -> torch.Tensor:
+        return super().initial_latents(canvas.target, batch, seed)
+
+    def step_call(
+        self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: EditCanvas
+    ) -> StepCall:
+        references = canvas.references.expand(latents.shape[0], -1, -1)
+        return StepCall((latents, references, branch.embeds, branch.mask, sigma), (canvas.layout,))
+
+    def run_step(
+        self,
+        latents: torch.Tensor,
+        references: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        sigma: torch.Tensor,
+        layout: ImageLayout,
+    ) -> torch.Tensor:
+        """The velocity of the target tokens: the transformer sees them followed by the reference tokens."""
+        out = self.transformer(torch.cat([latents, references], dim=1), embeds, mask, sigma, layout)
+        return out[:, : latents.shape[1]]
+
+    def decode(self, latents: torch.Tensor, canvas: EditCanvas) -> list[PIL.Image.Image]:
+        return super().decode(latents, canvas.target)
+
+    def describe(self) -> list[str]:
+        processor = self.components.processor
+        images = (
+            "one input image" if self.kind.max_images == 1 else f"1 to {self.kind.max_images} input images"
+        )
+        return [
+            *super().describe(),
+            f"processor: {type(processor).__name__} with {type(processor.image_processor).__name__}; "
+            f"{self.kind.pipeline_class}: edits with {images}",
+        ]
+
+
+def _same_objects(first: list, second: list) -> bool:
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))

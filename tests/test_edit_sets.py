@@ -1,0 +1,83 @@
+"""The built-in edit sets: drawn by the project (eval/draw_edit_sets.py, from eval/scenes.py), so drawing them
+again gives the committed files; they parse into requests Edit and Plus checkpoints can run; a malformed
+edit set is refused in one line naming the file and the line."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from eval.draw_edit_sets import write_sets
+from models.errors import InputError
+from pipelines.requests import (
+    BUILTIN_EDIT_SETS,
+    EDIT_SETS_DIR,
+    Request,
+    builtin_edit_set,
+    check_requests,
+    edit_requests_for,
+    read_requests,
+)
+
+
+def test_committed_sets_are_what_the_script_draws(tmp_path: Path) -> None:
+    written = write_sets(tmp_path)
+    assert sorted(written) == sorted(BUILTIN_EDIT_SETS)
+    for name, path in written.items():
+        assert path.read_text("utf-8") == (EDIT_SETS_DIR / path.name).read_text("utf-8"), name
+    drawn = sorted((tmp_path / "images").iterdir())
+    committed = sorted((EDIT_SETS_DIR / "images").iterdir())
+    assert [p.name for p in drawn] == [p.name for p in committed]
+    for new, old in zip(drawn, committed, strict=True):
+        assert np.array_equal(np.asarray(PIL.Image.open(new)), np.asarray(PIL.Image.open(old))), new.name
+
+
+def test_builtin_sets_fit_edit_and_plus() -> None:
+    single, multi = builtin_edit_set("edit"), builtin_edit_set("edit-plus")
+    assert len(single) == 6 and all(len(r.images) == 1 for r in single)
+    assert sorted(len(r.images) for r in multi) == [2, 2, 3]
+    sizes = {PIL.Image.open(path).size for r in single + multi for path in r.images}
+    assert len(sizes) > 5 and any(w != h for w, h in sizes)  # several aspect ratios
+    assert any(not r.prompt.isascii() for r in single)  # a Chinese instruction
+    check_requests(edit_requests_for(1), 1, True, "edit")
+    check_requests(edit_requests_for(3), 3, True, "plus")
+    assert edit_requests_for(1) == single and edit_requests_for(3) == single + multi
+
+
+def test_requests_a_model_cannot_take_are_refused_naming_the_request() -> None:
+    with pytest.raises(
+        InputError, match=r"request 1 \('Put the .*'\): 2 input images, but edit takes at most 1"
+    ):
+        check_requests(builtin_edit_set("edit-plus"), 1, True, "edit")
+    with pytest.raises(InputError, match=r"request 1 \('a fox'\): text2img edits images"):
+        check_requests([Request("a fox")], 3, True, "text2img")
+    with pytest.raises(InputError, match="generates from text only"):
+        check_requests(builtin_edit_set("edit"), 0, False, "t2i")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "line 2 is not JSON"),
+        (json.dumps({"images": ["a.png"]}), 'line 2 needs a non-empty "prompt" string'),
+        (json.dumps({"prompt": "x", "images": []}), 'line 2 needs "images": a non-empty list of file names'),
+        (
+            json.dumps({"prompt": "x", "images": ["missing.png"]}),
+            "line 2: image .*missing.png does not exist",
+        ),
+    ],
+)
+def test_malformed_edit_sets_are_refused_in_one_line(tmp_path: Path, line: str, message: str) -> None:
+    PIL.Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps({"prompt": "ok", "images": ["a.png"]}) + "\n" + line + "\n")
+    with pytest.raises(InputError, match=message):
+        read_requests(path)
+
+
+def test_prompt_files_are_text_requests(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("# comment\na fox\n\na boat\n")
+    assert read_requests(path) == [Request("a fox"), Request("a boat")]

@@ -1,0 +1,100 @@
+"""The demo's Edit tab, shown when the loaded model edits images: one image input per image the model takes
+(Picture 1, 2, ...), the instruction, and generate's settings; its event is the API's "/edit".
+
+Uploads are bounded (ui/uploads.py: images only, byte and pixel caps, stated on the tab); each request's
+images are files this server received, opened and checked again before it queues (ui/generation.py's
+`job_from_edit_inputs`). The layout only: build_app (ui/app.py) passes the request handlers it shares
+with the Generate form.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from ui.controls import settings_controls, settings_fields
+from ui.generation import CUSTOM, EDIT_INPUT_NAMES, FROM_IMAGES, image_input_names
+from ui.uploads import upload_caps
+
+
+@dataclass(frozen=True)
+class Handlers:
+    """build_app's request handlers: the validator, the run and Stop (shared by the demo's forms)."""
+
+    validate: Callable[..., Any]
+    run: Callable[..., Any]
+    stop: Callable[..., Any]
+    lora_key: str  # the inputs name of the preset and LoRA controls' state
+
+
+def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str | None) -> None:
+    """The Edit tab and its events (call inside the Blocks layout); `stop_api` names the Stop button's API
+    endpoint (None: private, when another form already offers "/stop")."""
+    count = pipe.spec.max_images
+    label = (lambda i: "Input image") if count == 1 else (lambda i: f"Picture {i}")
+    with gr.Tabs(), gr.Tab("Edit", id="edit"), gr.Row():
+        with gr.Column(scale=5):
+            with gr.Row():
+                images = [
+                    gr.Image(
+                        type="filepath",
+                        sources=["upload", "clipboard"],
+                        label=label(i),
+                        height=220,
+                        elem_id=f"edit_image_{i}",
+                    )
+                    for i in range(1, count + 1)
+                ]
+            gr.Markdown(
+                f"Uploads: {upload_caps()}. The model sees each input image at about 1024×1024: in the "
+                "cost limit it counts as that many more pixels per step.",
+                elem_id="edit_caps",
+            )
+            prompt = gr.Textbox("", label="Instruction", lines=2, elem_id="edit_prompt")
+            negative = gr.Textbox("", label="Negative prompt (true CFG)", lines=1, elem_id="edit_negative")
+            with gr.Row():
+                edit_btn = gr.Button("Edit", variant="primary", elem_id="edit")
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="edit_stop")
+            which = "first" if count == 1 else "last"
+            size = gr.Radio(
+                [
+                    (f"from the images (about 1024×1024, the {which} image's aspect)", FROM_IMAGES),
+                    ("custom", CUSTOM),
+                ],
+                value=FROM_IMAGES,
+                label="Output size",
+                elem_id="edit_size",
+            )
+            settings = settings_controls(pipe, variants, prefix="edit_")
+        with gr.Column(scale=6):
+            gallery = gr.Gallery(
+                label="Edited", format="png", buttons=["download", "fullscreen"], columns=2, height="auto"
+            )
+            details = gr.Markdown("Run details appear here.", label="Details", elem_id="edit_details")
+
+    private = {"queue": False, "api_visibility": "private"}
+    for field in (settings.width, settings.height):
+        field.input(lambda: CUSTOM, None, size, **private)
+    triggers = [edit_btn.click, prompt.submit]
+    gr.on(triggers, lambda: "", None, details, **private)
+    fields = [prompt, negative, size, *settings_fields(settings)]
+    inputs = (
+        dict(zip(EDIT_INPUT_NAMES, fields, strict=True))
+        | dict(zip(image_input_names(count), images, strict=True))
+        | {handlers.lora_key: settings.lora_kwargs}
+    )
+    run = gr.on(
+        triggers,
+        handlers.run,
+        inputs_kwargs=inputs,
+        outputs=[gallery, settings.used_seed, details],
+        api_name="edit",
+        show_progress_on=gallery,
+        concurrency_limit=1,
+        concurrency_id="model",
+        validator=handlers.validate,
+        preprocess=False,  # raw values (the images' file data too) reach job_from_edit_inputs
+    )
+    stop_options = {"api_name": stop_api} if stop_api else {"api_visibility": "private"}
+    stop_btn.click(handlers.stop, None, details, cancels=[run], queue=False, **stop_options)
