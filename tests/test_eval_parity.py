@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -121,17 +122,33 @@ def test_usage_errors_print_one_line(
 
 @pytest.mark.slow
 def test_worker_errors_print_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A checkpoint error raised inside a worker reaches the user as one line, exit status 2."""
-    empty_model = tmp_path / "not-a-checkpoint"
-    empty_model.mkdir()
-    assert (
-        main(["--model", str(empty_model), "--a", "contract", "--b", "reference", "--out", str(tmp_path)])
-        == 2
-    )
+    """A checkpoint error raised inside a worker (weights unreadable past headers that inspect accepts)
+    reaches the user as one line, exit status 2."""
+    broken = embedded_copy(tmp_path / "broken")
+    weights = broken / "transformer" / "diffusion_pytorch_model.safetensors"
+    with weights.open("r+b") as handle:
+        handle.truncate(weights.stat().st_size // 2)
+    argv = ["--model", str(broken), "--a", "contract", "--b", "reference", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith("error: variant a (contract): ") and str(empty_model) in err and err.count("\n") == 1
-    )
+    assert err.startswith("error: variant a (contract): ") and str(weights) in err and err.count("\n") == 1
+
+
+def test_a_directory_that_is_no_checkpoint_is_refused_before_workers(tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    assert main(["--model", str(empty), "--a", "contract", "--b", "reference", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: missing {empty / 'model_index.json'}\n"
+    assert not (tmp_path / "report.json").exists()
+
+
+def embedded_copy(directory: Path) -> Path:
+    """A copy of the embedded default checkpoint at `directory`."""
+    from models.embedded import DEFAULT_MODEL_DIR
+
+    shutil.copytree(DEFAULT_MODEL_DIR, directory)
+    return directory
 
 
 @pytest.mark.slow
@@ -164,23 +181,20 @@ def test_torchrun_two_gloo_ranks_contract_vs_contract_is_identical(prompts: Path
 def test_model_per_side(tmp_path: Path) -> None:
     from eval.parity import build_parser, make_config
 
+    model, other = embedded_copy(tmp_path / "a"), embedded_copy(tmp_path / "fp8")
     args = [
         "--model",
-        str(tmp_path),
+        str(model),
         "--model-b",
-        str(tmp_path / "fp8"),
+        str(other),
         "--a",
         "reference",
         "--b",
         "fp8-fused",
     ]
-    (tmp_path / "fp8").mkdir()
     config = make_config(build_parser().parse_args(args), args)
-    assert config.models == {"a": str(tmp_path), "b": str(tmp_path / "fp8")}
-    assert make_config(build_parser().parse_args(args[2:]), args[2:]).models == {
-        "a": None,
-        "b": str(tmp_path / "fp8"),
-    }
+    assert config.models == {"a": str(model), "b": str(other)}
+    assert make_config(build_parser().parse_args(args[2:]), args[2:]).models == {"a": None, "b": str(other)}
 
 
 @pytest.mark.slow

@@ -143,7 +143,7 @@ def test_ui_controls_make_generate_arguments():
 
 def test_ui_passes_the_lora_scales_and_preset_to_generate():
     pipe = FakePipe()
-    pipe.loras = {"fast": SimpleNamespace(scale=0.0), "style": SimpleNamespace(scale=0.0)}
+    pipe.loras = {"fast": SimpleNamespace(scale=0.5), "style": SimpleNamespace(scale=0.5)}
     demo = build_app(pipe)
     _, url, _ = demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
     try:
@@ -154,4 +154,5 @@ def test_ui_passes_the_lora_scales_and_preset_to_generate():
     finally:
         demo.close()
     call = pipe.calls[-1]
-    assert call["preset"] is None and call["lora_scales"] == {"fast": 0.0, "style": 0.0}
+    assert call["preset"] is None and call["lora_scales"] == {"fast": 0.5, "style": 0.5}
+    assert pipe.scales_set == [{"fast": 0.5, "style": 0.5}]  # set on the model before it ran

@@ -46,7 +46,7 @@ class FakePipe:
     device = torch.device("cpu")
     size_multiple = 16
     defaults = GenerationDefaults(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
-    spec = SimpleNamespace(max_images=3, images_required=False)
+    spec = SimpleNamespace(max_images=3, images_required=False, family=SimpleNamespace(name="fake-edit"))
     loras: dict[str, Any] = {}  # noqa: RUF012 (read only)
     model = SimpleNamespace(
         default_size=lambda images: (images[0].width // 16 * 16, images[0].height // 16 * 16)
@@ -63,6 +63,9 @@ class FakePipe:
 
     def fusion_summary(self) -> str:
         return "FP8 norm+quant fusion: off (BF16 weights)"
+
+    def default_size(self, images: list[Any]) -> tuple[int, int]:
+        return self.model.default_size(images)
 
     def available_variants(self) -> list[str]:
         return ["reference", "contract"]

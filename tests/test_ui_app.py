@@ -54,6 +54,7 @@ class FakePipe:
         self.variant = "fp8-fused"
         self.last_run: Any = None
         self.calls: list[dict[str, Any]] = []
+        self.scales_set: list[dict[str, float]] = []
         self.steps_run = 0
         self.running = 0
         self.max_running = 0
@@ -63,6 +64,9 @@ class FakePipe:
 
     def set_variant(self, variant: str) -> None:
         self.variant = variant
+
+    def set_lora_scales(self, scales: dict[str, float]) -> None:
+        self.scales_set.append(dict(scales))
 
     def parallel_summary(self) -> str:
         return "CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)"

@@ -145,7 +145,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         """The page was closed or the client went away: stop what it left running."""
         runner.stop_session(request.session_hash, DISCONNECTED)
 
-    edits, generates = _takes_images(pipe)
+    edits, generates = takes_images(pipe)
     with gr.Blocks(title="Qwen-Image", analytics_enabled=False, delete_cache=delete_cache) as demo:
         gr.Markdown(_header(pipe, limits))
         if edits:
@@ -225,7 +225,7 @@ async def _run(
         raise
 
 
-def _takes_images(pipe: Pipeline) -> tuple[bool, bool]:
+def takes_images(pipe: Pipeline) -> tuple[bool, bool]:
     """(edits, generates): whether the model takes input images, and whether it runs without them."""
     spec = getattr(pipe, "spec", None)  # a pipeline without a spec (tests' fakes) generates from text
     return (spec is not None and spec.max_images > 0), (spec is None or not spec.images_required)
@@ -284,7 +284,7 @@ def launch(
             mcp_server=False,
             quiet=True,
             prevent_thread_lock=True,
-            **upload_options(_takes_images(app_pipe)[0]),
+            **upload_options(takes_images(app_pipe)[0]),
         )
         if on_start is not None:
             on_start(demo.server_port, applied)

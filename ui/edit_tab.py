@@ -96,5 +96,7 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
         validator=handlers.validate,
         preprocess=False,  # raw values (the images' file data too) reach job_from_edit_inputs
     )
-    stop_options = {"api_name": stop_api} if stop_api else {"api_visibility": "private"}
+    # private under its own name, so that the other form's Stop keeps "/stop"
+    private = {"api_name": "edit_stop", "api_visibility": "private"}
+    stop_options = {"api_name": stop_api} if stop_api else private
     stop_btn.click(handlers.stop, None, details, cancels=[run], queue=False, **stop_options)

@@ -529,10 +529,14 @@ def build_server(
     if demo is not None:
         import gradio as gr
 
-        from ui.app import MAX_UPLOAD
+        from ui.app import takes_images
+        from ui.uploads import upload_options
 
         auth = None if keys is None else (lambda user, password: keys.matches(password))
-        gr.mount_gradio_app(app, demo, path="/ui", auth=auth, max_file_size=MAX_UPLOAD, mcp_server=False)
+        uploads = upload_options(
+            takes_images(pipe)[0]
+        )  # the Edit tab's image-sized uploads, only if it has one
+        gr.mount_gradio_app(app, demo, path="/ui", auth=auth, mcp_server=False, **uploads)
 
         @app.get("/")
         async def root() -> RedirectResponse:

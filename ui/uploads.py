@@ -24,7 +24,7 @@ from pipelines.images import MAX_INPUT_BYTES
 from pipelines.limits import MAX_INPUT_PIXELS
 
 NO_FILES = 1024  # bytes: what Gradio's upload route takes when no input takes files
-MAX_FILES_PER_UPLOAD = 3  # one upload request's files (the page sends one; a model takes at most 3)
+MAX_FILES_PER_UPLOAD = 4  # one upload request's files (the page sends one; a model takes at most 4)
 SPOOL_BYTES = 2**20  # an upload body past this waits in a temporary file, not in memory
 CHUNK_BYTES = 2**16
 
