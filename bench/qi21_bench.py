@@ -54,6 +54,7 @@ from models.qwen_image21.quantization import QUANTIZATION
 from models.qwen_image21.transformer import QwenImage21Transformer
 from pipelines.pipeline import Pipeline
 from pipelines.quantize import calibrate
+from pipelines.requests import as_requests
 
 CUDA = torch.device("cuda")
 PROMPT = "a capybara wearing a wizard hat, reading a book by candlelight, oil painting"
@@ -93,7 +94,8 @@ def quantized(components: Components21, prompts: list[str]) -> dict[str, QwenIma
     model = QwenImage21Model(components, CUDA, torch.bfloat16)
     pipe = Pipeline.from_model(model, FAMILY.spec_for(model, "calibration", GenerationDefaults()), "contract")
     linears = quantizable_linears(components.transformer, QUANTIZATION.all_blocks_fp8)
-    amax = share_group_amax(calibrate(pipe, linears, prompts, 4, SIZE // 2, 0), QUANTIZATION.shared_inputs)
+    requests = as_requests(prompts)
+    amax = share_group_amax(calibrate(pipe, linears, requests, 4, SIZE // 2, 0), QUANTIZATION.shared_inputs)
     out = {}
     for name, ignore in (
         ("fp8", QUANTIZATION.bf16_fallback),

@@ -19,6 +19,7 @@ collects the tensors (new LoRA factors become host copies too).
 on a machine without a GPU (the CI tests prove the schedule and the bytes with it).
 """
 
+import mmap
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,6 @@ import torch
 from torch import nn
 
 ALIGN = 512  # bytes between tensor starts in a buffer: any dtype's alignment, whole memory transactions
-PAGE = 4096
 
 
 class Link(ABC):
@@ -39,10 +39,12 @@ class Link(ABC):
     device: torch.device
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A uint8 host buffer, page-aligned; its pages are committed as they are written."""
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        return raw[start : start + nbytes]
+        """A uint8 host buffer whose storage is exactly its own anonymous pages (page-aligned, committed as
+        they are written), so pinning it registers the storage torch's `is_pinned` looks at: CUDA graph
+        capture refuses a host copy whose storage start is not pinned."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
     @abstractmethod
     def pin(self, buffer: torch.Tensor) -> None:

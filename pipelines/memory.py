@@ -83,8 +83,9 @@ def cap_device(device: torch.device, budget: int | None) -> None:
     """On CUDA, an explicit budget caps this process's allocations there (torch's per-process memory
     fraction), so the plan's peaks are enforced, not hoped for; None lifts the cap (`replan`)."""
     if device.type == "cuda":
-        total = torch.cuda.mem_get_info(device)[1]
-        torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else budget / total, device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        total = torch.cuda.mem_get_info(index)[1]
+        torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else budget / total, index)
 
 
 def default_workload(spec: CheckpointSpec) -> Workload:

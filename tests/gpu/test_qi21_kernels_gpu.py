@@ -16,7 +16,7 @@ Mismatch counts vs the twins are printed (run with -s).
 import pytest
 import torch
 from steps import step_distance
-from test_kernels_gpu import activations, binaries, report, safe_rows, same_bytes
+from test_kernels_gpu import activations, binaries, noise, report, safe_rows, same_bytes
 from test_kernels_norm_modulate import EPS
 from test_kernels_quant import all_bf16
 from test_qi21_kernels import explained_scale_only, within_exp_slack
@@ -112,7 +112,7 @@ def check_producer_b(tag, residual, tanh_gate, x, scale, index, inv) -> None:
 @pytest.mark.parametrize("rows, width", CASES)
 def test_tanh_residual_layer_norm_scale(rows, width):
     residual = activations(rows, width, seed=rows + width)
-    x = (3 * torch.randn_like(residual, dtype=torch.float32)).bfloat16()
+    x = noise(residual, seed=rows + width + 1000)
     scale, gate, index = modulation21(x.shape[0], x.shape[1], width, seed=rows + 1)
     for s in SCALES:
         inv = inverse_scale(torch.tensor(s, device="cuda"))
@@ -127,7 +127,7 @@ def test_every_encoding_as_scale_and_gate_rows():
     every = all_bf16().cuda().reshape(-1, width)
     gate = every[torch.randperm(every.shape[0], device="cuda")].flip(1).contiguous()
     residual = activations(4096, width, seed=31)
-    x = (3 * torch.randn_like(residual, dtype=torch.float32)).bfloat16()
+    x = noise(residual, seed=1031)
     batch, tokens = x.shape[:2]
     index = (torch.arange(batch * tokens, device="cuda") % every.shape[0]).view(batch, tokens).int()
     inv = inverse_scale(torch.tensor(0.05, device="cuda"))
@@ -158,7 +158,7 @@ def test_tanh_rows_are_the_same_on_cuda_and_cpu():
 @pytest.mark.parametrize("rows, hidden", [(rows, hidden) for rows in ROWS for hidden in HIDDEN])
 def test_silu_mul(rows, hidden):
     every_g = activations(rows, hidden, seed=rows * hidden)
-    other = (3 * torch.randn_like(every_g, dtype=torch.float32)).bfloat16()
+    other = noise(every_g, seed=rows * hidden + 1000)
     for g, p in ((every_g, other), (other, every_g)):
         y_unfused = silu_mul_triton(g, p)
         compiled = binaries(_silu_mul_quant_kernel)
