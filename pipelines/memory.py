@@ -163,8 +163,10 @@ class GpuMemory:
         self.plan = plan_memory(
             self.profile, budget, workload or plan.workload, plan.graphs, plan.fixed_reserve
         )
-        self.place()
+        for placed in self.placed.values():  # all to host first: the device never holds old and new at once
+            placed.place(offload=True)
         cap_device(self.link.device, explicit)
+        self.place()
 
     def refresh(self) -> None:
         """After the weights changed (LoRAs, variant): their sizes measured again, the placements kept while

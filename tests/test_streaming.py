@@ -224,6 +224,21 @@ def test_budget_on_the_cpu_through_load_pipeline_and_request_checks(resident):
         load_pipeline(variant="contract", device="cpu", gpu_memory="1MiB")
 
 
+def test_set_gpu_memory_replans_in_place_both_ways(resident):
+    """A streamed plan, then everything resident, then streamed again: the same bytes each time, and the
+    old placement goes to host memory first, so on a GPU the two never hold device memory at once)."""
+    pipe = load_pipeline(
+        variant="reference", device="cpu", dtype="fp32", gpu_memory="48MiB", workload=Workload(32, 32)
+    )
+    streamed = pipe.memory.plan
+    pipe.set_gpu_memory("1GiB", Workload(32, 32))
+    assert pipe.memory.plan.resident and not streamed.resident
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
+    pipe.set_gpu_memory("48MiB", Workload(32, 32))
+    assert pipe.memory.plan.summary() == streamed.summary()
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
+
+
 def test_generate_with_a_budget_on_the_command_line_writes_the_same_png(tmp_path, capsys):
     """`qwen-image generate --gpu-memory` (on the CPU, standing in for the GPU) at about the smallest budget
     the planner accepts for the request (the text encoder offloaded into the memory the blocks lend it):
