@@ -82,6 +82,10 @@ def refusals(checkpoints: dict[str, Path], files: dict[str, Path]) -> dict[str, 
             ["edit", "x", "--image", a, "--model", plus, "--width", "40"],
             "width 40 must be a multiple of 16 between 16 and 2048",
         ),
+        "a GPU-memory budget, on any device": (
+            ["edit", "x", "--image", a, "--model", plus, "--gpu-memory", "24GiB", "--device", "cpu"],
+            "the qwen-image-edit family does not plan GPU memory yet: leave out --gpu-memory",
+        ),
     }
 
 
@@ -95,6 +99,7 @@ CASES = [
     "text-only checkpoint asked to edit",
     "Edit checkpoint asked to generate",
     "width not a multiple",
+    "a GPU-memory budget, on any device",
 ]
 
 
