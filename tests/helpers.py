@@ -90,11 +90,16 @@ def png_sha256(image: PIL.Image.Image) -> str:
 RANK_SCRIPT = str(REPO / "tests" / "parallel_rank.py")
 
 
+def repo_env() -> dict[str, str]:
+    """The environment of a Python process started by a test: this worktree and its tests importable."""
+    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    return os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
+
+
 def rank_env(timeout_s: float = 120) -> dict[str, str]:
     """The environment of ranks started by a test: this worktree importable, one thread each on the CPU,
     a short collective timeout (orphans of a failed test end on their own), NVLink multicast off."""
-    return os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    return repo_env() | {
         "OMP_NUM_THREADS": "1",
         "QWEN_IMAGE_COLLECTIVE_TIMEOUT": str(timeout_s),
         "NCCL_NVLS_ENABLE": "0",

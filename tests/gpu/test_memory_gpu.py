@@ -13,11 +13,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import png_sha256
+from helpers import png_sha256, repo_env
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 from memory_fixtures import placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -159,13 +158,8 @@ def test_the_peak_stays_under_a_small_budget(fp8_dir):
     above it would let everything stay resident): the run streams and its peak (reserved by the caching
     allocator, graph pools included) stays under the cap. In a fresh process:
     the cap counts every allocation of the process, and the other tests' pipelines hold some."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(repo / "tests"), str(repo), os.environ.get("PYTHONPATH", "")]),
-    }
     command = [sys.executable, __file__, str(fp8_dir)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run(command, env=repo_env(), capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     print(seen)
