@@ -1,10 +1,11 @@
 """Activation bytes of Qwen-Image's phases, traced with fake tensors (no data, any size, on a CPU): the live
 bytes of every tensor an op allocates, counted until it is freed, during one text-encoder call, one
-transformer call (diffusers' arithmetic, BF16) and one VAE decode, at the full-size configs. The coefficients
-of models/qwen_image/memory.py come from this; the GPU benchmark (bench/memory_bench.py) checks the plans
-they give against measured peaks.
+transformer call (diffusers' arithmetic, BF16) and one VAE decode, at the full-size configs; for the Edit
+family also a transformer call with input images, a VAE encode and the vision tower (real tensors). The
+coefficients of models/qwen_image/memory.py and models/qwen_image_edit/memory.py come from this; the GPU
+benchmark (bench/memory_bench.py) checks the plans they give against measured peaks.
 
-    python bench/activation_memory.py [--out activation_memory.json]      # about a minute on a CPU
+    python bench/activation_memory.py [--out activation_memory.json]      # about three minutes on a CPU
 """
 
 import argparse
@@ -62,8 +63,12 @@ def traced_peak(build: Callable[[], torch.nn.Module], run: Callable[[torch.nn.Mo
     return tracker.peak
 
 
-def transformer_peak(config, image_side: int, text_tokens: int, batch: int = 1, scale: int = 8) -> int:
-    """One call of our transformer in diffusers' arithmetic (`reference`) at `config`."""
+def transformer_peak(
+    config, image_side: int, text_tokens: int, batch: int = 1, scale: int = 8, references: int = 0
+) -> int:
+    """One call of our transformer in diffusers' arithmetic (`reference`) at `config`, with `references`
+    input images of the target's size appended (Edit)."""
+    from models.qwen_image.math import ImageLayout
     from models.qwen_image.transformer import QwenImageTransformer
 
     def build() -> torch.nn.Module:
@@ -73,10 +78,13 @@ def transformer_peak(config, image_side: int, text_tokens: int, batch: int = 1, 
 
     grid = image_side // (2 * scale)
 
+    layout = ImageLayout((1, grid, grid), ((1, grid, grid),) * references)
+
     def run(model) -> object:
-        latents = torch.randn(batch, grid * grid, config.in_channels, dtype=torch.bfloat16)
+        tokens = (1 + references) * grid * grid
+        latents = torch.randn(batch, tokens, config.in_channels, dtype=torch.bfloat16)
         text = torch.randn(batch, text_tokens, config.joint_attention_dim, dtype=torch.bfloat16)
-        return model(latents, text, None, torch.full((batch,), 0.5), (1, grid, grid))
+        return model(latents, text, None, torch.full((batch,), 0.5), layout)
 
     return traced_peak(build, run)
 
@@ -111,6 +119,33 @@ def decode_peak(config: dict, image_side: int, tiled: bool) -> int:
     return traced_peak(build, run)
 
 
+def encode_peak(config: dict, image_side: int) -> int:
+    """One encode of a `image_side`-square image by diffusers' Qwen-Image VAE (an Edit input image)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    def run(vae) -> object:
+        x = torch.randn(1, 3, 1, image_side, image_side, dtype=torch.bfloat16)
+        return vae.encode(x).latent_dist.mode()
+
+    return traced_peak(lambda: AutoencoderKLQwenImage.from_config(config), run)
+
+
+def vision_peak(vision_config, images: int, image_side: int) -> int:
+    """One call of Qwen2.5-VL's vision tower on `images` square images, with real tensors (its window
+    indexing reads data, which fake tensors cannot): give a config of few layers, the peak is one layer's."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    vision_config._attn_implementation = "sdpa"
+    model = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config).to(torch.bfloat16).eval()
+    side = image_side // vision_config.patch_size
+    channels = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    pixels = torch.randn(images * side * side, channels, dtype=torch.bfloat16)
+    grid = torch.tensor([[1, side, side]] * images)
+    with torch.no_grad(), LiveBytes() as tracker:
+        model(pixels, grid_thw=grid)
+    return tracker.peak
+
+
 def main() -> None:
     from models.qwen_image.config import QwenImageConfig
 
@@ -132,6 +167,23 @@ def main() -> None:
         peak = decode_peak({}, side, tiled)
         rows["vae_decode"].append(
             {"side": side, "tiled": tiled, "bytes": peak, "per_pixel_per_base_dim": peak / side**2 / 96}
+        )
+    edit = QwenImageConfig(num_layers=2, zero_cond_t=True)  # Edit-2511: one and three input images
+    rows["edit_transformer"] = []
+    for references in (1, 3):
+        peak = transformer_peak(edit, 1024, 1024, references=references)
+        per = peak / ((1 + references) * 4096 + 1024) / edit.inner_dim
+        rows["edit_transformer"].append({"references": references, "bytes": peak, "per_token_per_width": per})
+    peak = encode_peak({}, 1024)
+    rows["vae_encode"] = [{"side": 1024, "bytes": peak, "per_pixel_per_base_dim": peak / 1024**2 / 96}]
+    vision = qwen25_vl_7b_config(vision=True).vision_config
+    vision.depth, vision.fullatt_block_indexes = 2, [1]  # one windowed and one full-attention layer
+    rows["vision_tower"] = []
+    for images, side in ((1, 392), (3, 392)):  # Edit-2509/2511's 384x384-area inputs
+        peak = vision_peak(vision, images, side)
+        patches = images * (side // 14) ** 2
+        rows["vision_tower"].append(
+            {"images": images, "side": side, "bytes": peak, "per_patch_per_width": peak / patches / 1280}
         )
     text = json.dumps(rows, indent=2)
     print(text)

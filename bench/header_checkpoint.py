@@ -1,8 +1,8 @@
-"""A full-size Qwen-Image checkpoint made of configs and safetensors headers only (no weight data, 1 MB):
-the GPU-memory planner reads nothing else, so `qwen-image info --gpu-memory SIZE` shows the plans of the real
-sizes on any machine (loading it then fails: there are no weights).
+"""A full-size Qwen-Image (or Edit-2511) checkpoint made of configs and safetensors headers only (no weight
+data, 1 MB): the GPU-memory planner reads nothing else, so `qwen-image info --gpu-memory SIZE` shows the
+plans of the real sizes on any machine (loading it then fails: there are no weights).
 
-    python bench/header_checkpoint.py --out /tmp/qwen-image-headers [--fp8-modulation] [--bf16]
+    python bench/header_checkpoint.py --out /tmp/qwen-image-headers [--fp8-modulation] [--bf16] [--edit]
     qwen-image info --model /tmp/qwen-image-headers --gpu-memory 24GiB
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLQwenImage
-from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
 from models.embedded import DEFAULT_MODEL_DIR
 from models.fp8_weight_only import WEIGHT_ONLY_KEY
@@ -64,12 +64,15 @@ def fp8_transformer(transformer: torch.nn.Module, fp8_modulation: bool) -> tuple
     return tensors, config | ({WEIGHT_ONLY_KEY: list(weight_only)} if weight_only else {})
 
 
-def header_only_checkpoint(directory: Path, fp8: bool = True, fp8_modulation: bool = False) -> Path:
+def header_only_checkpoint(
+    directory: Path, fp8: bool = True, fp8_modulation: bool = False, edit: bool = False
+) -> Path:
     """The public Qwen-Image's sizes: the 60-layer DiT (FP8 as `quantize` writes it when `fp8`), a
-    Qwen2.5-VL-7B-sized text encoder and the VAE, as headers."""
+    Qwen2.5-VL-7B-sized text encoder and the VAE, as headers; with `edit`, Edit-2511's (zero_cond_t, the
+    real vision tower, a processor)."""
     with torch.device("meta"):
-        text = Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config())
-        transformer = QwenImageTransformer(QwenImageConfig())
+        text = Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config(vision=edit))
+        transformer = QwenImageTransformer(QwenImageConfig(zero_cond_t=edit))
         vae = AutoencoderKLQwenImage()
     text.config.save_pretrained(directory / "text_encoder")
     write_header(directory / "text_encoder" / "model.safetensors", shapes(text, torch.bfloat16))
@@ -87,6 +90,12 @@ def header_only_checkpoint(directory: Path, fp8: bool = True, fp8_modulation: bo
     (directory / "tokenizer").mkdir(parents=True, exist_ok=True)
     index = json.loads((DEFAULT_MODEL_DIR / "model_index.json").read_text())
     index.pop("_generation_defaults")
+    if edit:
+        index |= {
+            "_class_name": "QwenImageEditPlusPipeline",
+            "processor": ["transformers", "Qwen2VLProcessor"],
+        }
+        Qwen2VLImageProcessorPil().save_pretrained(directory / "processor")
     (directory / "model_index.json").write_text(json.dumps(index))
     return directory
 
@@ -96,8 +105,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bf16", action="store_true", help="a BF16 transformer instead of FP8")
     parser.add_argument("--fp8-modulation", action="store_true", help="the modulation FP8 weight-only")
+    parser.add_argument("--edit", action="store_true", help="Qwen-Image-Edit-2511's sizes")
     args = parser.parse_args()
-    print(f"wrote {header_only_checkpoint(args.out, not args.bf16, args.fp8_modulation)}")
+    print(f"wrote {header_only_checkpoint(args.out, not args.bf16, args.fp8_modulation, args.edit)}")
 
 
 if __name__ == "__main__":

@@ -134,8 +134,9 @@ def part_sizes(
 @dataclass(frozen=True)
 class Workload:
     """The largest request a memory plan must hold: the image size, images per transformer call (prompts
-    x images per prompt), prompts per text-encoder call, text tokens per prompt and true CFG (two
-    transformer calls per step, and a captured graph for each branch)."""
+    x images per prompt), prompts per text-encoder call, text tokens per prompt, true CFG (two
+    transformer calls per step, and a captured graph for each branch) and the input images a request
+    carries (edits, condition images: each at the size its family gives it)."""
 
     width: int
     height: int
@@ -143,11 +144,14 @@ class Workload:
     prompts: int = 1
     text_tokens: int = MAX_SEQUENCE_LENGTH
     true_cfg: bool = True
+    input_images: int = 0
 
     def describe(self) -> str:
         images = f"{self.images} image{'s' if self.images > 1 else ''}"
         cfg = "true CFG" if self.true_cfg else "CFG off"
-        return f"{self.width}x{self.height}, {images}, {cfg}, up to {self.text_tokens} text tokens"
+        plural = "s" if self.input_images > 1 else ""
+        inputs = f"{self.input_images} input image{plural}, " if self.input_images else ""
+        return f"{self.width}x{self.height}, {images}, {inputs}{cfg}, up to {self.text_tokens} text tokens"
 
 
 class ActivationModel(Protocol):

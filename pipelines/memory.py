@@ -18,6 +18,7 @@ from pipelines.memory_plan import (
     OFFLOAD,
     RESERVE_BYTES,
     MemoryPlan,
+    default_workload,
     gib,
     parse_size,
     phase_peaks,
@@ -86,11 +87,6 @@ def cap_device(device: torch.device, budget: int | None) -> None:
         index = torch.cuda.current_device() if device.index is None else device.index
         total = torch.cuda.mem_get_info(index)[1]
         torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else budget / total, index)
-
-
-def default_workload(spec: CheckpointSpec) -> Workload:
-    """The request a plan holds unless told otherwise: the checkpoint's default size, one image, true CFG."""
-    return Workload(spec.defaults.width, spec.defaults.height)
 
 
 class GpuMemory:

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from models.errors import InputError
+from models.family import CheckpointSpec
 from models.memory import DECODE, DENOISE, ENCODE, MemoryProfile, PartSizes, Workload
 
 GiB = 1024**3
@@ -136,10 +137,13 @@ class Placement:
             if self.lent
             else ""
         )
-        return (
-            f"{name}: {blocks - len(self.streamed)} of {blocks} blocks resident{lent}; {len(self.streamed)} "
-            f"streamed from pinned host memory {ahead} ({self.streamed_bytes / 1e9:.2f} GB per call)"
+        streamed = (
+            f"; {len(self.streamed)} streamed from pinned host memory {ahead} "
+            f"({self.streamed_bytes / 1e9:.2f} GB per call)"
+            if self.streamed
+            else ""
         )
+        return f"{name}: {blocks - len(self.streamed)} of {blocks} blocks resident{lent}{streamed}"
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,12 @@ def phase_peaks(
         DENOISE: always + extra.get(DENOISE, 0) + pools + step,  # one more call while a graph is captured
         DECODE: always + extra.get(DECODE, 0) + act.decode(workload, tiled) + pools,
     }
+
+
+def default_workload(spec: CheckpointSpec) -> Workload:
+    """The request a plan holds unless told otherwise: the checkpoint's default size, one image, true CFG
+    and as many input images as a request may carry."""
+    return Workload(spec.defaults.width, spec.defaults.height, input_images=spec.max_images)
 
 
 def plan_memory(

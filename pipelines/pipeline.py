@@ -357,7 +357,10 @@ class Pipeline:
         if self.memory is not None:
             true_cfg = negatives is not None and true_cfg_scale > 1
             batch = len(prompts) * num_images_per_prompt
-            self.memory.request(Workload(width, height, batch, len(prompts), max_sequence_length, true_cfg))
+            inputs = len(images or [])
+            self.memory.request(
+                Workload(width, height, batch, len(prompts), max_sequence_length, true_cfg, inputs)
+            )
         if lora_scales:
             self.set_lora_scales(lora_scales)
         scheduler = self.model.scheduler if run_preset is None else run_preset.make_scheduler()

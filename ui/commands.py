@@ -17,7 +17,7 @@ from models.memory import Workload
 from pipelines.images import open_input_image, read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
-from pipelines.memory_plan import parse_size, plan_memory
+from pipelines.memory_plan import default_workload, parse_size, plan_memory
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
 from pipelines.requests import check_requests, read_requests
 from pipelines.variants import resolve_variant
@@ -111,7 +111,8 @@ def request_workload(args: argparse.Namespace, spec: CheckpointSpec) -> Workload
     width = spec.defaults.width if args.width is None else args.width
     height = spec.defaults.height if args.height is None else args.height
     images = args.num_images_per_prompt
-    return Workload(width, height, images, 1, args.max_sequence_length, true_cfg_on(args, spec))
+    inputs = len(args.image or [])
+    return Workload(width, height, images, 1, args.max_sequence_length, true_cfg_on(args, spec), inputs)
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
@@ -282,7 +283,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
     budget = memory_budget(args, spec)
     if budget is not None:  # the plan for a CUDA GPU, from the configs: printed even where there is none
-        plan = gpu_memory_plan(args, spec, budget, Workload(spec.defaults.width, spec.defaults.height))
+        plan = gpu_memory_plan(args, spec, budget, default_workload(spec))
         print("\n".join(plan.describe()), flush=True)
     check_device(args.device)
     from pipelines.info import describe, describe_plans
@@ -386,12 +387,13 @@ def cmd_ui(args: argparse.Namespace) -> None:
 
 def ui_workload(spec: CheckpointSpec) -> Workload:
     """The request the demo's memory plan holds: its largest aspect preset (or the model's default size),
-    one image, true CFG; a larger request is refused with the reason when it would not fit."""
+    one image, true CFG, as many input images as the model takes; a larger request is refused with the
+    reason when it would not fit."""
     from ui.generation import ASPECT_RATIOS
 
     sizes = [*ASPECT_RATIOS.values(), (spec.defaults.width, spec.defaults.height)]
     width, height = max(sizes, key=lambda size: size[0] * size[1])
-    return Workload(width, height)
+    return Workload(width, height, input_images=spec.max_images)
 
 
 def limit_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from models.memory import (
     DENOISE,
     ENCODE,
     MemoryProfile,
+    PartSizes,
     TensorInfo,
     Workload,
     component_tensors,
@@ -48,15 +49,21 @@ class QwenImageActivations:
     dtype_bytes: int
 
     def encode(self, workload: Workload) -> int:
-        tokens = workload.prompts * (
-            MAX_SEQUENCE_LENGTH + TEMPLATE_TOKENS
-        )  # the tokenizer's cap, whatever is kept
-        return round(tokens * TEXT_BYTES_PER_HIDDEN * self.text_hidden * self.dtype_bytes / 2)
+        return self.text_bytes(
+            workload.prompts * (MAX_SEQUENCE_LENGTH + TEMPLATE_TOKENS)
+        )  # the tokenizer's cap
 
     def step(self, workload: Workload) -> int:
         image_tokens = (workload.width // (2 * self.vae_scale)) * (workload.height // (2 * self.vae_scale))
-        tokens = workload.images * (image_tokens + workload.text_tokens)
+        return self.step_bytes(workload.images * (image_tokens + workload.text_tokens))
+
+    def step_bytes(self, tokens: int) -> int:
+        """One transformer call over `tokens` joint tokens (all samples)."""
         return round(tokens * STEP_BYTES_PER_WIDTH * self.width * self.dtype_bytes / 2)
+
+    def text_bytes(self, tokens: int) -> int:
+        """One text-encoder call over `tokens` tokens (all prompts), every hidden state kept."""
+        return round(tokens * TEXT_BYTES_PER_HIDDEN * self.text_hidden * self.dtype_bytes / 2)
 
     def decode(self, workload: Workload, tiled: bool) -> int:
         pixels = workload.width * workload.height
@@ -70,16 +77,21 @@ class QwenImageActivations:
 def memory_profile(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> MemoryProfile:
     """The profile of a Qwen-Image checkpoint whose configs `inspect` has checked, for components loaded in
     a dtype of `dtype_bytes` (the VAE in `vae_dtype_bytes`)."""
+    return MemoryProfile(
+        component_parts(directory, dtype_bytes, vae_dtype_bytes), activations(directory, dtype_bytes)
+    )
+
+
+def component_parts(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> tuple[PartSizes, ...]:
+    """The text encoder (its vision tower, if any, in its fixed part), transformer and VAE as they sit on
+    the device, from the safetensors headers."""
 
     def transformer_bytes(tensor: TensorInfo) -> int:  # models/loading.py's casts: FP8 and scales stay
         if tensor.dtype.startswith("F8") or tensor.name.endswith(SCALE_SUFFIXES):
             return 1 if tensor.dtype.startswith("F8") else 4
         return dtype_bytes
 
-    transformer = read_json(directory / "transformer" / "config.json")
-    vae = read_json(directory / "vae" / "config.json")
-    text = read_json(directory / "text_encoder" / "config.json")
-    parts = (
+    return (
         part_sizes(
             "text_encoder",
             ENCODE,
@@ -99,11 +111,21 @@ def memory_profile(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> M
         ),
         part_sizes("vae", DECODE, component_tensors(directory / "vae"), lambda _: vae_dtype_bytes),
     )
-    activations = QwenImageActivations(
+
+
+def activation_fields(directory: Path, dtype_bytes: int) -> dict[str, int]:
+    """`QwenImageActivations`' fields from a checkpoint's configs (subclasses add their own)."""
+    transformer = read_json(directory / "transformer" / "config.json")
+    vae = read_json(directory / "vae" / "config.json")
+    text = read_json(directory / "text_encoder" / "config.json")
+    return dict(
         text_hidden=text.get("text_config", {}).get("hidden_size", text.get("hidden_size")),
         width=transformer.get("num_attention_heads", 24) * transformer.get("attention_head_dim", 128),
         vae_base=vae.get("base_dim", 96),
         vae_scale=2 ** len(vae.get("temperal_downsample", (False, True, True))),
         dtype_bytes=dtype_bytes,
     )
-    return MemoryProfile(parts, activations)
+
+
+def activations(directory: Path, dtype_bytes: int) -> QwenImageActivations:
+    return QwenImageActivations(**activation_fields(directory, dtype_bytes))

@@ -31,10 +31,11 @@ class QwenImageEditFamily(QwenImageFamily):
 
         return QwenImageEditModel.load(spec.directory, dtype, device, vae_dtype)
 
-    def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int) -> None:
-        """None: Qwen-Image's profile leaves out the input images' tokens and the vision tower, so an Edit
-        checkpoint loads whole onto the device (a budget is refused in one line) until it has its own."""
-        return None
+    def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
+        from models.qwen_image_edit.memory import memory_profile
+
+        kind = EDIT_KINDS[read_model_index(spec.directory)["_class_name"]]
+        return memory_profile(spec.directory, kind, dtype_bytes, vae_dtype_bytes)
 
     def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
         spec = super().spec_for(model, name, defaults)

@@ -90,10 +90,15 @@ class QwenImageEditModel(QwenImageModel):
 
     def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> EditCanvas:
         """The target canvas and the input images' VAE latents (encoded in the VAE's dtype, then in the
-        model's; diffusers runs both in one dtype)."""
+        model's; diffusers runs both in one dtype). They are encoded whole even when a memory plan decodes
+        in tiles (its budget holds a whole encode), so every plan denoises the same latents."""
         vae = self.components.vae
         pixels = self.prepare(images or []).pixels
-        references, grids = encode_reference_latents(vae, pixels, 1, self.device, vae.dtype)
+        tiling, vae.use_tiling = vae.use_tiling, False
+        try:
+            references, grids = encode_reference_latents(vae, pixels, 1, self.device, vae.dtype)
+        finally:
+            vae.use_tiling = tiling
         target = latent_size(width, height, self.vae_scale_factor)
         return EditCanvas(target, references.to(self.dtype), ImageLayout(target.grid, grids))
 
