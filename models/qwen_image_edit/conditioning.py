@@ -24,10 +24,8 @@ What the pipeline must do, in diffusers' order:
 """
 
 import functools
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import PIL.Image
 import PIL.ImageOps
@@ -35,17 +33,15 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.image_processor import VaeImageProcessor
 from transformers import (
-    PreTrainedTokenizerBase,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
 )
 
-from models.errors import CheckpointError, InputError
+from models.errors import InputError
 from models.qwen_image.math import pack_latents
 from models.qwen_image.text_encoder import padded_prompt_rows
-from models.qwen_image.tokenizer import load_tokenizer
 from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind, calculate_dimensions
+from models.vl_processor import load_vl_processor
 
 Grid = tuple[int, int, int]
 
@@ -188,37 +184,7 @@ def encode_reference_latents(
     return torch.cat(packed, dim=1), tuple(grids)
 
 
-class ImageTextProcessor(Qwen2VLProcessor):
-    """transformers' Qwen2-VL processor for images and text, without a video processor: the parent's
-    constructor checks the video processor's class, and that class needs torchvision. Calls are the
-    parent's, unchanged (they touch the video processor only for videos)."""
-
-    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
-        if argument_name == "video_processor" and argument is None:
-            return type(None)
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-def torchvision_available() -> bool:
-    return importlib.util.find_spec("torchvision") is not None
-
-
 def load_processor(directory: Path, backend: str = "auto") -> Qwen2VLProcessor:
-    """The Qwen2-VL processor of a checkpoint's `processor/` folder. Backend "torchvision": transformers'
-    own `Qwen2VLProcessor.from_pretrained` (its default, torchvision image processor); "pil": the same
-    folder's image processor with the PIL backend (`Qwen2VLImageProcessorPil`) and its tokenizer; "auto":
-    torchvision where it is installed, else PIL (our CPU install has no torchvision)."""
-    if not (directory / "preprocessor_config.json").is_file():
-        raise CheckpointError(f"processor folder {directory} has no preprocessor_config.json")
-    if backend == "auto":
-        backend = "torchvision" if torchvision_available() else "pil"
-    if backend not in ("pil", "torchvision"):
-        raise ValueError(f"processor backend must be auto, pil or torchvision, got {backend!r}")
-    try:
-        if backend == "torchvision":
-            return Qwen2VLProcessor.from_pretrained(directory, local_files_only=True)
-        image_processor = Qwen2VLImageProcessorPil.from_pretrained(directory, local_files_only=True)
-    except Exception as exc:  # transformers raises OSError, ValueError, ImportError... for a bad folder
-        raise CheckpointError(f"processor in {directory} cannot be loaded: {exc}".splitlines()[0]) from exc
-    tokenizer: PreTrainedTokenizerBase = load_tokenizer(directory)
-    return ImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    """The Qwen2-VL processor of a checkpoint's `processor/` folder (models/vl_processor.py: torchvision's
+    image backend where it is installed, else PIL's)."""
+    return load_vl_processor(directory, Qwen2VLProcessor, backend)

@@ -22,9 +22,9 @@ from models.qwen_image_edit.conditioning import (
     load_edit_image,
     load_processor,
     prepare_edit_images,
-    torchvision_available,
 )
 from models.qwen_image_edit.config import EDIT_KINDS
+from models.vl_processor import torchvision_available
 
 pytestmark = [
     pytest.mark.gpu,
