@@ -82,8 +82,11 @@ def device_budget(device: torch.device, budget: int | None) -> int:
 
 def cap_device(device: torch.device, budget: int | None) -> None:
     """On CUDA, an explicit budget caps this process's allocations there (torch's per-process memory
-    fraction), so the plan's peaks are enforced, not hoped for; None lifts the cap (`replan`)."""
+    fraction), so the plan's peaks are enforced, not hoped for; None lifts the cap (`replan`). Blocks the
+    caching allocator holds but no tensor uses are released first: the cap counts them, and after a
+    re-plan they are the old placement's and graph pools' sizes, which the new one cannot reuse."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         index = torch.cuda.current_device() if device.index is None else device.index
         total = torch.cuda.mem_get_info(index)[1]
         torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else budget / total, index)
