@@ -330,11 +330,15 @@ class PlacedWeights:
         """Put every tensor where the placement wants it: small and resident ones on the device, streamed
         and `lent` blocks' and (with `offload`) the others' moving tensors in host memory. The lent blocks
         live in one fixed device buffer of at least `lend_bytes` that `lend()` gives to an offloaded
-        component while it runs; they are copied back (`load_lent`) before this one runs again."""
+        component while it runs; they are copied back (`load_lent`) before this one runs again. The old
+        placement's device buffers are let go before anything new comes to the device, so the two never
+        hold device memory at once."""
         if streamed and (self.blocks is None or slots < 1):
             raise ValueError("streaming blocks needs a block list and at least one slot")
         self._remove_hooks()
         self._drop_phase()
+        self.link.join()  # no copy into the old buffers may still be running
+        self._slot_views, self._lent_views, self._lent_buffer = [], [], None
         self.streamed, self.slots, self.offload = tuple(streamed), slots if streamed else 0, offload
         streamed_blocks = [self.blocks[i] for i in self.streamed]
         lent_blocks = [self.blocks[i] for i in lent]
