@@ -49,9 +49,8 @@ class QwenImageActivations:
     dtype_bytes: int
 
     def encode(self, workload: Workload) -> int:
-        return self.text_bytes(
-            workload.prompts * (MAX_SEQUENCE_LENGTH + TEMPLATE_TOKENS)
-        )  # the tokenizer's cap
+        tokens = workload.prompts * (MAX_SEQUENCE_LENGTH + TEMPLATE_TOKENS)  # the tokenizer's cap
+        return self.text_bytes(tokens)
 
     def step(self, workload: Workload) -> int:
         image_tokens = (workload.width // (2 * self.vae_scale)) * (workload.height // (2 * self.vae_scale))
@@ -128,4 +127,5 @@ def activation_fields(directory: Path, dtype_bytes: int) -> dict[str, int]:
 
 
 def activations(directory: Path, dtype_bytes: int) -> QwenImageActivations:
+    """Qwen-Image's activation estimate for a checkpoint, at `dtype_bytes` per element."""
     return QwenImageActivations(**activation_fields(directory, dtype_bytes))

@@ -6,8 +6,8 @@ Each input image adds to the text-encoder call its vision tower's patches (measu
 its vision tokens to the language model's sequence, and to every transformer call its VAE tokens and its
 vision tokens (the prompt embeddings carry them); the VAE encodes each input image before denoising
 (measured 20.2 x base_dim bytes per pixel, rounded up to 23), whole even when the plan decodes in tiles,
-which the decode phase's bound covers. Image
-sizes are the pipelines' fixed areas with 10% to spare for the rounding of their sides.
+which the decode phase's bound covers. Image sizes are the pipelines' fixed areas with 10% to spare for
+the rounding of their sides.
 """
 
 import math
