@@ -3,14 +3,29 @@
 Tests marked `interpreter` (Triton kernels on CPU tensors) or `browser` (Debian chromium through
 Playwright) skip when their tool is missing, except under CI=true: there they fail with the reason, so
 CI cannot pass without running them. Only the `gpu` tests skip in CI (no CUDA on a CPU runner).
+
+OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, unless set) in this process and in every process
+a test starts: by default they spin, and the suite often runs two torch processes at once (eval workers,
+ranks, servers): on 2 cores two spinning 2-thread processes ran a generation 9x slower than one alone.
+How threads wait changes no result: the work is split the same way.
+
+With `-n auto` (the README's test command) the tests run in two pytest-xdist workers without CUDA: a
+module's tests stay on one worker, so its module fixtures are built once; the documented examples, each a
+chain of processes, go one by one; modules with `slow` tests are handed out first. With CUDA `-n auto`
+means one process: the GPU tests measure memory and time on a device they must have alone.
 """
 
 import importlib.util
 import os
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, as torch loads libgomp (imported below)
+
 import pytest
 import torch
 from helpers import CHROMIUM
+
+# Tests that xdist hands out one by one (not by module): they share no module fixture and take minutes.
+ALONE = {"tests/test_docs_examples.py"}
 
 if not torch.cuda.is_available():
     # Must be set before any kernel module is imported: @triton.jit reads it at decoration time.
@@ -30,7 +45,34 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: two workers on a CPU (one process kept 1.2 of 2 cores busy: imports, servers and ranks
+    are mostly one thread), none (this process) with CUDA."""
+    return 0 if torch.cuda.is_available() else 2
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Work units for the xdist workers: a test module, or one test of ALONE; handed out in collection order
+    (not xdist's largest-first), which a worker sorts in `pytest_collection_modifyitems`."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in ALONE else module
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # modules with slow tests first, so that no long one starts last while the other worker idles
+        slow = {item.nodeid.split("::", 1)[0] for item in items if "slow" in item.keywords}
+        items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

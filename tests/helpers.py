@@ -1,5 +1,6 @@
 """Shared test helpers: a host-synchronisation guard, PNG hashing, the checkout's root, where chromium is,
-ranks for the parallel tests, and deterministic random weights for models the tests build."""
+ranks for the parallel tests, deterministic random weights for models the tests build, waiting on a
+condition, and this process's resident memory."""
 
 import hashlib
 import io
@@ -8,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import PIL.Image
@@ -155,3 +158,18 @@ def fill_deterministic(module: torch.nn.Module, seed: int) -> None:
             else:
                 fan_in = math.prod(param.shape[1:])
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> float:
+    """Poll `condition` every 10 ms until it holds; fails after `timeout` s. Returns the seconds waited."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "timed out"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (server threads and clients included) from /proc."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import rss_bytes, wait_for
 from PIL import Image
 
 from models.errors import InputError
@@ -427,7 +428,7 @@ def test_full_queue_answers_429_with_retry_after(fake: tuple[FakePipe, str, Runn
     pipe.hold.clear()  # the first request runs and waits; two more fill the queue of 2
     with ThreadPoolExecutor(3) as pool:
         pending = [pool.submit(_client(url).images.generate, prompt=f"p{i}") for i in range(3)]
-        _wait_for(lambda: runner.queue_depth() == 2 and len(runner.jobs()) == 3)
+        wait_for(lambda: runner.queue_depth() == 2 and len(runner.jobs()) == 3)
         refused = httpx.post(f"{url}/v1/images/generations", json={"prompt": "one too many"})
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "queue_full"
@@ -446,7 +447,7 @@ def test_a_client_that_disconnects_stops_its_job_within_a_step(fake: tuple[FakeP
             f"{url}/v1/images/generations", json={"prompt": "gone", "num_inference_steps": 200}, timeout=0.5
         )
     gone = time.monotonic()
-    _wait_for(lambda: not runner.jobs(), 2.0)
+    wait_for(lambda: not runner.jobs(), 2.0)
     steps = pipe.steps_run
     assert time.monotonic() - gone < 0.5 and steps < 30
     time.sleep(0.2)
@@ -511,14 +512,14 @@ def test_soak_keeps_memory_and_the_url_cache_flat(embedded: Any) -> None:
         request = {"prompt": PROMPTS[3], "response_format": "url", **TINY}
         urls = [client.images.generate(**request).data[0].url for _ in range(10)]  # warm-up
         gc.collect()
-        rss_before, most = _rss_bytes(), 0
+        rss_before, most = rss_bytes(), 0
         for i in range(200):
             urls.append(client.images.generate(**request).data[0].url)
             if i % 10 == 9:
                 samples = _samples(httpx.get(f"{server.url}/metrics").text)
                 most = max(most, int(samples["qwen_image_image_cache_bytes"]))
         gc.collect()
-        growth_mb = (_rss_bytes() - rss_before) / 2**20
+        growth_mb = (rss_bytes() - rss_before) / 2**20
         print(f"soak: RSS growth {growth_mb:.1f} MB, URL cache at most {most} bytes")
         assert growth_mb < 50
         assert most <= cache_mb * 2**20
@@ -551,10 +552,10 @@ def test_demo_and_api_share_one_port_and_one_queue(with_demo: tuple[FakePipe, st
     assert httpx.get(url).headers["location"] == "/ui/"
     page = Client(f"{url}/ui/", verbose=False, analytics_enabled=False)
     running = page.submit("from the page", num_inference_steps=200, api_name="/generate")
-    _wait_for(lambda: pipe.steps_run > 0)
+    wait_for(lambda: pipe.steps_run > 0)
     with ThreadPoolExecutor(1) as pool:
         api = pool.submit(_client(url).images.generate, prompt="from the API", size="32x16")
-        _wait_for(lambda: runner.queue_depth() == 1)  # waits behind the page's job, in the same queue
+        wait_for(lambda: runner.queue_depth() == 1)  # waits behind the page's job, in the same queue
         assert page.predict(api_name="/stop").startswith("Stopped after")
         assert len(api.result(10).data) == 1
     assert running.result(timeout=10)[0] == []
@@ -583,15 +584,3 @@ def test_the_page_generates_next_to_the_api(with_demo: tuple[FakePipe, str, Runn
 def _samples(text: str) -> dict[str, str]:
     """Prometheus text as {name{labels}: value}."""
     return dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _wait_for(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)

@@ -16,11 +16,14 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import gradio as gr
 import httpx
 import pytest
+from gradio import route_utils
 from gradio_client import Client
 from gradio_client.exceptions import AppError, AuthenticationError, ValidationError
 from gradio_client.utils import Status
+from helpers import wait_for
 from PIL import Image
 
 from models.errors import InputError
@@ -247,11 +250,11 @@ def test_stop_flags_belong_to_jobs() -> None:
 
     threads = [threading.Thread(target=run, args=item) for item in [("first", first)]]
     threads[0].start()
-    _wait_for(lambda: first.steps_done > 0)
+    wait_for(lambda: first.steps_done > 0)
     for name, job in [("second", second), ("other", other)]:
         threads.append(threading.Thread(target=run, args=(name, job)))
         threads[-1].start()
-    _wait_for(lambda: len(runner.jobs()) == 3)  # two wait for the device behind the first
+    wait_for(lambda: len(runner.jobs()) == 3)  # two wait for the device behind the first
     assert runner.stop_session("a", STOP_PRESSED) == [first, second]
     for thread in threads:
         thread.join(10)
@@ -310,9 +313,7 @@ def _client(url: str, **kwargs: Any) -> Client:
 
 def _wait_idle(pipe: FakePipe, runner: Runner, within: float) -> float:
     """Seconds until nothing runs or waits in the runner; fails after `within`."""
-    start = time.monotonic()
-    _wait_for(lambda: not runner.jobs() and not pipe.running, within)
-    return time.monotonic() - start
+    return wait_for(lambda: not runner.jobs() and not pipe.running, within)
 
 
 def test_api_generate_then_error_then_generate(served: tuple[FakePipe, Runner, str]) -> None:
@@ -407,7 +408,7 @@ def test_one_request_per_client_at_a_time(served: tuple[FakePipe, Runner, str]) 
     _, runner, url = served
     client, other = _client(url), _client(url)
     first = client.submit("first", num_inference_steps=40, api_name="/generate")
-    _wait_for(lambda: runner.jobs())
+    wait_for(lambda: runner.jobs())
     with pytest.raises(ValidationError, match="already have 1 request waiting or running"):
         client.predict("second", num_inference_steps=2, api_name="/generate")
     assert len(other.predict("another client", num_inference_steps=2, api_name="/generate")[0]) == 1
@@ -419,7 +420,7 @@ def test_stop_ends_the_running_generation_with_its_step_count(served: tuple[Fake
     pipe, runner, url = served
     client = _client(url)
     job = client.submit("long", num_inference_steps=200, seed=11, randomize_seed=False, api_name="/generate")
-    _wait_for(lambda: runner.jobs() and runner.jobs()[0].steps_done > 2)
+    wait_for(lambda: runner.jobs() and runner.jobs()[0].steps_done > 2)
     message = client.predict(api_name="/stop")
     k = int(message.split()[2])
     assert message == f"Stopped after {k} of 200 steps." and 2 < k < 100
@@ -439,7 +440,7 @@ def test_stop_is_answered_at_once_while_a_long_step_runs() -> None:
         job = client.submit(
             "long", num_inference_steps=3, seed=11, randomize_seed=False, api_name="/generate"
         )
-        _wait_for(lambda: pipe.running)
+        wait_for(lambda: pipe.running)
         start = time.monotonic()
         message = client.predict(api_name="/stop")
         assert message == "Stopped after 0 of 3 steps." and time.monotonic() - start < 2.0
@@ -456,7 +457,7 @@ def test_cancel_frees_the_server_within_a_step(served: tuple[FakePipe, Runner, s
     client = _client(url)
     job = client.submit("abandoned", num_inference_steps=200, api_name="/generate")
     # Running, as the client knows it: gradio_client needs the event id it stores after joining to cancel.
-    _wait_for(lambda: job.status().code in (Status.PROCESSING, Status.PROGRESS))
+    wait_for(lambda: job.status().code in (Status.PROCESSING, Status.PROGRESS))
     before = pipe.steps_run
     job.cancel()
     assert _wait_idle(pipe, runner, within=2.0) < 2.0
@@ -523,8 +524,32 @@ def test_sign_in_is_required_when_accounts_are_given() -> None:
         demo.close()
 
 
-def _wait_for(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+def _sweep_while_a_request_lands(demo: Any, files: set[str], tmp_path: Any, monkeypatch: Any) -> None:
+    """Gradio's cache sweep over `demo`, with a request adding a file to `files` as the sweep reads the
+    first file's age (the race of a worker-thread sweep and a request thread, made deterministic)."""
+    old = tmp_path / "old.png"
+    old.write_bytes(b"png")
+    files.add(str(old))
+    real_path = route_utils.Path
+
+    class LandingPath(type(real_path())):
+        def lstat(self) -> Any:
+            files.add(str(tmp_path / f"new{len(files)}.png"))
+            return super().lstat()
+
+    monkeypatch.setattr(route_utils, "Path", LandingPath)
+    route_utils.delete_files_created_by_app(demo, age=None)
+    assert not old.exists()
+
+
+def test_the_cache_sweep_survives_a_request_landing_mid_sweep(tmp_path: Any, monkeypatch: Any) -> None:
+    """A plain set (what Gradio gives) breaks Gradio's sweep, which then never runs again; the app's sets
+    do not: the old file is deleted and the one that landed is kept for the next sweep."""
+    with pytest.raises(RuntimeError, match="Set changed size during iteration"):
+        plain = SimpleNamespace(blocks={}, temp_file_sets=[set()])
+        _sweep_while_a_request_lands(plain, plain.temp_file_sets[0], tmp_path, monkeypatch)
+    demo = build_app(FakePipe(), Limits.for_device("cpu"))
+    gallery = next(block for block in demo.blocks.values() if isinstance(block, gr.Gallery))
+    assert gallery.temp_files in demo.temp_file_sets and demo.upload_file_set in demo.temp_file_sets
+    _sweep_while_a_request_lands(demo, gallery.temp_files, tmp_path, monkeypatch)
+    assert len(gallery.temp_files) == 1

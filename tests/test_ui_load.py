@@ -5,7 +5,6 @@ encoding alone takes 0.2 s, and a second intra-op thread fights Gradio and the c
 """
 
 import gc
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from gradio_client import Client
+from helpers import rss_bytes
 
 from bench.ui_load import ServedApp, add_server_times, fire, prompt_for, start_app, summarize
 from pipelines import load_pipeline
@@ -71,14 +71,16 @@ def test_forty_clients_complete_in_order_or_get_queue_full(app: tuple[ServedApp,
 @pytest.mark.slow
 def test_soak_keeps_memory_and_cache_flat(app: tuple[ServedApp, Path]) -> None:
     """200 sequential requests (random seeds, so every PNG is new): the process's RSS grows by less than
-    50 MB and Gradio's cache holds only the last few seconds of images."""
+    50 MB and Gradio's sweep, asked to run every second, keeps deleting cached images older than KEEP_S to
+    the end (a sweep that dies on a request landing mid-sweep, as Gradio's did, leaves them all)."""
     served, cache = app
+    assert served.demo.delete_cache == (1, KEEP_S)  # (every, older than) seconds
     client = Client(served.url, verbose=False, analytics_enabled=False)
     request = REQUEST | {"randomize_seed": True}
     for i in range(10):  # warm-up: allocator pools, Gradio's first-call caches
         client.predict(prompt_for(i), **request, api_name="/generate")
     gc.collect()
-    rss_before = _rss_bytes()
+    rss_before = rss_bytes()
     oldest_s, counts = 0.0, []
     for i in range(200):
         client.predict(prompt_for(i), **request, api_name="/generate")
@@ -87,12 +89,10 @@ def test_soak_keeps_memory_and_cache_flat(app: tuple[ServedApp, Path]) -> None:
             counts.append(len(ages))
             oldest_s = max([oldest_s, *ages])
     gc.collect()
-    growth_mb = (_rss_bytes() - rss_before) / 2**20
-    print(
-        f"soak: RSS growth {growth_mb:.1f} MB, cache files per 20 requests {counts}, oldest {oldest_s:.1f} s"
-    )
+    growth_mb = (rss_bytes() - rss_before) / 2**20
+    print(f"soak: RSS growth {growth_mb:.1f} MB, files per 20 requests {counts}, oldest {oldest_s:.1f} s")
     assert growth_mb < 50
-    assert oldest_s < KEEP_S + 1 + 2  # deleted after KEEP_S, checked every second; 2 s of slack
+    assert oldest_s < KEEP_S + 1 + 3  # deleted after KEEP_S, checked every second; 3 s for a loaded CPU
     assert max(counts) < 100  # 200 images were made
 
 
@@ -106,9 +106,3 @@ def _file_ages(folder: Path) -> list[float]:
         except FileNotFoundError:
             continue
     return ages
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process (server and clients) from /proc."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

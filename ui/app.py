@@ -8,7 +8,7 @@ client, or the time limit. The generate event has the stable API name "/generate
 
 import asyncio
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +209,33 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         stop_options = {"api_name": "stop"} if generates else {"api_visibility": "private"}
         stop_btn.click(stop, None, details, cancels=[run], queue=False, **stop_options)
         demo.unload(closed)
+    _sweep_safe_file_sets(demo)
     return demo.queue(max_size=limits.queue_size, default_concurrency_limit=1)
+
+
+class SweepSafeSet(set):
+    """A set of cached file paths whose iteration walks a copy, taken in one step under the GIL."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.copy())
+
+
+def _sweep_safe_file_sets(demo: gr.Blocks) -> None:
+    """Make Gradio's cache sweep survive requests that land while it runs.
+
+    The sweep (`delete_cache`; gradio 6.31's route_utils.delete_files_created_by_app) walks each component's
+    live set of cached files on a worker thread while requests add to it: the first overlap raises "Set
+    changed size during iteration", which ends the sweep for the life of the server, and from then on every
+    image stays on disk (seen in CI: the soak test's cache grew to 32 files, 11.8 s old, against a 3 s
+    limit). Every set becomes a SweepSafeSet, the components' and the uploads' alike.
+    """
+    safe = {id(files): SweepSafeSet(files) for files in demo.temp_file_sets}
+    for block in demo.blocks.values():
+        files = getattr(block, "temp_files", None)
+        if id(files) in safe:
+            block.temp_files = safe[id(files)]
+    demo.upload_file_set = safe[id(demo.upload_file_set)]
+    demo.temp_file_sets = list(safe.values())
 
 
 async def _run(
