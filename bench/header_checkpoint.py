@@ -1,8 +1,10 @@
-"""A full-size Qwen-Image (or Edit-2511) checkpoint made of configs and safetensors headers only (no weight
-data, 1 MB): the GPU-memory planner reads nothing else, so `qwen-image info --gpu-memory SIZE` shows the
-plans of the real sizes on any machine (loading it then fails: there are no weights).
+"""A full-size Qwen-Image (or Edit-2511, or Qwen-Image 2.1) checkpoint made of configs and safetensors
+headers only (no weight data, 1 MB): the GPU-memory planner reads nothing else, so `qwen-image info
+--gpu-memory SIZE` shows the plans of the real sizes on any machine (loading it then fails: there are no
+weights).
 
     python bench/header_checkpoint.py --out /tmp/qwen-image-headers [--fp8-modulation] [--bf16] [--edit]
+    python bench/header_checkpoint.py --out /tmp/qwen-image-21-headers --qi21
     qwen-image info --model /tmp/qwen-image-headers --gpu-memory 24GiB
 """
 
@@ -12,10 +14,15 @@ import struct
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLQwenImage
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+from diffusers import AutoencoderKLQwenImage, AutoencoderKLQwenImage21
+from transformers import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+    Qwen3VLForConditionalGeneration,
+)
 
 from models.embedded import DEFAULT_MODEL_DIR
+from models.family import QuantRecipe
 from models.fp8_weight_only import WEIGHT_ONLY_KEY
 from models.modelopt import QuantConfig
 from models.qwen_image.components import SCHEDULER_CONFIG
@@ -23,6 +30,12 @@ from models.qwen_image.config import QwenImageConfig
 from models.qwen_image.model import QUANTIZATION
 from models.qwen_image.text_encoder import qwen25_vl_7b_config
 from models.qwen_image.transformer import QwenImageTransformer
+from models.qwen_image21 import synthetic
+from models.qwen_image21.checkpoint import PIPELINE_CLASS
+from models.qwen_image21.components import save_processor
+from models.qwen_image21.config import QwenImage21Config
+from models.qwen_image21.quantization import QUANTIZATION as QUANTIZATION21
+from models.qwen_image21.transformer import QwenImage21Transformer
 
 DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -44,11 +57,13 @@ def shapes(module: torch.nn.Module, dtype: torch.dtype) -> Shapes:
     return {name: (dtype, tuple(t.shape)) for name, t in module.state_dict().items()}
 
 
-def fp8_transformer(transformer: torch.nn.Module, fp8_modulation: bool) -> tuple[Shapes, dict]:
-    """The tensors and quantization config `qwen-image quantize` writes (default BF16 fallback list; the
-    modulation FP8 weight-only with `fp8_modulation`)."""
-    weight_only = QUANTIZATION.weight_only if fp8_modulation else ()
-    kept = QuantConfig("FP8", tuple(g for g in QUANTIZATION.bf16_fallback if g not in weight_only))
+def fp8_transformer(
+    transformer: torch.nn.Module, fp8_modulation: bool, recipe: QuantRecipe = QUANTIZATION
+) -> tuple[Shapes, dict]:
+    """The tensors and quantization config `qwen-image quantize` writes with the family's `recipe` (its
+    default BF16 fallback list; the modulation FP8 weight-only with `fp8_modulation`)."""
+    weight_only = recipe.weight_only if fp8_modulation else ()
+    kept = QuantConfig("FP8", tuple(g for g in recipe.bf16_fallback if g not in weight_only))
     moved = QuantConfig("FP8", weight_only=weight_only)
     tensors = shapes(transformer, torch.bfloat16)
     for name, module in transformer.named_modules():
@@ -100,14 +115,43 @@ def header_only_checkpoint(
     return directory
 
 
+def qi21_header_checkpoint(directory: Path) -> Path:
+    """Qwen-Image 2.1's released sizes as headers: the 32-layer 7B DiT in FP8 (the family's recipe), the
+    Qwen3-VL-8B text encoder with its vision tower, the 16x VAE, the processor."""
+    with torch.device("meta"):
+        config = synthetic.text_encoder_config(synthetic.QWEN3_VL_8B_TEXT, synthetic.QWEN3_VL_8B_VISION)
+        text = Qwen3VLForConditionalGeneration(config)
+        transformer = QwenImage21Transformer(QwenImage21Config())
+        vae = AutoencoderKLQwenImage21()
+    text.config.save_pretrained(directory / "text_encoder")
+    write_header(directory / "text_encoder" / "model.safetensors", shapes(text, torch.bfloat16))
+    vae.save_config(directory / "vae")
+    write_header(directory / "vae" / "diffusion_pytorch_model.safetensors", shapes(vae, torch.bfloat16))
+    tensors, quantization = fp8_transformer(transformer, False, QUANTIZATION21)
+    (directory / "transformer").mkdir(parents=True, exist_ok=True)
+    raw = transformer.config.to_dict() | {"quantization_config": quantization}
+    (directory / "transformer" / "config.json").write_text(json.dumps(raw))
+    write_header(directory / "transformer" / "diffusion_pytorch_model.safetensors", tensors)
+    (directory / "scheduler").mkdir(parents=True, exist_ok=True)
+    (directory / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
+    save_processor(synthetic.processor(), directory / "processor")
+    index = {"_class_name": PIPELINE_CLASS, "_diffusers_version": "0.42.1"}
+    (directory / "model_index.json").write_text(json.dumps(index))
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bf16", action="store_true", help="a BF16 transformer instead of FP8")
     parser.add_argument("--fp8-modulation", action="store_true", help="the modulation FP8 weight-only")
     parser.add_argument("--edit", action="store_true", help="Qwen-Image-Edit-2511's sizes")
+    parser.add_argument("--qi21", action="store_true", help="Qwen-Image 2.1's sizes (FP8)")
     args = parser.parse_args()
-    print(f"wrote {header_only_checkpoint(args.out, not args.bf16, args.fp8_modulation, args.edit)}")
+    if args.qi21:
+        print(f"wrote {qi21_header_checkpoint(args.out)}")
+    else:
+        print(f"wrote {header_only_checkpoint(args.out, not args.bf16, args.fp8_modulation, args.edit)}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ real `quantize` path (true CFG, a few steps) and written as a ModelOpt FP8 check
 
 `--edit` writes an Edit-2511 checkpoint instead (`QwenImageEditPlusPipeline`, `zero_cond_t`): the same DiT,
 Qwen2.5-VL-7B's full-size vision tower (it sees the input images), the Qwen2-VL processor, calibrated on
-two of the built-in image + instruction pairs.
+two of the built-in image + instruction pairs. `--qi21` writes a Qwen-Image 2.1 one (`QwenImage21Pipeline`:
+the 32-layer 7B DiT unless `--layers`, Qwen3-VL-8B with its vision tower, the 16x VAE, the Qwen3-VL
+processor), calibrated on one prompt with the family's recipe.
 
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60] [--edit]
+    python bench/make_random_checkpoint.py --out /tmp/qwen-image-21-random-fp8 --qi21
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8mod --fp8-modulation
 """
 
@@ -19,8 +22,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLQwenImage
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+from diffusers import AutoencoderKLQwenImage, AutoencoderKLQwenImage21
+from transformers import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+    Qwen3VLForConditionalGeneration,
+)
 
 from models.family import GenerationDefaults
 from models.qwen_image.components import Components, default_scheduler
@@ -30,6 +37,12 @@ from models.qwen_image.model import QwenImageModel
 from models.qwen_image.text_encoder import qwen25_vl_7b_config
 from models.qwen_image.tokenizer import build_qwen2_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer
+from models.qwen_image21 import synthetic
+from models.qwen_image21.components import Components21
+from models.qwen_image21.config import QwenImage21Config
+from models.qwen_image21.family import FAMILY as FAMILY21
+from models.qwen_image21.model import QwenImage21Model
+from models.qwen_image21.transformer import QwenImage21Transformer
 from models.qwen_image_edit.components import EditComponents
 from models.qwen_image_edit.conditioning import load_processor
 from models.qwen_image_edit.config import EDIT_KINDS
@@ -56,6 +69,23 @@ def full_size_components(layers: int, device: torch.device, edit: bool = False) 
     return Components(build_qwen2_tokenizer(), text_encoder, transformer, vae, default_scheduler())
 
 
+def qi21_model(layers: int, device: torch.device) -> QwenImage21Model:
+    """A Qwen-Image 2.1 model with random weights at the released sizes, built on `device` in bf16."""
+    torch.manual_seed(0)
+    text = synthetic.text_encoder_config(synthetic.QWEN3_VL_8B_TEXT, synthetic.QWEN3_VL_8B_VISION)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        text_encoder = Qwen3VLForConditionalGeneration(text).eval().requires_grad_(False)
+        transformer = (
+            QwenImage21Transformer(QwenImage21Config(num_layers=layers)).eval().requires_grad_(False)
+        )
+        vae = AutoencoderKLQwenImage21().eval().requires_grad_(False)
+    torch.set_default_dtype(torch.float32)
+    transformer.post_load_weights()
+    components = Components21(synthetic.processor(), text_encoder, transformer, vae, default_scheduler())
+    return QwenImage21Model(components, device, torch.bfloat16)
+
+
 def edit_model(components: Components, device: torch.device, work: Path) -> QwenImageEditModel:
     """The components as an Edit-2511 (Plus) model, with the Qwen2-VL processor (default image settings,
     which are Qwen2.5-VL's: patch 14, merge 2, temporal patch 2) and the real tokenizer."""
@@ -70,7 +100,7 @@ def edit_model(components: Components, device: torch.device, work: Path) -> Qwen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--layers", type=int, help="transformer blocks (default: the model's, 60 or 32)")
     parser.add_argument("--bf16", action="store_true", help="write the BF16 checkpoint instead of FP8")
     parser.add_argument(
         "--fp8-modulation",
@@ -80,16 +110,21 @@ def main() -> None:
     parser.add_argument(
         "--edit", action="store_true", help="an Edit-2511 checkpoint (zero_cond_t, processor)"
     )
+    parser.add_argument("--qi21", action="store_true", help="a Qwen-Image 2.1 checkpoint (32 layers)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
-    components = full_size_components(args.layers, device, args.edit)
+    if args.qi21:
+        model = qi21_model(args.layers or QwenImage21Config().num_layers, device)
+        family, prompts = FAMILY21, ["a red fox in the snow"]
+    else:
+        components = full_size_components(args.layers or QwenImageConfig().num_layers, device, args.edit)
     print(f"built full-size random components in {time.time() - start:.0f} s", flush=True)
     if args.edit:
         model = edit_model(components, device, Path(tempfile.mkdtemp(prefix="processor_")))
         requests = edit_requests_for(3)
         family, prompts = EDIT_FAMILY, [requests[0], requests[-1]]  # a one-image and a three-image pair
-    else:
+    elif not args.qi21:
         model = QwenImageModel(components, device, torch.bfloat16)
         family, prompts = FAMILY, ["a red fox in the snow"]
     if args.bf16:

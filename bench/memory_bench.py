@@ -13,9 +13,10 @@ place and caps the process there (torch's per-process memory fraction). At each 
   the plan decodes whole; tiled decoding changes pixels by design);
 - at 24 GiB also eager steps (no CUDA graphs) and two blocks of prefetch instead of one.
 An Edit checkpoint edits one 1024x1024 input image (`--input-images`), its Lightning preset being
-edit-lightning-8. The host link's bandwidth is measured once (a 1 GiB pinned copy on a side stream); each
-budget's step is projected for a PCIe 4.0 x16 link (25 GB/s) as max(uncapped step, bytes per step /
-25 GB/s): a stream that overlaps compute completely, the best case.
+edit-lightning-8; a family without a Lightning preset (Qwen-Image 2.1) skips that run. The host link's
+bandwidth is measured once (a 1 GiB pinned copy on a side stream); each budget's step is projected for a
+PCIe 4.0 x16 link (25 GB/s) as max(uncapped step, bytes per step / 25 GB/s): a stream that overlaps
+compute completely, the best case.
 
     python bench/memory_bench.py --model /tmp/qwen-image-random-fp8 --out memory_bench.json   # ~4 min
 """
@@ -35,6 +36,7 @@ from models.memory import Workload
 from models.streaming import CudaLink
 from pipelines import load_pipeline, memory_plan
 from pipelines.memory_plan import GiB
+from pipelines.presets import get_preset, presets_for
 from pipelines.requests import builtin_edit_set
 
 PROMPT = "a red fox in the snow, detailed fur, golden hour"
@@ -130,8 +132,10 @@ def run_budget(pipe, budget: int | None, steps: int) -> dict:
     t = cfg["timings"]
     cfg["seconds_50_steps"] = t["text_encoding"] + 50 * cfg["ms_per_step"] / 1000 + t["decoding"]
     cfg["extrapolated"] = f"text + 50 x the step measured over {steps} steps + decode"
-    lightning = timed(pipe, 8, preset="edit-lightning-8" if pipe.inputs else "lightning-8")
-    lightning["seconds"] = lightning["timings"]["total"]
+    lightning = None
+    if pipe.lightning is not None:
+        lightning = timed(pipe, 8, preset=pipe.lightning)
+        lightning["seconds"] = lightning["timings"]["total"]
     peak_allocated, peak_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     return {
         "budget_gib": None if budget is None else budget / GiB,
@@ -152,9 +156,10 @@ def run_budget(pipe, budget: int | None, steps: int) -> dict:
 
 def report(entry: dict) -> str:
     cfg, lightning = entry["cfg_50"], entry["lightning_8"]
+    eight = "" if lightning is None else f"Lightning-8 {lightning['seconds']:.2f} s, "
     return (
         f"{entry['budget_gib'] or 'uncapped'}: {cfg['seconds_50_steps']:.2f} s per 50-step image "
-        f"({cfg['ms_per_step']:.0f} ms/step), Lightning-8 {lightning['seconds']:.2f} s, peak "
+        f"({cfg['ms_per_step']:.0f} ms/step), {eight}peak "
         f"{entry['peak_reserved_gib']:.1f} GiB reserved, {entry['bytes_per_step'] / 1e9:.1f} GB/step"
     )
 
@@ -166,7 +171,9 @@ def compare(result: dict) -> None:
         entry["x_uncapped_50_steps"] = (
             entry["cfg_50"]["seconds_50_steps"] / uncapped["cfg_50"]["seconds_50_steps"]
         )
-        entry["x_uncapped_lightning"] = entry["lightning_8"]["seconds"] / uncapped["lightning_8"]["seconds"]
+        if entry["lightning_8"] is not None:
+            lightning = entry["lightning_8"]["seconds"] / uncapped["lightning_8"]["seconds"]
+            entry["x_uncapped_lightning"] = lightning
         entry["link_seconds_per_step"] = entry["bytes_per_step"] / result["link_bytes_per_s"]
         resident_step = uncapped["cfg_50"]["ms_per_step"] / 1000
         entry["pcie4_projected_step_s"] = max(resident_step, entry["bytes_per_step"] / PCIE4_X16)
@@ -211,6 +218,8 @@ def main() -> None:
     pipe.latents_seen = latents_sha(pipe)
     count = args.input_images if args.input_images is not None else int(pipe.spec.images_required)
     pipe.inputs = input_images(count)
+    lightning = "edit-lightning-8" if pipe.inputs else "lightning-8"
+    pipe.lightning = lightning if get_preset(lightning) in presets_for(pipe.spec.family.name) else None
     result = {
         "model": args.model,
         "device": torch.cuda.get_device_name(),

@@ -180,6 +180,11 @@ class FamilyModel(ABC):
     def decode(self, latents: torch.Tensor, canvas: Any) -> list[PIL.Image.Image]:
         """Images from final latents."""
 
+    def keep_step_buffers(self, count: int) -> None:  # noqa: B027 (optional hook: most keep nothing)
+        """Keep the buffers the steps reuse across requests (e.g. a KV cache per CFG branch and request
+        shape) for at most `count` shapes, as the pipeline keeps that many captured graphs: a memory plan
+        counts one per CFG branch. Nothing to keep by default."""
+
     @abstractmethod
     def describe(self) -> list[str]:
         """Lines for `qwen-image info`: the components and the transformer's shape."""

@@ -163,8 +163,16 @@ class ActivationModel(Protocol):
     def step(self, workload: Workload) -> int:
         """Peak of one transformer call (one CFG branch), which a captured CUDA graph keeps as its pool."""
 
+    def first_step(self, workload: Workload) -> int:
+        """Peak of a branch's first transformer call, run eagerly before any graph replays (e.g. a full
+        pass that fills a KV cache the captured steps read)."""
+
     def decode(self, workload: Workload, tiled: bool) -> int:
         """Peak of decoding the request's images, whole or in tiles."""
+
+    def held(self, workload: Workload) -> int:
+        """Buffers the steps keep from one request to the next (a KV cache per CFG branch), like the
+        captured graphs' pools: on the device in every phase."""
 
 
 @dataclass(frozen=True)

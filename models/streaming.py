@@ -6,8 +6,10 @@ block's forward pre-hook points its modules at a copy in one of `slots` device b
 uses slot j mod slots, so the addresses are fixed and a CUDA graph can capture the whole call), and its
 post-hook points them back at the host copy and starts loading the block that reuses the slot. The copies
 run on a side stream, ordered by events: a copy into a slot waits for the block that used it, a block waits
-for its copy. An `offload`ed component also keeps its other moving tensors on the host, and brings them to
-the device only inside `phase()` (prefetched with `prefetch()`, e.g. right after the previous request).
+for its copy. A call is one pass over the block list, from the first block's start to the last block's end,
+whatever method of the component makes it (`forward`, or a cached step that skips it). An `offload`ed
+component also keeps its other moving tensors on the host, and brings them to the device only inside
+`phase()` (prefetched with `prefetch()`, e.g. right after the previous request).
 
 Outside a forward every moving tensor is its host copy, so code that reads or changes weights (LoRA
 merging, the fusion gate, `state_dict()`) sees real data. Tensors below two dimensions (norms, biases,
@@ -362,12 +364,16 @@ class PlacedWeights:
         self._lend_buffer_for(lend_bytes)
         self._loaded = [self.link.event() for _ in range(self.slots)]
         self._freed = [self.link.event() for _ in range(self.slots)]
-        if self._groups or self._lent:
-            self._hook(self.root, self._begin_call, self._end_call)
+        calls = bool(self._groups or self._lent)
+        if calls:  # a call is one pass over the blocks, whichever method of the root makes it
+            self._hooks.append(self.blocks[0].register_forward_pre_hook(lambda *_: self._begin_call()))
         for j, block in enumerate(streamed_blocks):
             self._hook(block, lambda j=j: self._block_starts(j), lambda j=j: self._block_ends(j))
         for group, views, block in zip(self._lent, self._lent_views, lent_blocks, strict=True):
             self._hook(block, lambda g=group, v=views: g.show(v), lambda g=group: g.show(g.host))
+        if calls:
+            end = self.blocks[-1].register_forward_hook(lambda *_: self._end_call(), always_call=True)
+            self._hooks.append(end)
 
     def _hook(self, module: nn.Module, before: Callable[[], None], after: Callable[[], None]) -> None:
         """`before()` as `module`'s forward starts, `after()` when it ends, also by an exception."""
@@ -441,8 +447,9 @@ class PlacedWeights:
             hook.remove()
         self._hooks.clear()
 
-    # The schedule of one call: the first `slots` blocks load at its start; block j waits for its copy,
-    # and when it ends the copy of block j + slots into its slot starts, after j's compute.
+    # The schedule of one call: the first `slots` streamed blocks load as the first block starts; block j
+    # waits for its copy, and when it ends the copy of block j + slots into its slot starts, after j's
+    # compute; compute joins the copies as the last block ends.
     def _begin_call(self) -> None:
         if self.offload and self._phase_views is None:
             raise RuntimeError("an offloaded component ran outside its phase")

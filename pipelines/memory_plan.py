@@ -10,8 +10,9 @@ In order of cost, the first that fits wins:
    the text encoder streams its layers too when even its whole copy does not fit beside them.
 Among plans that fit, the one moving the fewest bytes per denoising step wins, then per request. Each phase
 (encoding, denoising, decoding) must fit: the weights on the device then, plus its activations, plus the
-pools of the captured CUDA graphs (one per CFG branch, kept across phases), plus a reserve for the CUDA
-libraries' workspaces and the allocator's rounding. The VAE decodes in tiles when whole images do not fit.
+pools of the captured CUDA graphs and the buffers the steps keep (one of each per CFG branch, kept across
+phases, e.g. a KV cache of the prompt and condition images), plus a reserve for the CUDA libraries'
+workspaces and the allocator's rounding. The VAE decodes in tiles when whole images do not fit.
 """
 
 import math
@@ -236,26 +237,29 @@ def phase_peaks(
     tiled: bool,
     graphs: bool,
 ) -> dict[str, int]:
-    """Device bytes each phase needs at most: weights there then, activations, graph pools, reserve
-    excluded."""
+    """Device bytes each phase needs at most: weights there then, activations, graph pools and the buffers
+    the steps keep, reserve excluded."""
     act = profile.activations
     step = act.step(workload)
-    pools = (2 if workload.true_cfg else 1) * step if graphs else 0
+    pools = ((2 if workload.true_cfg else 1) * step if graphs else 0) + act.held(workload)
     always = sum(p.always() for p in placements)
     extra = {p.part.phase: p.during() - p.always() for p in placements}
     lent = sum(p.lent_bytes for p in placements)  # the offloaded component's buffer, while it runs
     extra[ENCODE] = max(0, extra.get(ENCODE, 0) - lent)
     return {
         ENCODE: always + extra.get(ENCODE, 0) + act.encode(workload) + pools,
-        DENOISE: always + extra.get(DENOISE, 0) + pools + step,  # one more call while a graph is captured
+        # one more call: while a graph is captured, or a branch's first step
+        DENOISE: always + extra.get(DENOISE, 0) + pools + max(step, act.first_step(workload)),
         DECODE: always + extra.get(DECODE, 0) + act.decode(workload, tiled) + pools,
     }
 
 
 def default_workload(spec: CheckpointSpec) -> Workload:
-    """The request a plan holds unless told otherwise: the checkpoint's default size, one image, true CFG
-    and as many input images as a request may carry."""
-    return Workload(spec.defaults.width, spec.defaults.height, input_images=spec.max_images)
+    """The request a plan holds unless told otherwise: the checkpoint's default size, one image, true CFG;
+    as many input images as a request may carry where the model needs them, none where they are optional
+    (condition images: a request with some is checked against the plan when it comes)."""
+    inputs = spec.max_images if spec.images_required else 0
+    return Workload(spec.defaults.width, spec.defaults.height, input_images=inputs)
 
 
 def plan_memory(

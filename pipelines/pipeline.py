@@ -30,6 +30,7 @@ from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by
 from pipelines.limits import as_prompt_list, check_generation_args, check_images
 from pipelines.lora import LoadedLora, LoraSet
 from pipelines.memory import GpuMemory, in_phase, plan_for
+from pipelines.memory_plan import MemoryPlan
 from pipelines.parallel import ParallelPlan, Ranks, check_supported, join_ranks, resolve_plan
 from pipelines.presets import get_preset
 from pipelines.sampling import Step, branch_velocities, euler_loop, flow_timesteps
@@ -266,10 +267,13 @@ class Pipeline:
         self.memory.replan(gpu_memory, workload)
         self._limit_graphs()
 
-    def _limit_graphs(self) -> None:
-        """A plan that moves weights counts one captured graph's memory pool per CFG branch: keep no more."""
-        plan = None if self.memory is None else self.memory.plan
-        self._graphed.max_graphs = MAX_GRAPHS if plan is None or plan.resident else plan.calls_per_step
+    def _limit_graphs(self, plan: MemoryPlan | None = None) -> None:
+        """A plan that moves weights counts one captured graph's memory pool, and the buffers its steps
+        keep, per CFG branch of its request (default: the largest it holds): keep no more."""
+        plan = plan or (None if self.memory is None else self.memory.plan)
+        count = MAX_GRAPHS if plan is None or plan.resident else plan.calls_per_step
+        self._graphed.max_graphs = count
+        self.model.keep_step_buffers(count)
 
     def set_parallel(self, plan: ParallelPlan | None) -> None:
         """Share each image with the other ranks as `plan` says (None: this process alone). Every rank
@@ -358,9 +362,8 @@ class Pipeline:
             true_cfg = negatives is not None and true_cfg_scale > 1
             batch = len(prompts) * num_images_per_prompt
             inputs = len(images or [])
-            self.memory.request(
-                Workload(width, height, batch, len(prompts), max_sequence_length, true_cfg, inputs)
-            )
+            workload = Workload(width, height, batch, len(prompts), max_sequence_length, true_cfg, inputs)
+            self._limit_graphs(self.memory.request(workload))
         if lora_scales:
             self.set_lora_scales(lora_scales)
         scheduler = self.model.scheduler if run_preset is None else run_preset.make_scheduler()

@@ -1,4 +1,5 @@
-"""A pipeline placed with an explicit placement, for the CPU and GPU tests of GPU-memory plans."""
+"""A pipeline placed with an explicit placement, for the CPU and GPU tests of GPU-memory plans, and a link
+whose copies run as late as a side stream may run them."""
 
 from pathlib import Path
 
@@ -6,7 +7,7 @@ import torch
 
 from models.families import inspect_checkpoint
 from models.memory import DECODE, DENOISE, ENCODE, Workload
-from models.streaming import Link
+from models.streaming import HostLink, Link
 from pipelines.memory import DTYPE_BYTES, GpuMemory
 from pipelines.memory_plan import RESIDENT, STREAM, GiB, MemoryPlan, Placement, place_part
 from pipelines.pipeline import Pipeline, Precision
@@ -47,3 +48,36 @@ def placed_pipeline(
     memory = GpuMemory(model, profile, plan, link)
     memory.place()
     return Pipeline(model, spec, precision, variant, memory)
+
+
+class LateLink(HostLink):
+    """The CPU as the device, with every copy run as late as a side stream may run it: queued, and run when
+    compute waits for an event recorded after it (or joins)."""
+
+    def __init__(self) -> None:
+        self.queue: list = []
+
+    def event(self) -> object:
+        return object()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.queue.append(lambda: dst.copy_(src))
+
+    def after_copies(self, event: object) -> None:
+        self.queue.append(event)
+
+    def compute_waits(self, event: object) -> None:
+        if not any(item is event for item in self.queue):
+            return  # recorded and passed already
+        while self.queue:
+            item = self.queue.pop(0)
+            if item is event:
+                return
+            if callable(item):
+                item()
+
+    def join(self) -> None:
+        while self.queue:
+            item = self.queue.pop(0)
+            if callable(item):
+                item()

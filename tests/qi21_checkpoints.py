@@ -60,11 +60,16 @@ def tiny_vae(seed: int) -> AutoencoderKLQwenImage21:
 
 
 def build_qi21_checkpoint(
-    directory: Path, seed: int = 0, causal_condition: bool = True, sample_sigmas: list[float] | None = None
+    directory: Path,
+    seed: int = 0,
+    causal_condition: bool = True,
+    sample_sigmas: list[float] | None = None,
+    num_layers: int = TRANSFORMER["num_layers"],
 ) -> Path:
     """Random weights in diffusers' and transformers' classes, each saved by its own `save_pretrained` (the
     processor as its image processor, tokenizer and chat template: its own save needs a video processor)."""
-    transformer = QwenImage21Transformer2DModel(**TRANSFORMER, causal_condition=causal_condition)
+    config = TRANSFORMER | {"num_layers": num_layers, "causal_condition": causal_condition}
+    transformer = QwenImage21Transformer2DModel(**config)
     fill_deterministic(transformer, seed)
     transformer.eval().save_pretrained(directory / "transformer")
     tiny_text_encoder(seed + 1).save_pretrained(directory / "text_encoder")

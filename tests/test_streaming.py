@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
-from memory_fixtures import BF16, FP32, placed_pipeline
+from memory_fixtures import BF16, FP32, LateLink, placed_pipeline
 
 from models.errors import InputError
 from models.families import inspect_checkpoint
@@ -23,39 +23,6 @@ from pipelines.quantize import quantize_checkpoint
 from ui.cli import main
 
 REQUEST = dict(prompt="a red circle on the left", seed=3, num_inference_steps=2, width=32, height=32)
-
-
-class LateLink(HostLink):
-    """The CPU as the device, with every copy run as late as a side stream may run it: queued, and run when
-    compute waits for an event recorded after it (or joins)."""
-
-    def __init__(self) -> None:
-        self.queue: list = []
-
-    def event(self) -> object:
-        return object()
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.queue.append(lambda: dst.copy_(src))
-
-    def after_copies(self, event: object) -> None:
-        self.queue.append(event)
-
-    def compute_waits(self, event: object) -> None:
-        if not any(item is event for item in self.queue):
-            return  # recorded and passed already
-        while self.queue:
-            item = self.queue.pop(0)
-            if item is event:
-                return
-            if callable(item):
-                item()
-
-    def join(self) -> None:
-        while self.queue:
-            item = self.queue.pop(0)
-            if callable(item):
-                item()
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,14 @@ class QwenImageActivations:
         """One text-encoder call over `tokens` tokens (all prompts), every hidden state kept."""
         return round(tokens * TEXT_BYTES_PER_HIDDEN * self.text_hidden * self.dtype_bytes / 2)
 
+    def first_step(self, workload: Workload) -> int:
+        """Every step is the same call."""
+        return self.step(workload)
+
+    def held(self, workload: Workload) -> int:
+        """Nothing: Qwen-Image's steps keep no buffers but the graphs' pools."""
+        return 0
+
     def decode(self, workload: Workload, tiled: bool) -> int:
         pixels = workload.width * workload.height
         if tiled:

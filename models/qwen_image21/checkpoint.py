@@ -20,6 +20,7 @@ from models.qwen_image21.config import QwenImage21Config
 PIPELINE_CLASS = "QwenImage21Pipeline"
 COMPONENT_DIRS = ("transformer", "text_encoder", "processor", "vae", "scheduler")
 VAE_SCALE = 16  # diffusers' pipeline fixes it: one unpatched latent token per 16x16 pixels
+SLOT_TOKENS = 4  # each vision-language image slot stands for 2x2 latent tokens
 SIZE_MULTIPLE = 2 * VAE_SCALE  # diffusers floors sizes to this (its latents are 2 * (side // 32))
 OUTPUT_RESOLUTION = 1024  # diffusers' `output_resolution`: default side, and the condition images' area
 DEFAULT_STEPS = 40
@@ -30,6 +31,7 @@ MAX_CONDITION_IMAGES = 4
 VAE_CHANNELS = 4  # the pipeline hands the VAE RGBA pixels
 VAE_DEFAULTS = {"z_dim": 64, "temperal_downsample": [False, True, True, True], "in_channels": VAE_CHANNELS}
 TEXT_ENCODER_TYPE = "qwen3_vl"
+KV_CACHE_ENV = "QWEN_IMAGE_KV_CACHE"  # 0 turns the prefix KV cache off (diffusers' `use_kv_cache`)
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 

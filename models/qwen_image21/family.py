@@ -51,6 +51,11 @@ class QwenImage21Family(ModelFamily):
             sequence_parallel=False,
         )
 
+    def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
+        from models.qwen_image21.memory import memory_profile
+
+        return memory_profile(spec.directory, dtype_bytes, vae_dtype_bytes)
+
     def meta_transformer(self, spec: CheckpointSpec):
         from models.loading import meta_transformer
         from models.qwen_image21.loading import build_transformer21

@@ -21,8 +21,8 @@ import torch
 
 from kernels.scale_modulate import ModulationRows
 from models.errors import InputError
+from models.qwen_image21.checkpoint import SLOT_TOKENS
 
-SLOT_TOKENS = 4  # each vision-language image slot stands for 2x2 latent tokens
 ROPE_THETA = 10000
 ROPE_POSITIVE, ROPE_NEGATIVE = 8192, 1024  # diffusers' `QwenImage21Rope` table sizes
 

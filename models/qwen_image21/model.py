@@ -19,7 +19,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from models.env import env_flag
 from models.errors import InputError
 from models.family import FamilyModel, GenerationDefaults, StepCall, parameter_summary
-from models.qwen_image21.checkpoint import OUTPUT_RESOLUTION, VAE_SCALE
+from models.qwen_image21.checkpoint import KV_CACHE_ENV, OUTPUT_RESOLUTION, VAE_SCALE
 from models.qwen_image21.components import Components21, load_components21, save_components21
 from models.qwen_image21.conditioning import (
     ConditionImages,
@@ -33,8 +33,6 @@ from models.qwen_image21.conditioning import (
 from models.qwen_image21.quantization import QUANTIZATION
 from models.qwen_image21.steps import Conditioning21, RequestSteps, StepPlanner
 from models.qwen_image_edit.config import calculate_dimensions
-
-KV_CACHE_ENV = "QWEN_IMAGE_KV_CACHE"
 
 
 class QwenImage21Model(FamilyModel):
@@ -147,6 +145,11 @@ class QwenImage21Model(FamilyModel):
     def run_step(self, *args) -> torch.Tensor:
         *tensors, step = args
         return step.run(self.transformer, *tensors)
+
+    def keep_step_buffers(self, count: int) -> None:
+        """At most `count` KV caches (one per CFG branch and request shape) kept across requests."""
+        self.planner.max_slots = count
+        self.planner.keep(count)
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         return uncond + scale * (cond - uncond)

@@ -21,10 +21,11 @@ import torch
 
 from kernels.scale_modulate import ModulationRows
 from models.family import Conditioning, StepCall
-from models.qwen_image21.layout import SLOT_TOKENS, PrefixKVCache, TokenLayout, target_pass
+from models.qwen_image21.checkpoint import SLOT_TOKENS
+from models.qwen_image21.layout import PrefixKVCache, TokenLayout, target_pass
 from models.qwen_image21.transformer import QwenImage21Transformer
 
-MAX_SLOTS = 4  # cache buffers kept for reuse (CFG branches of two request shapes)
+MAX_SLOTS = 4  # cache buffers kept for reuse (CFG branches of two request shapes), unless planned
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class CacheSlot:
         self.buffers = buffers
         self.rows = rows  # the target's modulation rows: the same for every request of the shape
         self.current: PrefixKVCache | None = None  # the request's cache whose prefix the buffers hold
+
+    def release(self) -> None:
+        """Let go of the buffers (an evicted slot: no later step names it, though a graph may, until the
+        pipeline drops that graph too)."""
+        self.buffers, self.current = None, None
 
     def run(
         self,
@@ -113,6 +119,7 @@ class StepPlanner:
         self.transformer = transformer
         self.dtype = dtype
         self.use_kv_cache = True
+        self.max_slots = MAX_SLOTS
         self.slots: OrderedDict[tuple, CacheSlot] = OrderedDict()
 
     def step_call(
@@ -125,6 +132,11 @@ class StepPlanner:
             return StepCall((request.joint_latents(latents), branch.embeds, sigma), (full,), graphable=False)
         target = full.layout.target
         return StepCall((latents, sigma, target.rope, target.calls[0].mask), (full.slot,))
+
+    def keep(self, count: int) -> None:
+        """Release the least recently used slots beyond `count`."""
+        while len(self.slots) > count:
+            self.slots.popitem(last=False)[1].release()
 
     def _full_pass(self, branch: Conditioning21, request: RequestSteps) -> FullPass:
         """The branch's full pass in this request, built (layout, cache slot) when it first steps."""
@@ -149,11 +161,10 @@ class StepPlanner:
         key = (position, layout.batch, layout.seq_len, layout.target_len, mask is None)
         slot = self.slots.get(key)
         if slot is None:
+            self.keep(self.max_slots - 1)  # the device never holds more caches than that
             cache = self.transformer.new_kv_cache(layout, self.dtype)
             slot = CacheSlot(cache.buffers, layout.target.rows)
             self.slots[key] = slot
-            while len(self.slots) > MAX_SLOTS:
-                self.slots.popitem(last=False)
         else:
             cache = PrefixKVCache(layout, slot.buffers)
         self.slots.move_to_end(key)
