@@ -160,3 +160,26 @@ def test_the_real_command_serves_the_api_and_the_page(tmp_path: Path) -> None:
             assert server.wait(timeout=20) == 130
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+class _StoppedServer:
+    """A server whose run() stops on `sig` (its handler called, as uvicorn's capture does) and returns."""
+
+    def __init__(self, sig: int) -> None:
+        self.sig = sig
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.stopped = sig
+
+    def run(self) -> None:
+        self.handle_exit(self.sig, None)
+
+
+def test_ctrl_c_ends_serving_with_keyboard_interrupt_even_when_asyncio_swallows_it() -> None:
+    """uvicorn's re-raised SIGINT can be lost in asyncio.run; `run_until_stopped` raises it (the command then
+    exits 130); another signal stops it quietly."""
+    server = _StoppedServer(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        ui.server.run_until_stopped(server)
+    assert server.stopped == signal.SIGINT
+    ui.server.run_until_stopped(_StoppedServer(signal.SIGTERM))

@@ -18,6 +18,7 @@ import logging
 import math
 import re
 import secrets
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -694,9 +695,26 @@ def serve(
 
     threading.Thread(target=announce, daemon=True).start()
     try:
-        server.run()
+        run_until_stopped(server)
     finally:
         runner.close()
+
+
+def run_until_stopped(server: Any) -> None:
+    """Run a uvicorn server until it stops; KeyboardInterrupt when Ctrl+C stopped it. uvicorn re-raises the
+    SIGINT it caught once it has shut down, but asyncio.run's own SIGINT handler only cancels the serving
+    task, which may have finished already: then the command exited 0, not 130 (seen in CI)."""
+    caught: list[int] = []
+    handle_exit = server.handle_exit
+
+    def record(sig: int, frame: Any) -> None:
+        caught.append(sig)
+        handle_exit(sig, frame)
+
+    server.handle_exit = record
+    server.run()
+    if signal.SIGINT in caught:
+        raise KeyboardInterrupt
 
 
 def describe_batching(plan: Any, window_s: float) -> str:
