@@ -90,45 +90,53 @@ def transformer_peak(
     return traced_peak(build, run)
 
 
-def text_encoder_peak(config, tokens: int, prompts: int = 1) -> int:
-    """One Qwen2.5-VL call as the pipeline makes it (all hidden states kept, one logit row)."""
+def text_encoder_peak(config, tokens: int, prompts: int = 1, model_class: type | None = None) -> int:
+    """One text-encoder call as the pipeline makes it (all hidden states kept, one logit row): Qwen2.5-VL,
+    or `model_class` (2.1's Qwen3-VL) built from `config`."""
     from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model_class = model_class or Qwen2_5_VLForConditionalGeneration
 
     def run(model) -> object:
         ids = torch.randint(0, 1000, (prompts, tokens))
         mask = torch.ones(prompts, tokens, dtype=torch.long)
         return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
 
-    return traced_peak(lambda: Qwen2_5_VLForConditionalGeneration(config), run)
+    return traced_peak(lambda: model_class(config), run)
 
 
-def decode_peak(config: dict, image_side: int, tiled: bool) -> int:
-    """One decode of a `image_side`-square image by diffusers' Qwen-Image VAE, whole or in its tiles."""
+def _vae(config: dict, vae_class: type | None, tiled: bool = False) -> torch.nn.Module:
+    """diffusers' Qwen-Image VAE (or `vae_class`, 2.1's) from `config`, tiling its decode when `tiled`."""
     from diffusers import AutoencoderKLQwenImage
 
-    def build() -> torch.nn.Module:
-        vae = AutoencoderKLQwenImage.from_config(config)
-        if tiled:
-            vae.enable_tiling()
-        return vae
+    vae = (vae_class or AutoencoderKLQwenImage).from_config(config)
+    if tiled:
+        vae.enable_tiling()
+    return vae
+
+
+def decode_peak(config: dict, image_side: int, tiled: bool, vae_class: type | None = None) -> int:
+    """One decode of a `image_side`-square image by diffusers' Qwen-Image VAE (or `vae_class`), whole or in
+    its tiles."""
 
     def run(vae) -> object:
-        side = image_side // 8
+        side = image_side // 2 ** len(vae.config.temperal_downsample)
         z = torch.randn(1, vae.config.z_dim, 1, side, side, dtype=torch.bfloat16)
         return vae.decode(z, return_dict=False)[0]
 
-    return traced_peak(build, run)
+    return traced_peak(lambda: _vae(config, vae_class, tiled), run)
 
 
-def encode_peak(config: dict, image_side: int) -> int:
-    """One encode of a `image_side`-square image by diffusers' Qwen-Image VAE (an Edit input image)."""
-    from diffusers import AutoencoderKLQwenImage
+def encode_peak(config: dict, image_side: int, vae_class: type | None = None) -> int:
+    """One encode of a `image_side`-square image by diffusers' Qwen-Image VAE (an Edit input image) or by
+    `vae_class` (2.1's, RGBA)."""
 
     def run(vae) -> object:
-        x = torch.randn(1, 3, 1, image_side, image_side, dtype=torch.bfloat16)
+        channels = vae.config.get("in_channels") or vae.config.input_channels
+        x = torch.randn(1, channels, 1, image_side, image_side, dtype=torch.bfloat16)
         return vae.encode(x).latent_dist.mode()
 
-    return traced_peak(lambda: AutoencoderKLQwenImage.from_config(config), run)
+    return traced_peak(lambda: _vae(config, vae_class), run)
 
 
 def vision_peak(vision_config, images: int, image_side: int) -> int:
@@ -184,42 +192,6 @@ def qi21_transformer_peak(
     return full.peak, cached.peak
 
 
-def qi21_text_encoder_peak(tokens: int) -> int:
-    """One Qwen3-VL-8B call as the 2.1 pipeline makes it on a text-only prompt (all hidden states kept)."""
-    from transformers import Qwen3VLForConditionalGeneration
-
-    from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, text_encoder_config
-
-    config = text_encoder_config(QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION)
-
-    def run(model) -> object:
-        ids = torch.randint(0, 1000, (1, tokens))
-        mask = torch.ones(1, tokens, dtype=torch.long)
-        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
-
-    return traced_peak(lambda: Qwen3VLForConditionalGeneration(config), run)
-
-
-def qi21_vae_peak(image_side: int, decode: bool, tiled: bool = False, config: dict | None = None) -> int:
-    """One decode (whole or in tiles) or encode of an `image_side`-square RGBA image by 2.1's VAE."""
-    from diffusers import AutoencoderKLQwenImage21
-
-    def build() -> torch.nn.Module:
-        vae = AutoencoderKLQwenImage21.from_config(config or {})
-        if tiled:
-            vae.enable_tiling()
-        return vae
-
-    def run(vae) -> object:
-        if decode:
-            z = torch.randn(1, vae.config.z_dim, 1, image_side // 16, image_side // 16, dtype=torch.bfloat16)
-            return vae.decode(z, return_dict=False)[0]
-        x = torch.randn(1, vae.config.in_channels, 1, image_side, image_side, dtype=torch.bfloat16)
-        return vae.encode(x).latent_dist.mode()
-
-    return traced_peak(build, run)
-
-
 def qi21_vision_peak(vision: dict, images: int, image_side: int) -> int:
     """Qwen3-VL's vision tower on `images` square images, with real tensors (its position interpolation
     reads data): give a config of few layers, the peak is one layer's plus the deepstack outputs."""
@@ -241,8 +213,11 @@ def qi21_vision_peak(vision: dict, images: int, image_side: int) -> int:
 def qi21_rows() -> dict[str, list[dict]]:
     """2.1's measurements: per joint (full pass) or target (cached step) token and width, per text token
     and hidden size, per output or input pixel and base_dim, per vision patch and width."""
+    from diffusers import AutoencoderKLQwenImage21
+    from transformers import Qwen3VLForConditionalGeneration
+
     from models.qwen_image21.config import QwenImage21Config
-    from models.qwen_image21.synthetic import QWEN3_VL_8B_VISION
+    from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, text_encoder_config
 
     dit = QwenImage21Config(num_layers=2)
     rows: dict[str, list[dict]] = {"transformer": [], "text_encoder": [], "vae": [], "vision_tower": []}
@@ -255,14 +230,18 @@ def qi21_rows() -> dict[str, list[dict]]:
         if cached is not None:
             row |= {"cached_bytes": cached, "cached_per_token_per_width": cached / target / dit.inner_dim}
         rows["transformer"].append(row)
+    text_encoder = text_encoder_config(QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION)
     for tokens in (64, 1058):
-        peak = qi21_text_encoder_peak(tokens)
+        peak = text_encoder_peak(text_encoder, tokens, model_class=Qwen3VLForConditionalGeneration)
         rows["text_encoder"].append(
             {"tokens": tokens, "bytes": peak, "per_token_per_hidden": peak / tokens / 4096}
         )
     vae_calls = [(512, True, False), (1024, True, False), (512, True, True), (1024, True, True)]
     for side, decode, tiled in [*vae_calls, (1024, False, False)]:
-        peak = qi21_vae_peak(side, decode, tiled)
+        if decode:
+            peak = decode_peak({}, side, tiled, AutoencoderKLQwenImage21)
+        else:
+            peak = encode_peak({}, side, AutoencoderKLQwenImage21)
         base = 144 if decode else 96  # the decoder's and the encoder's base_dim
         row = {"side": side, "decode": decode, "tiled": tiled, "bytes": peak}
         rows["vae"].append(row | {"per_pixel_per_base_dim": peak / side**2 / base})

@@ -79,6 +79,22 @@ def fp8_transformer(
     return tensors, config | ({WEIGHT_ONLY_KEY: list(weight_only)} if weight_only else {})
 
 
+def write_components(
+    directory: Path, text: torch.nn.Module, vae: torch.nn.Module, transformer: dict, tensors: Shapes
+) -> None:
+    """The text encoder and VAE (BF16), the transformer (`transformer` its config.json content, `tensors`
+    its header) and the scheduler, as configs and headers."""
+    text.config.save_pretrained(directory / "text_encoder")
+    write_header(directory / "text_encoder" / "model.safetensors", shapes(text, torch.bfloat16))
+    vae.save_config(directory / "vae")
+    write_header(directory / "vae" / "diffusion_pytorch_model.safetensors", shapes(vae, torch.bfloat16))
+    (directory / "transformer").mkdir(parents=True, exist_ok=True)
+    (directory / "transformer" / "config.json").write_text(json.dumps(transformer))
+    write_header(directory / "transformer" / "diffusion_pytorch_model.safetensors", tensors)
+    (directory / "scheduler").mkdir(parents=True, exist_ok=True)
+    (directory / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
+
+
 def header_only_checkpoint(
     directory: Path, fp8: bool = True, fp8_modulation: bool = False, edit: bool = False
 ) -> Path:
@@ -89,19 +105,11 @@ def header_only_checkpoint(
         text = Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config(vision=edit))
         transformer = QwenImageTransformer(QwenImageConfig(zero_cond_t=edit))
         vae = AutoencoderKLQwenImage()
-    text.config.save_pretrained(directory / "text_encoder")
-    write_header(directory / "text_encoder" / "model.safetensors", shapes(text, torch.bfloat16))
-    vae.save_config(directory / "vae")
-    write_header(directory / "vae" / "diffusion_pytorch_model.safetensors", shapes(vae, torch.bfloat16))
     raw = transformer.config.to_dict()
     tensors = shapes(transformer, torch.bfloat16)
     if fp8:
         tensors, raw["quantization_config"] = fp8_transformer(transformer, fp8_modulation)
-    (directory / "transformer").mkdir(parents=True, exist_ok=True)
-    (directory / "transformer" / "config.json").write_text(json.dumps(raw))
-    write_header(directory / "transformer" / "diffusion_pytorch_model.safetensors", tensors)
-    (directory / "scheduler").mkdir(parents=True, exist_ok=True)
-    (directory / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
+    write_components(directory, text, vae, raw, tensors)
     (directory / "tokenizer").mkdir(parents=True, exist_ok=True)
     index = json.loads((DEFAULT_MODEL_DIR / "model_index.json").read_text())
     index.pop("_generation_defaults")
@@ -123,17 +131,9 @@ def qi21_header_checkpoint(directory: Path) -> Path:
         text = Qwen3VLForConditionalGeneration(config)
         transformer = QwenImage21Transformer(QwenImage21Config())
         vae = AutoencoderKLQwenImage21()
-    text.config.save_pretrained(directory / "text_encoder")
-    write_header(directory / "text_encoder" / "model.safetensors", shapes(text, torch.bfloat16))
-    vae.save_config(directory / "vae")
-    write_header(directory / "vae" / "diffusion_pytorch_model.safetensors", shapes(vae, torch.bfloat16))
     tensors, quantization = fp8_transformer(transformer, False, QUANTIZATION21)
-    (directory / "transformer").mkdir(parents=True, exist_ok=True)
     raw = transformer.config.to_dict() | {"quantization_config": quantization}
-    (directory / "transformer" / "config.json").write_text(json.dumps(raw))
-    write_header(directory / "transformer" / "diffusion_pytorch_model.safetensors", tensors)
-    (directory / "scheduler").mkdir(parents=True, exist_ok=True)
-    (directory / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
+    write_components(directory, text, vae, raw, tensors)
     save_processor(synthetic.processor(), directory / "processor")
     index = {"_class_name": PIPELINE_CLASS, "_diffusers_version": "0.42.1"}
     (directory / "model_index.json").write_text(json.dumps(index))

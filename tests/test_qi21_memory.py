@@ -8,16 +8,19 @@ import math
 from dataclasses import replace
 
 import pytest
+from diffusers import AutoencoderKLQwenImage21
 from edit_fixtures import drawn_image
 from helpers import png_sha256
 from memory_fixtures import FP32, LateLink, placed_pipeline
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
+from transformers import Qwen3VLForConditionalGeneration
 
 from bench.activation_memory import (
-    qi21_text_encoder_peak,
+    decode_peak,
+    encode_peak,
     qi21_transformer_peak,
-    qi21_vae_peak,
     qi21_vision_peak,
+    text_encoder_peak,
 )
 from bench.header_checkpoint import qi21_header_checkpoint
 from models.errors import InputError
@@ -26,7 +29,7 @@ from models.family import DEFAULT_SEQUENCE_LENGTH
 from models.memory import DECODE, ENCODE, Workload
 from models.qwen_image21.config import QwenImage21Config
 from models.qwen_image21.memory import VISION_BYTES_PER_WIDTH
-from models.qwen_image21.synthetic import QWEN3_VL_8B_VISION
+from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, text_encoder_config
 from pipelines import load_pipeline
 from pipelines.memory_plan import (
     RESIDENT,
@@ -88,11 +91,12 @@ def test_activation_estimates_bound_what_traces_allocate(full_size):
     assert (
         uncached <= replace(act, kv_cache=False).step(Workload(1024, 1024, text_tokens=128)) <= 1.3 * uncached
     )
-    traced = qi21_text_encoder_peak(64 + 40)
+    text = text_encoder_config(QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION)
+    traced = text_encoder_peak(text, 64 + 40, model_class=Qwen3VLForConditionalGeneration)
     assert traced <= act.encode(Workload(1024, 1024, text_tokens=64)) <= 1.3 * traced
-    traced = qi21_vae_peak(512, decode=True)
+    traced = decode_peak({}, 512, False, AutoencoderKLQwenImage21)
     assert traced <= act.decode(Workload(512, 512), tiled=False) <= 1.3 * traced
-    traced = qi21_vae_peak(1024, decode=False)
+    traced = encode_peak({}, 1024, AutoencoderKLQwenImage21)
     assert traced <= act.decode(Workload(32, 32, input_images=1), tiled=True) <= 1.3 * traced
     vision = QWEN3_VL_8B_VISION | {"depth": 2, "deepstack_visual_indexes": [0]}
     per_patch = qi21_vision_peak(vision, 1, 256) / (256 // 16) ** 2 / 1152

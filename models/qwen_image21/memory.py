@@ -29,6 +29,7 @@ from models.memory import MemoryProfile, Workload
 from models.qwen_image.memory import component_parts
 from models.qwen_image21.checkpoint import KV_CACHE_ENV, OUTPUT_RESOLUTION, SLOT_TOKENS, VAE_SCALE
 from models.qwen_image21.config import QwenImage21Config
+from models.qwen_image_edit.memory import AREA_SLACK
 
 TEXT_BYTES_PER_HIDDEN = 150  # per text-encoder token: measured 130.4
 VISION_BYTES_PER_WIDTH = 50  # per patch: measured 43.9
@@ -40,7 +41,6 @@ TILE_BYTES_PER_BASE = 3.4e6  # per image decoded in tiles: measured 2.92e6
 TILE_BYTES_PER_PIXEL = 17  # the tiles' blended output: measured 14.8
 ENCODE_BYTES_PER_BASE = 26  # per input pixel: measured 22.2
 TEMPLATE_TOKENS = 40  # the template's system turn and its ends, around each prompt
-AREA_SLACK = 1.1  # sides rounded to multiples of 32 give a little more than the nominal area
 
 
 @dataclass(frozen=True)
