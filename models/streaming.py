@@ -91,8 +91,10 @@ class CudaLink(Link):
     """Pinned host memory, a CUDA side stream for the copies, CUDA events between the two streams."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
+        # with its index: a bare `cuda` is not equal to the `cuda:0` of the tensors placed there
+        index = torch.cuda.current_device() if device.index is None else device.index
+        self.device = torch.device("cuda", index)
+        self.stream = torch.cuda.Stream(self.device)
 
     def pin(self, buffer: torch.Tensor) -> None:
         """Page-locked in place (cudaHostRegister, exact size: torch's pinned allocator rounds each block
@@ -333,8 +335,9 @@ class PlacedWeights:
         and `lent` blocks' and (with `offload`) the others' moving tensors in host memory. The lent blocks
         live in one fixed device buffer of at least `lend_bytes` that `lend()` gives to an offloaded
         component while it runs; they are copied back (`load_lent`) before this one runs again. The old
-        placement's device buffers are let go before anything new comes to the device, so the two never
-        hold device memory at once."""
+        placement's device buffers are let go and the tensors leaving the device have left before anything
+        new comes to it, so the two never hold device memory at once; a tensor already on the device stays
+        (no second copy)."""
         if streamed and (self.blocks is None or slots < 1):
             raise ValueError("streaming blocks needs a block list and at least one slot")
         self._remove_hooks()
@@ -351,11 +354,11 @@ class PlacedWeights:
         for ref, tensor in still_tensors(self.root):
             if tensor.device != self.link.device:
                 ref.set(ref.wrap(tensor.to(self.link.device)))
-        if not offload:
-            for m in outside:
-                if m.tensor.device != self.link.device or self.is_host_copy(m.tensor):
-                    m.show(m.tensor.to(self.link.device, copy=True))
+        incoming = [] if offload else [m for m in outside if not self._on_device(m.tensor)]
         self._to_host([*self._groups, *self._lent, *([self._phase] if offload else [])])
+        for m in incoming:  # after the tensors leaving have left: the device never holds both
+            m.tensor = m.tensor.to(self.link.device, copy=True)
+            m.show(m.tensor)
         slot_bytes = max((g.nbytes for g in self._groups), default=0)
         self._slot_bytes = slot_bytes
         if self._groups and not offload:  # fixed buffers: a captured graph keeps their addresses
@@ -414,6 +417,9 @@ class PlacedWeights:
         self.link.after_copies(self._lent_event)
         self.link.compute_waits(self._lent_event)
         self._lent_loaded = True
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device == self.link.device and not self.is_host_copy(tensor)
 
     def is_host_copy(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in one of this placement's host buffers."""
@@ -533,6 +539,6 @@ class PlacedWeights:
         seen: dict[int, int] = {}
         for module in self.root.modules():
             for _, _, tensor in _tensor_places(module):
-                if tensor is not None and tensor.device == self.link.device and not self.is_host_copy(tensor):
+                if tensor is not None and self._on_device(tensor):
                     seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
         return sum(seen.values())

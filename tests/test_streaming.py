@@ -12,6 +12,7 @@ import torch
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 from memory_fixtures import BF16, FP32, LateLink, placed_pipeline
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.errors import InputError
 from models.families import inspect_checkpoint
@@ -97,6 +98,36 @@ def test_the_device_holds_what_the_plan_counts(resident):
     for name, tensor in pipe.transformer.state_dict().items():
         assert torch.equal(tensor, base[name]), name
     assert isinstance(pipe.transformer.transformer_blocks[5].attn.to_q.weight, torch.nn.Parameter)
+
+
+class CopyOrder(TorchDispatchMode):
+    """Records the copies a placement makes: `copy_` fills a host copy (a tensor leaving the device),
+    `_to_copy` brings a tensor to the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_new_placement_lets_blocks_leave_before_others_come(resident):
+    """Placed again with the streamed and resident blocks swapped (as a re-plan after a LoRA may do): every
+    block that leaves has its host copy before any block comes to the device, so on a GPU the device never
+    holds both, and the bytes stay the resident ones."""
+    pipe = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), precision=FP32)
+    dit = pipe.memory.placed["transformer"]
+    swapped = tuple(i for i in range(len(dit.blocks)) if i not in dit.streamed)
+    order = CopyOrder()
+    with order:
+        dit.place(swapped, slots=2)
+    assert dit.streamed == swapped and "copy_" in order.ops and "_to_copy" in order.ops
+    last_leaving = max(i for i, op in enumerate(order.ops) if op == "copy_")
+    assert order.ops.index("_to_copy") > last_leaving, order.ops
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.fp8_gemv import fp8_gemv_torch, fp8_gemv_triton
 from models.fp8_weight_only import quantize_per_channel
-from models.memory import Workload
+from models.memory import DENOISE, Workload
 from models.streaming import CudaLink
 from pipelines import load_pipeline
 from pipelines.memory_plan import GiB, minimum_budget
@@ -137,6 +137,20 @@ def _lightning(pipe, path, rank: int):
     shapes, layers = linear_shapes(pipe.transformer), pipe.transformer.config.num_layers
     factors = random_factors(shapes, block_modules(layers), rank, seed=5, std=0.2, dtype=torch.bfloat16)
     return write_lightning(path, factors, rank / 8)
+
+
+def test_placing_again_copies_nothing_already_on_the_device(fp8_dir):
+    """A pipeline is placed once as it loads and again after its fusion gate (and after each LoRA change):
+    with a bare `cuda` device, as `--device cuda` gives, a tensor already on `cuda:0` stays where it is. Each
+    was copied again before, the old ones held until the end: at full size the resident weights doubled and
+    ran out of memory under the budget's cap."""
+    pipe = placed_pipeline(fp8_dir, "fp8-fused", ("offload", 1), 4, CudaLink(CUDA), precision=GPU)
+    block = min(pipe.memory.profile.part(DENOISE).blocks)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    pipe.memory.place()
+    assert torch.cuda.max_memory_allocated() - before < block
 
 
 @pytest.mark.parametrize("mode", ["branch", "merge"])
