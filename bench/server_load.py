@@ -10,7 +10,8 @@ The model loads once. For each workload (size, steps or preset, the batch cap wh
 - served: for batching off (every request alone, as generate) and on (--max-batch rows per step, fixed
   batch shapes), the server in-process on 127.0.0.1 and C clients (each one keep-alive connection,
   sending its requests back to back) at each of --clients; images/s over the level's wall time and
-  p50/p90/p99 latency. HTTP overhead = mean latency at one client with batching off - direct generate().
+  p50/p90/p99 latency. HTTP overhead = mean latency at one client with batching off - direct generate(),
+  for base64 responses and for URL responses (the PNG still encoded and cached, not downloaded).
 Prompts all have one token length (CUDA graphs are captured per length); every configuration is warmed
 up first. Writes server_load.json under --out and prints a table.
 
@@ -55,9 +56,10 @@ class Workload:
         preset = None if steps.isdigit() else steps
         return cls(name, int(size), None if preset else int(steps), preset, int(cap))
 
-    def body(self, prompt: str, seed: int) -> dict[str, Any]:
+    def body(self, prompt: str, seed: int, response_format: str = "b64_json") -> dict[str, Any]:
         """The request (true CFG off: the preset's scale 1.0, or 1.0 given)."""
         body = {"prompt": prompt, "size": f"{self.size}x{self.size}", "seed": seed, "true_cfg_scale": 1.0}
+        body["response_format"] = response_format
         return body | ({"preset": self.preset} if self.preset else {"num_inference_steps": self.steps})
 
 
@@ -79,7 +81,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def direct(pipe: Any, work: Workload, runs: int) -> dict[str, float]:
     """Seconds of one `generate()` call (median) and of encoding its image as PNG."""
     kwargs = work.body(prompt_for(0), 0)
-    kwargs.pop("size")
+    del kwargs["size"], kwargs["response_format"]
     kwargs = kwargs | {"width": work.size, "height": work.size}
     pipe.generate(**kwargs)  # warm-up: graph capture at this shape
     times, png = [], []
@@ -140,7 +142,13 @@ def scaling(pipe: Any, work: Workload, rounds: int = 3) -> dict[str, float]:
 
 
 def served(
-    pipe: Any, work: Workload, batching: bool, levels: list[int], requests: dict[int, int], window_s: float
+    pipe: Any,
+    work: Workload,
+    batching: bool,
+    levels: list[int],
+    requests: dict[int, int],
+    window_s: float,
+    response_format: str = "b64_json",
 ) -> dict:
     plan = BatchPlan.for_device(pipe.device, work.max_batch) if batching else None
     limits = Limits.for_device(pipe.device.type, queue_size=1024, max_work=1e9, time_limit_s=3600)
@@ -154,7 +162,9 @@ def served(
         results = {}
         for clients in levels:
             before = (runner.counters.batches, runner.counters.batch_requests)
-            latencies, wall = _fire(server.url, work, clients, requests[clients], first=clients * 1000)
+            latencies, wall = _fire(
+                server.url, work, clients, requests[clients], clients * 1000, response_format
+            )
             batches = runner.counters.batches - before[0]
             results[str(clients)] = {
                 "requests": len(latencies),
@@ -178,7 +188,9 @@ def served(
     return {"max_batch": work.max_batch if batching else 1, "peak_memory_bytes": peak, "by_clients": results}
 
 
-def _fire(url: str, work: Workload, clients: int, each: int, first: int) -> tuple[list[float], float]:
+def _fire(
+    url: str, work: Workload, clients: int, each: int, first: int, response_format: str = "b64_json"
+) -> tuple[list[float], float]:
     """`clients` clients, each sending `each` requests back to back; returns latencies and wall seconds."""
     latencies: list[float] = []
     lock = threading.Lock()
@@ -188,7 +200,8 @@ def _fire(url: str, work: Workload, clients: int, each: int, first: int) -> tupl
             for r in range(each):
                 index = first + c * each + r
                 start = time.perf_counter()
-                response = http.post("/v1/images/generations", json=work.body(prompt_for(index), index))
+                body = work.body(prompt_for(index), index, response_format)
+                response = http.post("/v1/images/generations", json=body)
                 elapsed = time.perf_counter() - start
                 if response.status_code != 200:
                     raise RuntimeError(f"request {index}: {response.status_code} {response.text[:300]}")
@@ -269,6 +282,8 @@ def main() -> None:
             overhead = one["latency_s"]["mean"] - entry["direct"]["generate_s"]
             entry["http_overhead_ms"] = 1000 * overhead
             entry["http_overhead_without_png_ms"] = 1000 * (overhead - entry["direct"]["png_encode_s"])
+            url = served(pipe, work, False, [1], {1: per_client[1]}, 0.0, "url")["by_clients"]["1"]
+            entry["http_overhead_url_ms"] = 1000 * (url["latency_s"]["mean"] - entry["direct"]["generate_s"])
         on, off = entry["batching_on"]["by_clients"], entry["batching_off"]["by_clients"]
         entry["speedup_by_clients"] = {c: on[c]["images_per_s"] / off[c]["images_per_s"] for c in off}
         report["workloads"][work.name] = entry
@@ -303,7 +318,8 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"{name}: generate() {direct['generate_s']:.3f} s, PNG {1000 * direct['png_encode_s']:.1f} ms, "
             f"HTTP overhead {entry.get('http_overhead_ms', float('nan')):.1f} ms "
-            f"({entry.get('http_overhead_without_png_ms', float('nan')):.1f} ms without PNG); batching "
+            f"({entry.get('http_overhead_without_png_ms', float('nan')):.1f} ms without PNG; "
+            f"{entry.get('http_overhead_url_ms', float('nan')):.1f} ms for a URL response); batching "
             f"speed-up by clients {speedups}; run_batch alone vs full {entry['scaling']}; identity "
             f"{entry['identity']}"
         )
