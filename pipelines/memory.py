@@ -180,6 +180,10 @@ class GpuMemory:
             self.plan = plan_memory(live, plan.budget, plan.workload, plan.graphs, plan.fixed_reserve)
         self.profile = live
         self.place()
+        if self.link.device.type == "cuda":
+            # what the old slots, lent buffer and graphs held stays reserved and counts against the cap,
+            # and buffers grown by a LoRA do not fit in it (on the H200: 2.7 GiB at 24 GiB, then no room)
+            torch.cuda.empty_cache()
 
     def _live_sizes(self, part: PartSizes) -> PartSizes:
         """`part`'s sizes from the tensors it holds now (LoRA factors included)."""
