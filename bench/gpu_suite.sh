@@ -120,6 +120,7 @@ if stage memory-bench; then
     if [ "${MEMORY_FP8_MODULATION:-0}" = 1 ]; then
         CKPT=/tmp/qwen-image-random-fp8mod
         NAME=memory_bench_fp8mod
+        rm -rf /tmp/qwen-image-random-fp8 "$EDIT_CKPT" /tmp/qwen-image-21-random-fp8  # the disk holds one
         if [ ! -f "$CKPT/model_index.json" ]; then
             timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --out "$CKPT" --fp8-modulation 2>&1 \
                 | grep -v Loading | tail -5
