@@ -1,8 +1,10 @@
 """Host memory of loading a checkpoint for each GPU-memory plan: one fresh process per budget loads the
-pipeline and reports its peak resident set (VmHWM), the resident set after loading (anonymous and
-file-backed), and the bytes of its host copies (pinned on CUDA); a process that only imports the pipeline
-gives the baseline. Weights load from safetensors memory maps (file-backed pages, no second copy), and each
-tensor that waits on the host is copied once into its host buffer.
+pipeline and reports its peak resident set (VmHWM), the resident set after loading (anonymous, file-backed
+and shared: the host copies are shared anonymous pages), the peak of each of those three sampled every 5 ms
+while loading (so a second anonymous copy would show apart from the checkpoint's mapped file pages), and
+the bytes of its host copies (pinned on CUDA); a process that only imports the pipeline gives the
+baseline. Weights load from safetensors memory maps (file-backed pages, no second copy), and each tensor
+that waits on the host is copied once into its host buffer.
 
     python bench/host_memory.py --device cpu --budgets none,60MiB,45MiB,40MiB --out host_memory.json
     python bench/host_memory.py --model /tmp/qwen-image-random-fp8 --budgets none,48GiB,32GiB,24GiB,16GiB \\
@@ -16,14 +18,27 @@ import sys
 from pathlib import Path
 
 PROBE = """
-import json, sys
+import json, sys, threading, time
 from pathlib import Path
-from pipelines import load_pipeline
+
+KINDS = ("RssAnon", "RssFile", "RssShmem")
 
 def status():
     lines = Path("/proc/self/status").read_text().splitlines()
     fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmHWM", "VmRSS", *KINDS)}
+
+peaks = dict.fromkeys(KINDS, 0)
+
+def sample():
+    while True:
+        now = status()
+        for kind in KINDS:
+            peaks[kind] = max(peaks[kind], now[kind])
+        time.sleep(0.005)
+
+threading.Thread(target=sample, daemon=True).start()
+from pipelines import load_pipeline
 
 model, device, budget = sys.argv[1] or None, sys.argv[2] or None, sys.argv[3]
 if budget == "baseline":
@@ -34,7 +49,8 @@ host = 0 if pipe.memory is None else sum(
     arena.numel() for placed in pipe.memory.placed.values() for arena in placed._arenas
 )
 summary = "" if pipe.memory is None else pipe.memory.plan.summary()
-print(json.dumps(status() | {"host_copies": host, "plan": summary}))
+peak = {f"peak_{kind}": value for kind, value in peaks.items()}
+print(json.dumps(status() | peak | {"host_copies": host, "plan": summary}))
 """
 
 
