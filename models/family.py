@@ -180,6 +180,11 @@ class FamilyModel(ABC):
     def decode(self, latents: torch.Tensor, canvas: Any) -> list[PIL.Image.Image]:
         """Images from final latents."""
 
+    def prompt_tokens(self, prompts: list[str]) -> int | None:
+        """Tokens of the longest of `prompts`, for a family that keeps every token of a prompt (a memory
+        plan's request check counts them); None where prompts are cut to `max_sequence_length`."""
+        return None
+
     def keep_step_buffers(self, count: int) -> None:  # noqa: B027 (optional hook: most keep nothing)
         """Keep the buffers the steps reuse across requests (e.g. a KV cache per CFG branch and request
         shape) for at most `count` shapes, as the pipeline keeps that many captured graphs: a memory plan

@@ -362,7 +362,9 @@ class Pipeline:
             true_cfg = negatives is not None and true_cfg_scale > 1
             batch = len(prompts) * num_images_per_prompt
             inputs = len(images or [])
-            workload = Workload(width, height, batch, len(prompts), max_sequence_length, true_cfg, inputs)
+            kept = self.model.prompt_tokens(prompts + (negatives if true_cfg else []))
+            tokens = max_sequence_length if kept is None else max(kept, max_sequence_length)
+            workload = Workload(width, height, batch, len(prompts), tokens, true_cfg, inputs)
             self._limit_graphs(self.memory.request(workload))
         if lora_scales:
             self.set_lora_scales(lora_scales)

@@ -169,3 +169,23 @@ def test_generate_with_a_budget_on_the_command_line_writes_the_same_png(tiny, tm
     assert main([*args, "-o", str(tmp_path / "streamed.png"), "--gpu-memory", budget]) == 0
     assert "memory: " in capsys.readouterr().out
     assert (tmp_path / "streamed.png").read_bytes() == (tmp_path / "resident.png").read_bytes()
+
+
+def test_a_prompt_longer_than_planned_is_refused_before_it_runs(tiny):
+    """2.1 keeps every prompt token, so a request's check counts its prompt's tokens, not
+    `max_sequence_length`: a prompt far longer than the plan's text is refused in one line instead of
+    running past the budget; a short one runs."""
+    spec = inspect_checkpoint(tiny)
+    planned = Workload(64, 64, text_tokens=64, true_cfg=False)
+    need = minimum_budget(spec.family.memory_profile(spec, 4, 4), planned, graphs=False, fixed_reserve=0)
+    budget = f"{math.ceil(need / 1024**2)}MiB"
+    where = dict(variant="reference", device="cpu", dtype="fp32")
+    pipe = load_pipeline(tiny, **where, gpu_memory=budget, workload=planned)
+    args = dict(width=64, height=64, num_inference_steps=2, true_cfg_scale=1.0, seed=1)
+    args |= dict(max_sequence_length=64)
+    assert pipe.model.prompt_tokens([PROMPT]) < 64
+    pipe.generate(prompt=PROMPT, **args)
+    long_prompt = " ".join(["a red fox in the snow"] * 400)
+    assert pipe.model.prompt_tokens([long_prompt]) > 1024
+    with pytest.raises(InputError, match="needs more than"):
+        pipe.generate(prompt=long_prompt, **args)

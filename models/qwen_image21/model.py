@@ -99,6 +99,10 @@ class QwenImage21Model(FamilyModel):
             self._check_vision_tokens(prepared, int(slots[0].sum()))
         return Conditioning21(embeds, mask, slots)
 
+    def prompt_tokens(self, prompts: list[str]) -> int:
+        """2.1 keeps every token of a prompt (diffusers' pipeline has no max_sequence_length)."""
+        return max(len(ids) for ids in self.components.tokenizer(prompts).input_ids)
+
     def _check_vision_tokens(self, prepared: ConditionImages, found: int) -> None:
         """InputError unless the processor kept each condition image's size: one vision token per 32x32
         pixels, each standing for the 2x2 latent tokens of the same pixels (the transformer pairs them)."""
