@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the H200 run needs, in one call of the device tool (carry .whl):
+# Everything the H200 run needs, in one call of the device tool (carry .whl and .whl-ui):
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host
@@ -14,9 +14,14 @@ STEP_VARIANTS=${STEP_VARIANTS:-diffusers,reference,contract,fp8-unfused,fp8-fuse
 STEP_ROUNDS=${STEP_ROUNDS:-1}
 STEP_CONFIGS=${STEP_CONFIGS:-1024x2}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
+# .whl-ui (gradio, fastapi, starlette and their deps) too: the ui and serve stages need it, and so do the GPU
+# tests that import ui/ (test_parallel_gpu.py: ui.cli -> ui.uploads -> starlette)
+for wheels in .whl .whl-ui; do
+    if compgen -G "$wheels/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$wheels"/*.whl || exit 1
+    fi
+done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GRADIO_ANALYTICS_ENABLED=False
 # NVLink multicast stays off on the lent machines (.library/device/KINDS.md): NCCL, torch, NVSHMEM
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -175,7 +180,6 @@ if stage ui; then
     # them opentelemetry-api, annotated-doc and click, which fastapi 0.165 imports (pip download --no-deps
     # --only-binary=:all: --python-version 3.12 ... -d .whl-ui). 40
     # gradio_client requests at once against the full-size random FP8 checkpoint; percentiles in ui_load.json.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ui/*.whl || exit 1
     CKPT=/tmp/qwen-image-random-fp8
     random_checkpoint "$CKPT"
     timeout "${UI_TIMEOUT:-300}" python3 bench/ui_load.py --model "$CKPT" --clients "${UI_CLIENTS:-40}" --size 1024 \
@@ -186,7 +190,6 @@ if stage serve; then
     # their deps, as for the ui stage). Batching identity on CUDA (tests/gpu/test_server_gpu.py), then
     # bench/server_load.py on the full-size random FP8 checkpoint: 1024x1024 Lightning-8 and 512x512 8-step
     # requests at 1/4/16/40 clients, batching off vs on, HTTP overhead vs generate(); server_load.json.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ui/*.whl || exit 1
     timeout 200 python3 -m pytest tests/gpu/test_server_gpu.py -q -p no:cacheprovider -rA 2>&1 \
         | tee "$OUT/server_gpu_tests.log" | tail -8
     CKPT=/tmp/qwen-image-random-fp8

@@ -86,6 +86,8 @@ def cap_device(device: torch.device, budget: int | None) -> None:
     caching allocator holds but no tensor uses are released first: the cap counts them, and after a
     re-plan they are the old placement's and graph pools' sizes, which the new one cannot reuse."""
     if device.type == "cuda":
+        if budget is not None:
+            expandable_segments()
         torch.cuda.empty_cache()
         index = torch.cuda.current_device() if device.index is None else device.index
         total = torch.cuda.mem_get_info(index)[1]
@@ -182,7 +184,7 @@ class GpuMemory:
         self.place()
         if self.link.device.type == "cuda":
             # what the old slots, lent buffer and graphs held stays reserved and counts against the cap,
-            # and buffers grown by a LoRA do not fit in it (on the H200: 2.7 GiB at 24 GiB, then no room)
+            # and buffers grown by a LoRA do not fit in it
             torch.cuda.empty_cache()
 
     def _live_sizes(self, part: PartSizes) -> PartSizes:
@@ -208,3 +210,14 @@ def in_phase(memory: GpuMemory | None, phase: str) -> Iterator[None]:
     """`memory.phase(phase)`, or nothing without a memory plan."""
     with nullcontext() if memory is None else memory.phase(phase):
         yield
+
+
+def expandable_segments() -> None:
+    """Let torch's caching allocator grow one segment per stream and unmap the free pages inside it (torch's
+    `expandable_segments`), from now on in this process. Under a cap, fixed-size segments strand memory:
+    small long-lived tensors (LoRA factors, rebuilt on every LoRA change) pin 20 MiB segments that
+    activations cannot use; on the H200 at 24 GiB 2.7 GiB sat so, and a LoRA step ran out of memory."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch before 2.9 has only the cuda-specific setter
+        setter = torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
