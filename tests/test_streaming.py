@@ -185,6 +185,29 @@ def test_loras_stream_with_their_blocks(fp8_dir, lightning, model, variant, mode
     assert png_sha256(pipe.generate(**REQUEST)[0]) == base
 
 
+@pytest.mark.parametrize("mode", ["branch", "merge"])
+def test_replanning_with_a_lora_loaded_keeps_the_bytes(fp8_dir, lightning, mode):
+    """What the H200's full-size test does at 24 GiB: a resident pipeline re-planned to stream blocks, a LoRA
+    loaded, then re-planned to resident and back; each plan gives the same bytes, the LoRA's included."""
+    largest = Workload(256, 256)  # planned for: its activations leave the blocks no room, so they stream
+    pipe = load_pipeline(fp8_dir, variant="fp8-fused", device="cpu", gpu_memory="1GiB", workload=largest)
+    need = minimum_budget(pipe.memory.profile, largest, graphs=False, fixed_reserve=0)
+    streaming = f"{math.ceil(need / 1024**2) + 1}MiB"
+    pipe.set_gpu_memory(streaming, largest)
+    base = png_sha256(pipe.generate(**REQUEST)[0])
+    pipe.load_lora(lightning, scale=0.7)
+    pipe.set_lora_mode(mode)
+    assert pipe.memory.plan.placement("transformer").streamed
+    streamed = png_sha256(pipe.generate(**REQUEST)[0])
+    assert streamed != base
+    pipe.set_gpu_memory("1GiB", largest)
+    assert pipe.memory.plan.resident
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == streamed
+    pipe.set_gpu_memory(streaming, largest)
+    assert pipe.memory.plan.placement("transformer").streamed
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == streamed
+
+
 def test_a_lora_that_no_longer_fits_streams_more_blocks(lightning, resident):
     """Placed with no room to spare, the pipeline plans again when a LoRA makes its blocks bigger (and the
     new plan still fits)."""
