@@ -111,8 +111,8 @@ if stage lora; then
 fi
 if stage memory; then
     # GPU-memory plans (issue 24, about 8 min with the checkpoint to build): tests/gpu/test_memory_gpu.py's
-    # full-size test: the plans at 48/32/24/16 GiB, then a rank-64 LoRA at 24 GiB re-planned to resident and
-    # back in both modes (over 330 s on the H200). Its small placements run in the tests stage.
+    # full-size test: the plans at 48/32/24/16 GiB, then a rank-64 LoRA at 24 GiB in both modes, compared with
+    # everything resident (session 11: over 330 s). Its small placements run in the tests stage.
     CKPT=/tmp/qwen-image-random-fp8
     random_checkpoint "$CKPT"
     QWEN_IMAGE_GPU_CHECKPOINT="$CKPT" timeout 480 python3 -m pytest tests/gpu/test_memory_gpu.py -k full_size -q -s \

@@ -2,6 +2,8 @@
 each budget gets the cheapest plan whose every phase fits, a budget that cannot work is refused with the
 smallest one that would, and `info --gpu-memory` prints the plan of a full-size checkpoint on this CPU."""
 
+import argparse
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -19,10 +21,12 @@ from models.families import inspect_checkpoint
 from models.family import MAX_SEQUENCE_LENGTH
 from models.memory import DECODE, DENOISE, ENCODE, Workload, part_sizes, read_header
 from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.family import QwenImageFamily
 from models.qwen_image.memory import QwenImageActivations
 from models.qwen_image.prompt_template import DROP_TOKENS
 from models.streaming import moving_tensors
 from pipelines import load_pipeline
+from pipelines.memory import plan_for
 from pipelines.memory_plan import (
     OFFLOAD,
     RESIDENT,
@@ -37,6 +41,7 @@ from pipelines.memory_plan import (
     with_workload,
 )
 from ui.cli import main
+from ui.commands import gpu_memory_plan
 
 FULL = Workload(1024, 1024)
 
@@ -239,3 +244,20 @@ def test_the_activation_estimates_bound_what_a_trace_allocates():
     full = QwenImageActivations(text_hidden=3584, width=3072, vae_base=96, vae_scale=8, dtype_bytes=2)
     traced = transformer_peak(QwenImageConfig(num_layers=1), 1024, 128)
     assert traced <= full.step(Workload(1024, 1024, text_tokens=128)) <= 1.25 * traced
+
+
+class _PlansNoMemory(QwenImageFamily):
+    """A family as the seam allows one: it leaves `memory_profile` at the base's None."""
+
+    def memory_profile(self, spec, dtype_bytes, vae_dtype_bytes):
+        return None
+
+
+def test_a_family_that_plans_no_memory_refuses_a_budget_and_loads_without_one():
+    spec = dataclasses.replace(inspect_checkpoint(None), family=_PlansNoMemory())
+    args = argparse.Namespace(dtype=None)
+    with pytest.raises(InputError, match="qwen-image family does not plan GPU memory yet: leave out --gpu"):
+        gpu_memory_plan(args, spec, 24 * GiB, Workload(1024, 1024))
+    with pytest.raises(InputError, match="does not plan GPU memory yet: leave out the budget"):
+        plan_for(spec, torch.float32, torch.float32, torch.device("cpu"), "1GiB", None)
+    assert plan_for(spec, torch.bfloat16, torch.bfloat16, torch.device("cuda"), None, None) is None

@@ -187,8 +187,8 @@ def test_loras_stream_with_their_blocks(fp8_dir, lightning, model, variant, mode
 
 @pytest.mark.parametrize("mode", ["branch", "merge"])
 def test_replanning_with_a_lora_loaded_keeps_the_bytes(fp8_dir, lightning, mode):
-    """What the H200's full-size test does at 24 GiB: a resident pipeline re-planned to stream blocks, a LoRA
-    loaded, then re-planned to resident and back; each plan gives the same bytes, the LoRA's included."""
+    """The H200's full-size test's sequence (and back): a resident pipeline re-planned to stream blocks, a
+    LoRA loaded, then re-planned to resident and to streaming again; each plan gives the same bytes."""
     largest = Workload(256, 256)  # planned for: its activations leave the blocks no room, so they stream
     pipe = load_pipeline(fp8_dir, variant="fp8-fused", device="cpu", gpu_memory="1GiB", workload=largest)
     need = minimum_budget(pipe.memory.profile, largest, graphs=False, fixed_reserve=0)

@@ -84,26 +84,26 @@ def load(
     )
 
 
-def memory_budget(args: argparse.Namespace, spec: CheckpointSpec) -> int | None:
-    """--gpu-memory in bytes (None: what the GPU has free), checked without torch, on any device, against
-    what the model's family can plan."""
+def memory_budget(args: argparse.Namespace) -> int | None:
+    """--gpu-memory in bytes (None: what the GPU has free), checked without torch."""
     if args.gpu_memory is None:
         return None
     if args.gpus > 1 or launched_world_size() > 1:
         raise InputError("--gpu-memory does not combine with several GPUs yet: leave out one of them")
-    budget = parse_size(args.gpu_memory)
-    if spec.family.memory_profile(spec, 2, 2) is None:
-        raise InputError(
-            f"the {spec.family.name} family does not plan GPU memory yet: leave out --gpu-memory"
-        )
-    return budget
+    return parse_size(args.gpu_memory)
 
 
 def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int, workload: Workload) -> Any:
     """The plan `budget` gives on a CUDA GPU (BF16 unless --dtype fp32), from the configs and safetensors
-    headers only: a budget that cannot work is refused here, before torch is imported."""
+    headers only: a budget that cannot work, or a family that plans no memory, is refused here, before
+    torch is imported."""
     size = 4 if args.dtype == "fp32" else 2
-    return plan_memory(spec.family.memory_profile(spec, size, size), budget, workload)
+    profile = spec.family.memory_profile(spec, size, size)
+    if profile is None:
+        raise InputError(
+            f"the {spec.family.name} family does not plan GPU memory yet: leave out --gpu-memory"
+        )
+    return plan_memory(profile, budget, workload)
 
 
 def request_workload(args: argparse.Namespace, spec: CheckpointSpec) -> Workload:
@@ -207,7 +207,7 @@ def run_generation(args: argparse.Namespace, spec: CheckpointSpec, images: list[
     """`generate` and `edit` (with input `images`): every argument checked, the ranks started when asked
     (each reads the image files itself), then the model loaded and run."""
     check_generate_args(args, spec)
-    budget = memory_budget(args, spec)
+    budget = memory_budget(args)
     workload = request_workload(args, spec)
     if budget is not None and not (args.device or "cuda").startswith("cpu"):
         gpu_memory_plan(args, spec, budget, workload)
@@ -281,7 +281,7 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
 
 def cmd_info(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
-    budget = memory_budget(args, spec)
+    budget = memory_budget(args)
     if budget is not None:  # the plan for a CUDA GPU, from the configs: printed even where there is none
         plan = gpu_memory_plan(args, spec, budget, default_workload(spec))
         print("\n".join(plan.describe()), flush=True)
@@ -351,7 +351,7 @@ def ui_accounts(args: argparse.Namespace) -> list[tuple[str, str]]:
 def cmd_ui(args: argparse.Namespace) -> None:
     accounts = ui_accounts(args)  # an open address is refused before anything loads or any rank starts
     spec = check_model_args(args)
-    budget = memory_budget(args, spec)
+    budget = memory_budget(args)
     workload = ui_workload(spec)
     if budget is not None and not (args.device or "cuda").startswith("cpu"):
         gpu_memory_plan(args, spec, budget, workload)
@@ -430,7 +430,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"warning: {warning}", file=sys.stderr)
     check_listen(args.host, args.port)
     spec = check_model_args(args)
-    budget = memory_budget(args, spec)
+    budget = memory_budget(args)
     workload = dataclasses.replace(ui_workload(spec), images=args.max_batch)  # a full batch of the largest
     if budget is not None and not (args.device or "cuda").startswith("cpu"):
         gpu_memory_plan(args, spec, budget, workload)
