@@ -426,23 +426,27 @@ class PlacedWeights:
         return any(self._holds(arena, tensor) for arena in self._arenas)
 
     def _to_host(self, groups: list[_Group]) -> None:
-        """Host copies for the groups' tensors that have none yet, in one new host buffer; host buffers no
-        tensor lives in any more are let go."""
-        fresh = [(g, i) for g in groups for i, m in enumerate(g.moving) if not self.is_host_copy(m.tensor)]
+        """Host copies for the groups' tensors that have none yet, one new host buffer per group (a block's
+        tensors come and go together, so a buffer is let go whole when its block returns to the device, not
+        kept for a part of it); host buffers no tensor lives in any more are let go."""
         kept = [a for a in self._arenas if any(self._holds(a, m.tensor) for g in groups for m in g.moving)]
-        offsets, total = [], 0
-        for g, i in fresh:
-            offsets.append(total)
-            total += _aligned(g.moving[i].nbytes)
-        self._arenas = kept + ([self.link.host_buffer(total)] if fresh else [])
-        for (g, i), offset in zip(fresh, offsets, strict=True):  # each source is let go once copied
-            m = g.moving[i]
-            host = self._arenas[-1][offset : offset + m.nbytes].view(m.tensor.dtype).view(m.tensor.shape)
-            host.copy_(m.tensor)
-            m.show(host)
-            m.tensor = g.host[i] = host
-        if fresh:
-            self.link.pin(self._arenas[-1])
+        fresh_arenas = []
+        for g in groups:
+            fresh = [i for i, m in enumerate(g.moving) if not self.is_host_copy(m.tensor)]
+            if not fresh:
+                continue
+            arena = self.link.host_buffer(sum(_aligned(g.moving[i].nbytes) for i in fresh))
+            offset = 0
+            for i in fresh:  # each source is let go once copied
+                m = g.moving[i]
+                host = arena[offset : offset + m.nbytes].view(m.tensor.dtype).view(m.tensor.shape)
+                offset += _aligned(m.nbytes)
+                host.copy_(m.tensor)
+                m.show(host)
+                m.tensor = g.host[i] = host
+            self.link.pin(arena)
+            fresh_arenas.append(arena)
+        self._arenas = kept + fresh_arenas
 
     @staticmethod
     def _holds(arena: torch.Tensor, tensor: torch.Tensor) -> bool:

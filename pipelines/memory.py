@@ -164,10 +164,18 @@ class GpuMemory:
         self.plan = plan_memory(
             self.profile, budget, workload or plan.workload, plan.graphs, plan.fixed_reserve
         )
-        for placed in self.placed.values():  # all to host first: the device never holds old and new at once
-            placed.place(offload=True)
+        self._leave(plan)
         cap_device(self.link.device, explicit)
         self.place()
+
+    def _leave(self, old: MemoryPlan) -> None:
+        """Before a new plan is placed: what leaves the device under it leaves first, and nothing else moves
+        (the device never holds old and new at once; host memory holds no copy the new plan does not keep).
+        Each component streams the blocks either plan keeps off the device, offloaded if either offloads."""
+        for new in self.plan.placements:
+            before = old.placement(new.part.name)
+            away = sorted({*before.streamed, *before.lent, *new.streamed, *new.lent})
+            self.placed[new.part.name].place(away, 1 if away else 0, OFFLOAD in (before.mode, new.mode))
 
     def refresh(self) -> None:
         """After the weights changed (LoRAs, variant): their sizes measured again, the placements kept while

@@ -6,6 +6,8 @@ placing. The copies run either when issued (`HostLink`) or as late as a side str
 shows); the device holds exactly what the plan counts."""
 
 import math
+import mmap
+import weakref
 
 import pytest
 import torch
@@ -17,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.memory import DENOISE, ENCODE, Workload
-from models.streaming import HostLink, PlacedWeights
+from models.streaming import ALIGN, HostLink, PlacedWeights, moving_tensors
 from pipelines import load_pipeline
-from pipelines.memory_plan import RESERVE_FRACTION, minimum_budget
+from pipelines.memory_plan import OFFLOAD, RESERVE_FRACTION, minimum_budget, plan_memory
 from pipelines.quantize import quantize_checkpoint
 from ui.cli import main
 
@@ -246,8 +248,8 @@ def test_budget_on_the_cpu_through_load_pipeline_and_request_checks(resident):
 
 
 def test_set_gpu_memory_replans_in_place_both_ways(resident):
-    """A streamed plan, then everything resident, then streamed again: the same bytes each time, and the
-    old placement goes to host memory first, so on a GPU the two never hold device memory at once)."""
+    """A streamed plan, then everything resident, then streamed again: the same bytes each time (what leaves
+    the device goes to host memory first, so on a GPU the two placements never hold device memory at once)."""
     pipe = load_pipeline(
         variant="reference", device="cpu", dtype="fp32", gpu_memory="48MiB", workload=Workload(32, 32)
     )
@@ -275,3 +277,78 @@ def test_generate_with_a_budget_on_the_command_line_writes_the_same_png(tmp_path
     out = capsys.readouterr().out
     assert "memory: " in out and "lent to the text encoder" in out
     assert (tmp_path / "streamed.png").read_bytes() == (tmp_path / "resident.png").read_bytes()
+
+
+class HostBuffers:
+    """Every host buffer the placements make (anonymous maps), alive as long as a tensor uses its memory."""
+
+    def __init__(self) -> None:
+        self.maps: weakref.WeakSet = weakref.WeakSet()
+        self.peak = 0
+
+    def make(self, *args, **kwargs) -> mmap.mmap:
+        made = TrackedMap(*args, **kwargs)
+        self.maps.add(made)
+        self.peak = max(self.peak, self.live())
+        return made
+
+    def live(self) -> int:
+        return sum(len(m) for m in self.maps)
+
+
+class TrackedMap(mmap.mmap):
+    pass
+
+
+def host_bytes(pipe, placements, either=None) -> int:
+    """Bytes of the moving tensors a plan keeps in host memory (with `either`, what either of two plans
+    keeps there), each tensor at its aligned size, computed from the modules."""
+
+    def size(tensors) -> int:
+        return sum(-(-m.nbytes // ALIGN) * ALIGN for m in tensors)
+
+    total = 0
+    for placement in placements:
+        others = [] if either is None else [either.placement(placement.part.name)]
+        modes = {p.mode for p in (placement, *others)}
+        placed = pipe.memory.placed[placement.part.name]
+        if OFFLOAD in modes:
+            total += size(moving_tensors(placed.root))
+            continue
+        away = {i for p in (placement, *others) for i in (*p.streamed, *p.lent)}
+        total += sum(size(moving_tensors(placed.blocks[i])) for i in away)
+    return total
+
+
+def distinct_plans(profile, workload: Workload) -> list[tuple[int, Workload]]:
+    """A budget for each distinct plan from the smallest budget up, largest first."""
+    low = minimum_budget(profile, workload, graphs=False, fixed_reserve=0)
+    plans = {}
+    for step in range(60):
+        budget = low + step * low // 40
+        plans.setdefault(plan_memory(profile, budget, workload, False, 0).summary().split(":", 1)[1], budget)
+    return [(budget, workload) for budget in sorted(plans.values(), reverse=True)]
+
+
+def test_replanning_keeps_host_memory_to_what_the_plans_keep_there(resident, monkeypatch):
+    """Re-planned from blocks lent to the offloaded text encoder through fewer and fewer resident blocks,
+    one back up, then everything resident: after each re-plan the live host buffers hold exactly the tensors
+    the plan keeps off the device, and while it re-plans no more than what either plan keeps there (the
+    H200's full-size test ran out of its 128 GiB of host memory when every re-plan copied everything to the
+    host and kept each buffer while any tensor lived in it)."""
+    buffers = HostBuffers()
+    monkeypatch.setattr(mmap, "mmap", buffers.make)
+    pipe = load_pipeline(variant="reference", device="cpu", dtype="fp32", gpu_memory="1GiB")
+    lent = distinct_plans(pipe.memory.profile, Workload(32, 32))[1]
+    streamed = distinct_plans(pipe.memory.profile, Workload(256, 256))  # activations leave blocks less room
+    assert len(streamed) >= 4, streamed
+    sequence = [lent, *streamed[1:3], streamed[-1], streamed[2], lent, (2**30, Workload(32, 32))]
+    for budget, workload in sequence:
+        before = pipe.memory.plan
+        buffers.peak = buffers.live()
+        pipe.set_gpu_memory(budget, workload)
+        after = pipe.memory.plan
+        assert buffers.live() == host_bytes(pipe, after.placements), after.summary()
+        assert buffers.peak <= host_bytes(pipe, after.placements, either=before), after.summary()
+    assert pipe.memory.plan.resident and buffers.live() == 0
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
