@@ -64,6 +64,7 @@ def plan_for(
     graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
     fixed = RESERVE_BYTES if device.type == "cuda" else 0
     plan = plan_memory(profile, budget, workload or default_workload(spec), graphs, fixed)
+    check_host_memory(plan)
     if explicit:
         cap_device(device, budget)
     return profile, plan
@@ -78,6 +79,32 @@ def device_budget(device: torch.device, budget: int | None) -> int:
     if budget is not None and budget > total:
         raise InputError(f"GPU memory {gib(budget)} is more than the {gib(total)} this GPU has")
     return free + torch.cuda.memory_reserved(device) if budget is None else budget
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to start new work without swapping (Linux's MemAvailable, which
+    counts page cache the kernel can drop, e.g. a checkpoint's file pages), or None where it is unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+    except OSError:
+        return None
+    value = fields.get("MemAvailable", "").split()
+    return int(value[0]) * 1024 if value else None
+
+
+def check_host_memory(plan: MemoryPlan, held: int = 0) -> None:
+    """InputError when the weights `plan` keeps in host memory, beyond the `held` bytes of host copies this
+    process has already, exceed what the host has available: the pinned copies would not fit, and the
+    kernel would stop the process with no message."""
+    available = host_memory_available()
+    needed = plan.host_bytes - held
+    if available is not None and needed > available:
+        raise InputError(
+            f"the {gib(plan.budget)} GPU memory plan keeps {gib(needed)} more weights in host memory, but "
+            f"this machine has {gib(available)} available: give a larger GPU memory budget (less waits on "
+            "the host) or free host memory"
+        )
 
 
 def cap_device(device: torch.device, budget: int | None) -> None:
@@ -161,9 +188,9 @@ class GpuMemory:
         explicit = None if gpu_memory is None else budget_bytes(gpu_memory)
         budget = device_budget(self.link.device, explicit)
         plan = self.plan
-        self.plan = plan_memory(
-            self.profile, budget, workload or plan.workload, plan.graphs, plan.fixed_reserve
-        )
+        new = plan_memory(self.profile, budget, workload or plan.workload, plan.graphs, plan.fixed_reserve)
+        check_host_memory(new, held=plan.host_bytes)
+        self.plan = new
         self._leave(plan)
         cap_device(self.link.device, explicit)
         self.place()

@@ -92,6 +92,13 @@ class Placement:
         return self.slots * max((self.part.blocks[i] for i in self.streamed), default=0)
 
     @property
+    def host_bytes(self) -> int:
+        """Bytes of this component's weights that wait in pinned host memory."""
+        if self.mode == OFFLOAD:
+            return self.part.fixed + sum(self.part.blocks)
+        return self.streamed_bytes + self.lent_bytes
+
+    @property
     def moving_bytes(self) -> int:
         """Bytes of this component copied to the device once per request."""
         if self.mode == OFFLOAD:
@@ -188,6 +195,12 @@ class MemoryPlan:
         that lent them their memory)."""
         return sum(p.moving_bytes for p in self.placements)
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of weights this plan keeps in pinned host memory (a LoRA in merge mode adds the original
+        weights of the layers it changes)."""
+        return sum(p.host_bytes for p in self.placements)
+
     def summary(self) -> str:
         """One line: what moves and how much (the generate summary)."""
         moving = ", ".join(p.brief() for p in self.placements if p.mode != RESIDENT) or "everything resident"
@@ -210,6 +223,8 @@ class MemoryPlan:
             f"  host to device: {self.bytes_per_step / 1e9:.2f} GB per step, "
             f"{self.bytes_per_request / 1e9:.2f} GB per request",
             f"  expected peaks: {peaks}, plus {gib(self.reserve)} kept free",
+            f"  host memory: {self.host_bytes / 1e9:.2f} GB of weights wait in pinned host memory (a LoRA "
+            "in merge mode adds the original weights of the layers it changes)",
         ]
 
 

@@ -197,6 +197,7 @@ def test_info_prints_the_plan_of_a_full_size_checkpoint_before_loading(full_size
     out, err = capsys.readouterr()
     assert out.startswith("GPU memory plan for 24.0 GiB (1024x1024, 1 image, true CFG")
     assert "transformer:" in out and "GB per step" in out and "per request" in out
+    assert "GB of weights wait in pinned host memory" in out
     assert err.strip().splitlines()[-1].startswith("error: ")
 
 

@@ -7,6 +7,7 @@ shows); the device holds exactly what the plan counts."""
 
 import math
 import mmap
+import os
 import weakref
 
 import pytest
@@ -16,6 +17,7 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import BF16, FP32, LateLink, placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import pipelines.memory
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.memory import DENOISE, ENCODE, Workload
@@ -300,12 +302,12 @@ class TrackedMap(mmap.mmap):
     pass
 
 
-def host_bytes(pipe, placements, either=None) -> int:
+def host_bytes(pipe, placements, either=None, align: int = ALIGN) -> int:
     """Bytes of the moving tensors a plan keeps in host memory (with `either`, what either of two plans
-    keeps there), each tensor at its aligned size, computed from the modules."""
+    keeps there), each tensor at its size rounded up to `align`, computed from the modules."""
 
     def size(tensors) -> int:
-        return sum(-(-m.nbytes // ALIGN) * ALIGN for m in tensors)
+        return sum(-(-m.nbytes // align) * align for m in tensors)
 
     total = 0
     for placement in placements:
@@ -349,6 +351,46 @@ def test_replanning_keeps_host_memory_to_what_the_plans_keep_there(resident, mon
         pipe.set_gpu_memory(budget, workload)
         after = pipe.memory.plan
         assert buffers.live() == host_bytes(pipe, after.placements), after.summary()
+        assert after.host_bytes == host_bytes(pipe, after.placements, align=1), after.summary()
         assert buffers.peak <= host_bytes(pipe, after.placements, either=before), after.summary()
     assert pipe.memory.plan.resident and buffers.live() == 0
     assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
+
+
+def test_a_plan_that_needs_more_host_memory_than_there_is_is_refused(resident, monkeypatch, capsys, tmp_path):
+    """The weights a plan keeps in host memory are checked against what the host has available, when the
+    pipeline loads and when it re-plans (counting the host copies it holds already), so a plan too large
+    for the machine's RAM is one line, not a process the kernel stops with no message."""
+    available = {"bytes": 1024**2}
+    monkeypatch.setattr(pipelines.memory, "host_memory_available", lambda: available["bytes"])
+    small = dict(variant="reference", device="cpu", dtype="fp32", gpu_memory="48MiB")
+    small["workload"] = Workload(32, 32)
+    refused = r"keeps \d+ MiB more weights in host memory, but this machine has 1 MiB available"
+    with pytest.raises(InputError, match=refused):
+        load_pipeline(**small)
+    args = ["generate", "a red circle", "--width", "32", "--height", "32", "--steps", "2", "--device", "cpu"]
+    assert main([*args, "--gpu-memory", "48MiB", "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the 48 MiB GPU memory plan keeps"), err
+    available["bytes"] = 2**40
+    spec = inspect_checkpoint(None)
+    workload = Workload(256, 256)  # its activations leave the blocks little room: they stream
+    plans = distinct_plans(spec.family.memory_profile(spec, 4, 4), workload)
+    pipe = load_pipeline(**(small | dict(gpu_memory=plans[2][0], workload=workload)))
+    held = pipe.memory.plan.host_bytes
+    budget = plans[-1][0]
+    more = plan_memory(pipe.memory.profile, budget, workload, False, 0).host_bytes - held
+    assert held > 0 and more > 0
+    available["bytes"] = more - 1
+    with pytest.raises(InputError, match="more weights in host memory"):
+        pipe.set_gpu_memory(budget, workload)
+    available["bytes"] = more
+    pipe.set_gpu_memory(budget, workload)
+    assert pipe.memory.plan.host_bytes == held + more
+    assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
+
+
+def test_available_host_memory_is_read_from_the_kernel():
+    """MemAvailable, in bytes: above zero and below the machine's physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < pipelines.memory.host_memory_available() < physical
