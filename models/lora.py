@@ -89,6 +89,14 @@ class LoraLinear(NumericsAware, nn.Module):
     def scaling(self, name: str) -> float:
         return self.adapters[name].scaling(self.scales[name])
 
+    def original_bytes_to_keep(self) -> int:
+        """Host bytes a merge now would add to keep the original weight (and FP8 scale) for `unmerge`:
+        none when they are kept already or no adapter changes the weight."""
+        if self._original or all(self.scaling(name) == 0 for name in self.adapters):
+            return 0
+        kept = (self.base_layer.weight, getattr(self.base_layer, "weight_scale", None))
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
     def branch_active(self) -> bool:
         """Whether the forward adds a LoRA branch (and so reads the unquantized input)."""
         if self.merged or not self.adapters:
@@ -356,6 +364,11 @@ def configure_loras(model: nn.Module, merge: bool) -> MergeReport | None:
         elif wrapper.weight_changed:
             report.bf16_layers += 1
     return report
+
+
+def merge_host_bytes(model: nn.Module) -> int:
+    """Host bytes merging `model`'s LoRA layers now would add to keep their original weights."""
+    return sum(wrapper.original_bytes_to_keep() for wrapper in lora_layers(model).values())
 
 
 def bake_loras(model: nn.Module) -> int:

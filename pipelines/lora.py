@@ -17,8 +17,18 @@ from kernels.quant import FP8_MAX
 from models.calibration import record_input_amax
 from models.errors import InputError
 from models.fp8 import Fp8Linear
-from models.lora import MergeReport, bake_loras, configure_loras, lora_layers, mount_lora, unmount_lora
+from models.lora import (
+    MergeReport,
+    bake_loras,
+    configure_loras,
+    lora_layers,
+    merge_host_bytes,
+    mount_lora,
+    unmount_lora,
+)
 from models.lora_files import LoraConverter, LoraFile, read_lora_file
+from pipelines.memory import host_memory_available
+from pipelines.memory_plan import gib
 from pipelines.presets import LORA_MODES, check_lora_scale, lora_name
 
 
@@ -72,6 +82,13 @@ class LoraSet:
         except BaseException:
             del self.scales[name]
             raise
+        if self.mode == "merge":
+            try:
+                self.check_merge_memory()
+            except InputError:
+                unmount_lora(self._transformer, name)
+                del self.scales[name]
+                raise
         self._files[name] = (lora.path, layers)
         return name
 
@@ -94,7 +111,20 @@ class LoraSet:
     def set_mode(self, mode: str) -> None:
         if mode not in LORA_MODES:
             raise InputError(f"LoRA mode {mode!r} is not one of {', '.join(LORA_MODES)}")
+        if mode == "merge":
+            self.check_merge_memory()
         self.mode = mode
+
+    def check_merge_memory(self) -> None:
+        """InputError, before anything changes, when merging now would keep more original weights in host
+        memory than the host has available (the kernel would stop the process with no message)."""
+        needed = merge_host_bytes(self._transformer)
+        available = host_memory_available()
+        if available is not None and needed > available:
+            raise InputError(
+                f"merging the LoRAs keeps {gib(needed)} of original weights in host memory, but this machine "
+                f"has {gib(available)} available: use branch mode or free host memory"
+            )
 
     def sync(self) -> None:
         """Branch or merge every LoRA layer as the mode says, keeping the merge report."""

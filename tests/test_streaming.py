@@ -17,13 +17,14 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import BF16, FP32, LateLink, placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import pipelines.lora
 import pipelines.memory
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.memory import DENOISE, ENCODE, Workload
 from models.streaming import ALIGN, HostLink, PlacedWeights, moving_tensors
 from pipelines import load_pipeline
-from pipelines.memory_plan import OFFLOAD, RESERVE_FRACTION, minimum_budget, plan_memory
+from pipelines.memory_plan import OFFLOAD, RESERVE_FRACTION, gib, minimum_budget, plan_memory
 from pipelines.quantize import quantize_checkpoint
 from ui.cli import main
 
@@ -394,3 +395,30 @@ def test_available_host_memory_is_read_from_the_kernel():
     """MemAvailable, in bytes: above zero and below the machine's physical memory."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < pipelines.memory.host_memory_available() < physical
+
+
+def test_merging_more_original_weights_than_the_host_holds_is_refused(lightning, monkeypatch):
+    """Merge mode keeps each changed layer's original weight in host memory: when that is more than the
+    host has available, switching to merge or loading another LoRA in merge mode is refused in one line
+    and the pipeline is left as it was."""
+    available = {"bytes": 0}
+    monkeypatch.setattr(pipelines.lora, "host_memory_available", lambda: available["bytes"])
+    pipe = load_pipeline(variant="contract", device="cpu")
+    shapes = linear_shapes(pipe.transformer)
+    element = pipe.transformer.proj_out.weight.element_size()
+    changed = block_modules(len(pipe.transformer.transformer_blocks))  # every block linear: the LoRA's
+    originals = sum(shapes[name][0] * shapes[name][1] * element for name in changed)
+    pipe.load_lora(lightning, name="fast")
+    branch = png_sha256(pipe.generate(**REQUEST)[0])
+    with pytest.raises(InputError, match=f"keeps {gib(originals)} of original weights in host memory"):
+        pipe.set_lora_mode("merge")
+    assert pipe.lora_mode == "branch" and png_sha256(pipe.generate(**REQUEST)[0]) == branch
+    available["bytes"] = originals
+    pipe.set_lora_mode("merge")
+    merged = png_sha256(pipe.generate(**REQUEST)[0])
+    available["bytes"] = 0
+    outside = random_factors(shapes, ["img_in", "proj_out"], 4, seed=9)
+    other = write_lightning(lightning.parent / "outside.safetensors", outside, 1.0)
+    with pytest.raises(InputError, match="original weights in host memory"):
+        pipe.load_lora(other, name="outside")
+    assert list(pipe.loras) == ["fast"] and png_sha256(pipe.generate(**REQUEST)[0]) == merged
