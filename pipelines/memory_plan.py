@@ -101,9 +101,7 @@ class Placement:
     @property
     def moving_bytes(self) -> int:
         """Bytes of this component copied to the device once per request."""
-        if self.mode == OFFLOAD:
-            return self.part.fixed + sum(self.part.blocks)
-        return self.lent_bytes
+        return self.host_bytes if self.mode == OFFLOAD else self.lent_bytes
 
     def always(self) -> int:
         """Device bytes outside its phase."""
