@@ -15,7 +15,9 @@ STEP_ROUNDS=${STEP_ROUNDS:-1}
 STEP_CONFIGS=${STEP_CONFIGS:-1024x2}
 mkdir -p "$OUT"
 # .whl-ui (gradio, fastapi, starlette and their deps) too: the ui and serve stages need it, and so do the GPU
-# tests that import ui/ (test_parallel_gpu.py: ui.cli -> ui.uploads -> starlette)
+# tests that import ui/ (test_parallel_gpu.py: ui.cli -> ui.uploads -> starlette). The device tool carries at
+# most 64 MiB with the tree (24 MB): gradio's wheel alone is 31 MB, so for the other stages copy .whl-ui's
+# wheels without gradio and openai into .whl-ui on the device (the GPU tests need neither; session 12).
 for wheels in .whl .whl-ui; do
     if compgen -G "$wheels/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
