@@ -27,8 +27,7 @@ from models.lora import (
     unmount_lora,
 )
 from models.lora_files import LoraConverter, LoraFile, read_lora_file
-from pipelines.memory import host_memory_available
-from pipelines.memory_plan import gib
+from pipelines.memory import check_host_room
 from pipelines.presets import LORA_MODES, check_lora_scale, lora_name
 
 
@@ -117,14 +116,12 @@ class LoraSet:
 
     def check_merge_memory(self) -> None:
         """InputError, before anything changes, when merging now would keep more original weights in host
-        memory than the host has available (the kernel would stop the process with no message)."""
-        needed = merge_host_bytes(self._transformer)
-        available = host_memory_available()
-        if available is not None and needed > available:
-            raise InputError(
-                f"merging the LoRAs keeps {gib(needed)} of original weights in host memory, but this machine "
-                f"has {gib(available)} available: use branch mode or free host memory"
-            )
+        memory than the host has available."""
+        check_host_room(
+            merge_host_bytes(self._transformer),
+            "merging the LoRAs keeps {} of original weights in host memory",
+            "use branch mode or free host memory",
+        )
 
     def sync(self) -> None:
         """Branch or merge every LoRA layer as the mode says, keeping the merge report."""

@@ -95,15 +95,21 @@ def host_memory_available() -> int | None:
 
 def check_host_memory(plan: MemoryPlan, held: int = 0) -> None:
     """InputError when the weights `plan` keeps in host memory, beyond the `held` bytes of host copies this
-    process has already, exceed what the host has available: the pinned copies would not fit, and the
-    kernel would stop the process with no message."""
+    process has already, exceed what the host has available."""
+    check_host_room(
+        plan.host_bytes - held,
+        f"the {gib(plan.budget)} GPU memory plan keeps {{}} more weights in host memory",
+        "give a larger GPU memory budget (less waits on the host) or free host memory",
+    )
+
+
+def check_host_room(needed: int, keeps: str, remedy: str) -> None:
+    """InputError when `needed` more bytes of host memory exceed what the host has available (else the
+    kernel would stop the process with no message); `keeps` says what takes them, with {} for the size."""
     available = host_memory_available()
-    needed = plan.host_bytes - held
     if available is not None and needed > available:
         raise InputError(
-            f"the {gib(plan.budget)} GPU memory plan keeps {gib(needed)} more weights in host memory, but "
-            f"this machine has {gib(available)} available: give a larger GPU memory budget (less waits on "
-            "the host) or free host memory"
+            f"{keeps.format(gib(needed))}, but this machine has {gib(available)} available: {remedy}"
         )
 
 

@@ -17,7 +17,6 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import BF16, FP32, LateLink, placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import pipelines.lora
 import pipelines.memory
 from models.errors import InputError
 from models.families import inspect_checkpoint
@@ -402,7 +401,7 @@ def test_merging_more_original_weights_than_the_host_holds_is_refused(lightning,
     host has available, switching to merge or loading another LoRA in merge mode is refused in one line
     and the pipeline is left as it was."""
     available = {"bytes": 0}
-    monkeypatch.setattr(pipelines.lora, "host_memory_available", lambda: available["bytes"])
+    monkeypatch.setattr(pipelines.memory, "host_memory_available", lambda: available["bytes"])
     pipe = load_pipeline(variant="contract", device="cpu")
     shapes = linear_shapes(pipe.transformer)
     element = pipe.transformer.proj_out.weight.element_size()
