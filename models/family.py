@@ -147,8 +147,11 @@ class FamilyModel(ABC):
         """The conditioning of one CFG branch for `prompts` (each seeing the request's input `images`)."""
 
     @abstractmethod
-    def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> Any:
-        """The latent geometry of a `width` x `height` request (and its input images' latents, if any)."""
+    def canvas(
+        self, width: int, height: int, images: list[PIL.Image.Image] | None = None, prompts: int = 1
+    ) -> Any:
+        """The latent geometry of a `width` x `height` request (and its input images' latents, if any, for a
+        request of `prompts` prompts)."""
 
     def default_size(self, images: list[PIL.Image.Image]) -> tuple[int, int] | None:
         """(width, height) a request with these input images defaults to; None: the checkpoint's defaults."""

@@ -5,6 +5,7 @@ For Qwen-Image it reproduces diffusers' `QwenImagePipeline` step for step (same 
 rescale and decoding), so with `variant="reference"` its pixels equal diffusers' on the same weights.
 """
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -94,10 +95,28 @@ def check_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     raise InputError(f"unsupported dtype {dtype!r}: use bf16 or fp32")
 
 
+CPU_DTYPE_ENV = "QWEN_IMAGE_CPU_DTYPE"
+
+
+def cpu_dtype_override() -> str | None:
+    """`QWEN_IMAGE_CPU_DTYPE` when set: the CPU defaults are picked as on a CPU with (`bf16`) or without
+    (`fp32`) native BF16, whatever this CPU has; CI runs the dtype-dependent tests under both."""
+    forced = os.environ.get(CPU_DTYPE_ENV, "")
+    if forced and forced not in ("bf16", "fp32"):
+        raise InputError(
+            f"{CPU_DTYPE_ENV}={forced!r} is not bf16 or fp32 (unset: what this CPU computes natively)"
+        )
+    return forced or None
+
+
 def native_bf16(device: torch.device) -> bool:
-    """Whether `device` computes BF16 natively: every CUDA GPU we run on; a CPU with AVX-512 BF16 or AMX."""
+    """Whether `device` computes BF16 natively: every CUDA GPU we run on; a CPU with AVX-512 BF16 or AMX (or
+    as `QWEN_IMAGE_CPU_DTYPE` says)."""
     if device.type != "cpu":
         return True
+    forced = cpu_dtype_override()
+    if forced is not None:
+        return forced == "bf16"
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -107,15 +126,28 @@ def pick_precision(dtype: torch.dtype | None, device: torch.device, variant: Var
     and so does the transformer unless its variant is defined in BF16 (contract and FP8 numerics)."""
     if dtype is not None:
         return Precision(dtype, dtype, "as asked (--dtype)")
+    forced = cpu_dtype_override() if device.type == "cpu" else None
     if native_bf16(device):
-        return Precision(torch.bfloat16, torch.bfloat16, f"{device.type} computes BF16 natively")
-    capability = torch.backends.cpu.get_cpu_capability()
-    why = f"this CPU ({capability}) has no native BF16"
+        how = f"{CPU_DTYPE_ENV}=bf16: as on a CPU with native BF16" if forced else "computes BF16 natively"
+        return Precision(torch.bfloat16, torch.bfloat16, f"{device.type} {how}")
+    why = f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native BF16"
+    if forced:
+        why = f"{CPU_DTYPE_ENV}=fp32: as on a CPU with no native BF16"
     if variant.numerics == "contract":
         return Precision(
             torch.bfloat16, torch.float32, f"{why}; the {variant.name} variant is defined in BF16"
         )
     return Precision(torch.float32, torch.float32, why)
+
+
+def pick_numerics(
+    fp8_weights: bool, variant: str, device: torch.device, dtype: str | torch.dtype | None = None
+) -> tuple[Variant, Precision]:
+    """The variant `variant` resolves to and the dtypes it runs in on `device`: where BF16 is slow (a CPU
+    without native BF16, no dtype given) `auto` prefers diffusers' arithmetic in FP32."""
+    dtype = check_dtype(dtype)
+    chosen = resolve_variant(variant, fp8_weights, prefer_reference=dtype is None and not native_bf16(device))
+    return chosen, pick_precision(dtype, device, chosen)
 
 
 class Pipeline:
@@ -164,11 +196,8 @@ class Pipeline:
         pipelines/memory_plan.py. On a CPU an explicit `gpu_memory` places them the same way, the CPU
         standing in for the device (what the CI tests run)."""
         spec = inspect_checkpoint(directory)
-        device, dtype = pick_device(device), check_dtype(dtype)
-        chosen = resolve_variant(
-            variant, spec.fp8, prefer_reference=dtype is None and not native_bf16(device)
-        )
-        precision = pick_precision(dtype, device, chosen)
+        device = pick_device(device)
+        chosen, precision = pick_numerics(spec.fp8, variant, device, dtype)
         planned = plan_for(spec, precision.dtype, precision.vae_dtype, device, gpu_memory, workload)
         host = planned is not None and not planned[1].resident  # load on the host, place from there
         model = spec.family.load(
@@ -382,7 +411,7 @@ class Pipeline:
                 branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt, images))
         timer.lap("text_encoding")
 
-        canvas = self.model.canvas(width, height, images)
+        canvas = self.model.canvas(width, height, images, len(prompts))
         if images:
             timer.lap("image_encoding")
         latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)

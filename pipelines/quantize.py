@@ -141,7 +141,8 @@ def quantize_checkpoint(
     get_preset(preset, spec.family.name)
     requests = default_calibration(spec) if prompts is None else as_requests(prompts)
     check_requests(requests, spec.max_images, spec.images_required, spec.name)
-    pipe = load_pipeline(model, variant="contract", device=device)
+    # the contract variant is defined in BF16: calibration runs it, and its VAE, in BF16 on every device
+    pipe = load_pipeline(model, variant="contract", device=device, dtype="bf16")
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
     source = pipe.spec.directory

@@ -9,6 +9,13 @@ a test starts: by default they spin, and the suite often runs two torch processe
 ranks, servers): on 2 cores two spinning 2-thread processes ran a generation 9x slower than one alone.
 How threads wait changes no result: the work is split the same way.
 
+Which dtype the CPU default picks depends on the CPU (BF16 with AVX-512 BF16 or AMX, else FP32; pipelines'
+`pick_precision`), so a test that loads a pipeline without a dtype is marked `cpu_dtype`: README's command
+runs it with this CPU's default and `.ci/run` once more with the other one forced (`QWEN_IMAGE_CPU_DTYPE`),
+so it passes on both CPU kinds. Every other test runs with `QWEN_IMAGE_CPU_DTYPE` set to a value the
+pipeline refuses, in this process and in the processes it starts: a test that reads the CPU default
+without the mark fails on any machine, naming the mark.
+
 With `-n auto` (the README's test command) the tests run in two pytest-xdist workers without CUDA: a
 module's tests stay on one worker, so its module fixtures are built once; the documented examples, each a
 chain of processes, go one by one; modules with `slow` tests are handed out first. With CUDA `-n auto`
@@ -32,6 +39,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+UNMARKED = "unset for tests not marked cpu_dtype (tests/conftest.py): mark the test"
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -43,6 +53,24 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """A test without the `cpu_dtype` mark cannot read the CPU's default dtype (setup, call, teardown and
+    the processes it starts): the pipeline refuses the value it finds in `QWEN_IMAGE_CPU_DTYPE`."""
+    from pipelines.pipeline import CPU_DTYPE_ENV  # after TRITON_INTERPRET is set (kernels read it)
+
+    saved = os.environ.get(CPU_DTYPE_ENV)
+    if "cpu_dtype" not in item.keywords:
+        os.environ[CPU_DTYPE_ENV] = UNMARKED
+    try:
+        return (yield)
+    finally:
+        if saved is None:
+            os.environ.pop(CPU_DTYPE_ENV, None)
+        else:
+            os.environ[CPU_DTYPE_ENV] = saved
 
 
 @pytest.hookimpl(optionalhook=True)

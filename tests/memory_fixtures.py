@@ -12,7 +12,6 @@ from pipelines.memory import DTYPE_BYTES, GpuMemory
 from pipelines.memory_plan import RESIDENT, STREAM, GiB, MemoryPlan, Placement, place_part
 from pipelines.pipeline import Pipeline, Precision
 
-BF16 = Precision(torch.bfloat16, torch.float32, "the contract and FP8 variants' own")
 FP32 = Precision(torch.float32, torch.float32, "diffusers' arithmetic, fast on a CPU")
 
 
@@ -22,13 +21,14 @@ def placed_pipeline(
     text: tuple[str, int],
     transformer: int | None,
     link: Link,
+    precision: Precision,
     budget: int = 64 * GiB,
-    precision: Precision = BF16,
     lend: bool = False,
 ) -> Pipeline:
     """A checkpoint on `link`'s device with an explicit placement: the text encoder (mode, layers kept in
     its phase), `transformer` blocks resident (None: all; with `lend`, those holding the offloaded text
-    encoder's buffer lend it their memory). Loaded on the host, placed from there, as
+    encoder's buffer lend it their memory), in `precision` (a resident pipeline's, to compare with it).
+    Loaded on the host, placed from there, as
     `load_pipeline(gpu_memory=...)` does when the plan is not all resident."""
     spec = inspect_checkpoint(model_dir)
     model = spec.family.load(spec, precision.dtype, torch.device("cpu"), precision.vae_dtype)

@@ -146,6 +146,7 @@ def test_reference_mode_equals_diffusers_from_pretrained(
         assert np.asarray(got[0]).std() > 1.0, f"{name}: a flat image proves nothing"
 
 
+@pytest.mark.cpu_dtype
 def test_nfd_prompt_is_tokenized_as_the_checkpoint_tokenizer_does(checkpoint: tuple[Variant, Path]) -> None:
     """A tokenizer without normalizer keeps decomposed accents as their own tokens; ours must too."""
     variant, directory = checkpoint
@@ -155,6 +156,7 @@ def test_nfd_prompt_is_tokenized_as_the_checkpoint_tokenizer_does(checkpoint: tu
     assert same is variant.normalizing_tokenizer
 
 
+@pytest.mark.cpu_dtype
 def test_quantized_fused_equals_unfused(checkpoint: tuple[Variant, Path], tmp_path: Path) -> None:
     variant, directory = checkpoint
     width, height = variant.size
@@ -222,6 +224,7 @@ def test_text_width_mismatch_names_both_values(copy_of: Path) -> None:
         load_pipeline(copy_of, device="cpu")
 
 
+@pytest.mark.cpu_dtype
 def test_vae_tensor_shape_mismatch_names_file_tensor_and_shapes(
     copy_of: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -243,12 +246,14 @@ def test_a_file_given_as_model_is_not_a_directory(tmp_path: Path, capsys: pytest
     assert capsys.readouterr().err.strip() == f"error: model path {path} is a file, not a directory"
 
 
+@pytest.mark.cpu_dtype
 def test_tokenizer_class_from_model_index_must_exist(copy_of: Path) -> None:
     _edit_json(copy_of / "model_index.json", tokenizer=["transformers", "NoSuchTokenizer"])
     with pytest.raises(CheckpointError, match="'NoSuchTokenizer': not a transformers tokenizer"):
         load_pipeline(copy_of, device="cpu")
 
 
+@pytest.mark.cpu_dtype
 def test_text_encoder_of_another_width_is_refused(small_checkpoint: Path) -> None:
     """The same check also guards components assembled in memory."""
     hidden = VARIANTS[0].text_hidden

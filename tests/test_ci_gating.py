@@ -1,13 +1,19 @@
-"""tests/conftest.py: a missing tool skips a test, except under CI=true, where the test fails with why."""
+"""tests/conftest.py: a missing tool skips a test, except under CI=true, where the test fails with why; a test
+reads the CPU's default dtype only with the `cpu_dtype` mark."""
 
+import subprocess
+import sys
 import types
 from pathlib import Path
 
 import conftest
 import pytest
 import torch
+from helpers import REPO
 
 import kernels._triton_common as triton_common
+from models.errors import InputError
+from pipelines.pipeline import pick_numerics
 
 
 def item(marker: str) -> types.SimpleNamespace:
@@ -33,3 +39,22 @@ def test_missing_tool_skips_outside_ci_and_fails_in_ci(
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match=f"CI=true: this test must run, but {reason}"):
         conftest.pytest_runtest_setup(item(marker))
+
+
+def test_a_test_without_the_cpu_dtype_mark_cannot_read_the_cpu_default() -> None:
+    """This test has no `cpu_dtype` mark: the CPU's default dtype is refused here and in a process it
+    starts, naming the mark; an explicit dtype reads nothing and works."""
+    cpu = torch.device("cpu")
+    with pytest.raises(InputError, match="not marked cpu_dtype"):
+        pick_numerics(False, "auto", cpu)
+    info = subprocess.run(
+        [sys.executable, "-m", "ui.cli", "info", "--device", "cpu"], capture_output=True, text=True, cwd=REPO
+    )
+    assert info.returncode == 2 and "not marked cpu_dtype" in info.stderr.splitlines()[-1], info.stderr
+    assert pick_numerics(False, "auto", cpu, "fp32")[1].dtype == torch.float32
+
+
+@pytest.mark.cpu_dtype
+def test_a_marked_test_reads_the_cpu_default() -> None:
+    variant, precision = pick_numerics(False, "auto", torch.device("cpu"))
+    assert precision.dtype in (torch.bfloat16, torch.float32) and variant.name in ("contract", "reference")

@@ -19,6 +19,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO)
 
 
+@pytest.mark.cpu_dtype
 def test_generate_writes_a_png_with_no_model_given(tmp_path):
     out = tmp_path / "fox.png"
     result = run_cli(
@@ -66,6 +67,7 @@ def saved_model(tmp_path_factory):
     return directory
 
 
+@pytest.mark.cpu_dtype
 def test_saved_checkpoint_round_trips_and_info_describes_it(saved_model, tmp_path, capsys):
     embedded = load_pipeline(device="cpu")
     loaded = load_pipeline(saved_model, device="cpu")
@@ -79,6 +81,7 @@ def test_saved_checkpoint_round_trips_and_info_describes_it(saved_model, tmp_pat
     assert "quantization: none (BF16 weights)" in out
 
 
+@pytest.mark.cpu_dtype
 def test_partial_and_mismatched_checkpoints_are_refused(saved_model, tmp_path, capsys):
     partial = tmp_path / "partial"
     shutil.copytree(saved_model, partial)
@@ -151,6 +154,7 @@ def test_help_shows_every_default():
             assert text in flat, (command, text)
 
 
+@pytest.mark.cpu_dtype
 def test_a_prompt_cut_at_max_sequence_length_warns_how_many_tokens_were_dropped(tmp_path):
     prompt = " ".join(["fox"] * 40)
     result = run_cli(
@@ -176,6 +180,7 @@ def test_a_prompt_cut_at_max_sequence_length_warns_how_many_tokens_were_dropped(
     assert warnings == [f"warning: {expected}"]
 
 
+@pytest.mark.cpu_dtype
 def test_loading_a_checkpoint_prints_no_library_progress_bars(saved_model):
     result = run_cli("info", "--model", str(saved_model))
     assert result.returncode == 0, result.stderr

@@ -41,6 +41,7 @@ def test_every_shipped_file_is_package_data() -> None:
     assert not unmatched
 
 
+@pytest.mark.cpu_dtype
 def test_the_default_is_the_trained_checkpoint(pipe) -> None:
     """No random weights: the DiT's parameters are the shipped safetensors', bit for bit."""
     from safetensors.torch import load_file

@@ -76,6 +76,7 @@ def demo_server(env: dict[str, str], kind: str) -> Iterator[str]:
         server.wait(timeout=60)
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize(("doc", "server", "language", "code"), examples(), ids=lambda v: str(v)[:40])
 def test_example_runs_as_written(doc, server, language, code, tmp_path):
     env = os.environ | {

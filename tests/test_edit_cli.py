@@ -141,6 +141,7 @@ def test_refusals_import_nothing_heavy(checkpoints, files, tmp_path):
     assert result.stderr.count("error: ") == len(CASES)
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.slow
 def test_edit_writes_what_the_python_api_gives(checkpoints, files, tmp_path, monkeypatch, capsys):
     """Two images on an Edit-2511-like Plus checkpoint, true CFG, two outputs: the files are the PNG bytes of

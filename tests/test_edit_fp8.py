@@ -73,6 +73,7 @@ def fp8(bf16, small_areas, tmp_path_factory) -> dict[str, tuple[Path, list[int]]
     return quantized
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("name", list(SEEDS))
 def test_calibration_edits_image_instruction_pairs(fp8, name: str) -> None:
     """Edit-2511 with no calibration set given: every built-in pair (one to three images)."""
@@ -87,6 +88,7 @@ def test_calibration_edits_image_instruction_pairs(fp8, name: str) -> None:
     assert index["_class_name"] == EDIT_VARIANTS[name][0] and (out / "processor").is_dir()
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("name", list(SEEDS))
 def test_every_path_fuses_and_fused_equals_unfused(fp8, small_areas, name: str) -> None:
     pipe = load_pipeline(fp8[name][0], device="cpu")
@@ -135,6 +137,7 @@ def test_calibration_sets_the_model_cannot_take_are_refused_before_loading(
         assert capsys.readouterr().err.strip() == f"error: {message}"
 
 
+@pytest.mark.cpu_dtype
 def test_lora_on_fp8_edit_2511_fused_equals_unfused_in_both_modes(fp8, small_areas, tmp_path) -> None:
     """A Lightning-layout LoRA on the FP8 Edit-2511 export: branch mode keeps every path fused (the producers
     write the BF16 input beside the FP8 one), merge folds it into the FP8 weights; in both modes fused and

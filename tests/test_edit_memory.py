@@ -60,6 +60,7 @@ def test_edit_activation_estimates_bound_what_traces_allocate(full_size_edit):
     assert vision_peak(vision, 1, 392) <= act.encode(Workload(1024, 1024, input_images=1)) - plain
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("budget", [16, 24])
 def test_full_size_edit_plans_at_16_and_24_gib(full_size_edit, budget, capsys):
     """`info --gpu-memory` prints Edit-2511's plan for three input images before loading anything; every

@@ -24,6 +24,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.mark.cpu_dtype
 def test_cfg_parallel_edits_equal_one_process(checkpoint: Path, tmp_path: Path) -> None:
     result = launch(2, [sys.executable, RANK_SCRIPT, "edit-cfg", str(tmp_path), str(checkpoint)])
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]

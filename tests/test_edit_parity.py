@@ -53,6 +53,7 @@ def small_areas_env(tmp_path: Path) -> dict[str, str]:
     return os.environ | {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.slow
 def test_fp8_fused_equals_unfused_over_an_edit_set(checkpoints, edit_set, tmp_path) -> None:
     out = tmp_path / "out"

@@ -63,6 +63,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]
         demo.close()
 
 
+@pytest.mark.cpu_dtype
 def test_edit_api_gives_the_python_api_bytes(server, files) -> None:
     url, pipe = server
     client = Client(url, verbose=False, analytics_enabled=False)

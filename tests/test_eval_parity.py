@@ -42,6 +42,7 @@ def load(out: Path) -> dict:
     return json.loads((out / "report.json").read_text(encoding="utf-8"))
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.slow
 def test_reference_vs_contract_differs(differing_run: tuple[subprocess.CompletedProcess, Path]) -> None:
     result, out = differing_run
@@ -120,6 +121,7 @@ def test_usage_errors_print_one_line(
     assert not (tmp_path / "report.json").exists()
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.slow
 def test_worker_errors_print_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpoint error raised inside a worker (weights unreadable past headers that inspect accepts)
@@ -151,6 +153,7 @@ def embedded_copy(directory: Path) -> Path:
     return directory
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.slow
 def test_torchrun_two_gloo_ranks_contract_vs_contract_is_identical(prompts: Path, tmp_path: Path) -> None:
     """Two gloo ranks share 4 pairs; rank 0 merges them; contract vs contract is bit-identical."""
@@ -197,6 +200,7 @@ def test_model_per_side(tmp_path: Path) -> None:
     assert make_config(build_parser().parse_args(args[2:]), args[2:]).models == {"a": None, "b": str(other)}
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.slow
 def test_fp8_unfused_vs_fused_is_identical(prompts: Path, tmp_path: Path) -> None:
     """On an FP8 export of the embedded default, the fused producers reproduce the unfused bytes."""

@@ -27,6 +27,7 @@ def fp8_dir(tmp_path_factory):
     return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
 
 
+@pytest.mark.cpu_dtype
 def test_quantized_copy_keeps_the_defaults_of_its_source(fp8_dir):
     """An FP8 copy of the embedded model runs at its small size, steps and CFG, not at 1024x1024."""
     copy, source = inspect_checkpoint(fp8_dir), inspect_checkpoint(None)
@@ -53,6 +54,7 @@ def test_quantized_checkpoint_layout_and_scales(fp8_dir):
     assert state[block + "attn.to_q.weight"].float().abs().max().item() == 448.0
 
 
+@pytest.mark.cpu_dtype
 def test_loads_with_every_path_fused_and_reports_it(fp8_dir):
     pipe = load_pipeline(fp8_dir, device="cpu")
     assert pipe.variant == "fp8-fused"
@@ -63,6 +65,7 @@ def test_loads_with_every_path_fused_and_reports_it(fp8_dir):
     )
 
 
+@pytest.mark.cpu_dtype
 def test_info_reports_the_quantization(fp8_dir, capsys):
     assert main(["info", "--model", str(fp8_dir), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -72,6 +75,7 @@ def test_info_reports_the_quantization(fp8_dir, capsys):
     assert "kept BF16: img_in, txt_in" in out
 
 
+@pytest.mark.cpu_dtype
 def test_fused_and_unfused_pngs_are_byte_identical(fp8_dir):
     pipe = load_pipeline(fp8_dir, device="cpu")
     args = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=3, seed=11)
@@ -83,6 +87,7 @@ def test_fused_and_unfused_pngs_are_byte_identical(fp8_dir):
     assert fused[0] != fused[1]
 
 
+@pytest.mark.cpu_dtype
 def test_environment_switch_forces_the_unfused_path(fp8_dir, monkeypatch):
     monkeypatch.setenv("QWEN_IMAGE_FP8_FUSION", "0")
     pipe = load_pipeline(fp8_dir, device="cpu")
@@ -90,12 +95,14 @@ def test_environment_switch_forces_the_unfused_path(fp8_dir, monkeypatch):
     assert pipe.variant == "fp8-unfused"  # the label follows what runs, not what was asked
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("variant", ["fp8-fused", "fp8-unfused"])
 def test_transformer_step_has_no_host_sync(fp8_dir, variant):
     pipe = load_pipeline(fp8_dir, variant=variant, device="cpu")
     step_without_host_sync(pipe.transformer, (1, 4, 4))
 
 
+@pytest.mark.cpu_dtype
 def test_fp8_output_projections_take_the_attention_rows_without_a_copy(fp8_dir):
     """FP8 `to_out` / `to_add_out` get row slices of the joint attention output, not copies: the
     quantizer reads each sample's rows in place."""

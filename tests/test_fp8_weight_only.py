@@ -66,6 +66,7 @@ def fp8_dirs(tmp_path_factory):
     return plain, root / "mod"
 
 
+@pytest.mark.cpu_dtype
 def test_fp8_modulation_checkpoint_loads_with_half_the_modulation_bytes(fp8_dirs):
     plain, mod = fp8_dirs
     config = json.loads((mod / "transformer" / "config.json").read_text())["quantization_config"]
@@ -92,6 +93,7 @@ def test_full_size_fp8_modulation_saves_6_8_gb(tmp_path):
     assert sizes["plain"] - sizes["mod"] == 60 * 2 * (3072 * 18432 - 18432 * 4)  # weights halved, scales
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -111,6 +113,7 @@ def test_a_broken_weight_only_layer_is_refused_in_one_line(fp8_dirs, tmp_path, c
         load_pipeline(broken, device="cpu")
 
 
+@pytest.mark.cpu_dtype
 def test_a_lora_merges_into_weight_only_layers_and_back_out_bit_for_bit(fp8_dirs, tmp_path):
     pipe = load_pipeline(fp8_dirs[1], device="cpu")
     layer = pipe.transformer.get_submodule(MODULATION)

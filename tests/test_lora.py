@@ -84,6 +84,7 @@ def _lora_file(kind: str, ours, tmp_path):
     raise ValueError(kind)
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("kind", ["peft", "peft-metadata", "kohya", "comfyui", "lightning"])
 def test_each_layout_matches_diffusers_pixel_for_pixel(pipe, tmp_path, kind):
     path = _lora_file(kind, pipe, tmp_path)

@@ -34,6 +34,7 @@ def lora_dir(tmp_path_factory):
     return directory
 
 
+@pytest.mark.cpu_dtype
 def test_generate_with_stacked_loras_and_a_preset(lora_dir, tmp_path, capsys):
     out = tmp_path / "fast.png"
     lightning = lora_dir / "Qwen-Image-Lightning-4steps-V1.0.safetensors"

@@ -49,6 +49,7 @@ def _state(pipe) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
 
 
+@pytest.mark.cpu_dtype
 def test_branch_keeps_every_path_fused_with_dual_output_and_fused_equals_unfused(fp8_dir, lightning):
     pipe = load_pipeline(fp8_dir, device="cpu")
     base = _pngs(pipe)
@@ -71,6 +72,7 @@ def test_branch_keeps_every_path_fused_with_dual_output_and_fused_equals_unfused
     assert "LoRA (branch): lightning x0.8" in pipe.last_run.loras
 
 
+@pytest.mark.cpu_dtype
 def test_merge_requantizes_reports_clipping_fused_equals_unfused_and_unload_restores(fp8_dir, lightning):
     pipe = load_pipeline(fp8_dir, device="cpu")
     base, before = _pngs(pipe), _state(pipe)
@@ -103,6 +105,7 @@ def test_merge_requantizes_reports_clipping_fused_equals_unfused_and_unload_rest
     assert _pngs(pipe) == base
 
 
+@pytest.mark.cpu_dtype
 def test_input_clipping_is_measured_against_the_calibrated_scales(fp8_dir, lightning):
     pipe = load_pipeline(fp8_dir, device="cpu")
     args = dict(width=48, height=32, num_inference_steps=2, seed=1)
@@ -141,6 +144,7 @@ def test_lora_wrapper_reads_its_base_capability():
     assert quant_consumer_spec(LoraLinear(nn.Linear(32, 16), {})) is None
 
 
+@pytest.mark.cpu_dtype
 def test_quantize_bakes_the_lora_into_the_bf16_weights_before_calibration(tmp_path, lightning):
     lora = read_lora_file(lightning, FAMILY.convert_lora)
     out = quantize_checkpoint(

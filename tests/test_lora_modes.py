@@ -178,6 +178,7 @@ def assert_within(outputs: dict[str, torch.Tensor], terms: dict[str, LayerTerms]
         assert bool(((t.exact - t.exact_base).abs() > limit).any()), f"{name}: {bound} too loose to matter"
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.numerics
 def test_bf16_merge_is_one_rounding_of_the_exact_sum_and_unmerges_bit_for_bit(pipe, two_loras):
     pipe.load_lora(two_loras[0], scale=0.7, name="style")

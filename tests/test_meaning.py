@@ -111,6 +111,7 @@ def test_cli_checks_the_true_renders(tmp_path, capsys) -> None:
     assert len(report["scenes"]) == 10 and "colour+position 100.0%" in capsys.readouterr().out
 
 
+@pytest.mark.cpu_dtype
 def test_cli_generates_with_a_model_and_compares_fp8(tmp_path, capsys) -> None:
     """The embedded default (the trained model) end to end: held-out images, checks, FP8 vs BF16."""
     argv = ["--scenes", "2", "--size", "32", "--steps", "2", "--languages", "en", "--device", "cpu"]

@@ -13,6 +13,7 @@ from helpers import RANK_SCRIPT, REPO, free_port, launch, rank_env
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.cpu_dtype
 def test_cli_generate_as_two_ranks_writes_the_one_process_png(tmp_path):
     """Each rank runs one thread (as torch's launcher sets it), and so does the one process compared:
     CPU kernels may split their sums by thread count."""

@@ -69,6 +69,7 @@ def two_ranks(tmp_path_factory, fp8_dir) -> Path:
     return out
 
 
+@pytest.mark.cpu_dtype
 def test_cfg_parallel_is_byte_identical_to_one_process(two_ranks, one_process):
     assert hashes(read(two_ranks, "bf16-cfg2-cfg")) == hashes(one_process["bf16-cfg"])
     assert hashes(read(two_ranks, "fp8-fused-cfg2-cfg")) == hashes(one_process["fp8-fused-cfg"])
@@ -108,6 +109,7 @@ def test_web_demo_followers_stop_and_fail_with_the_leader(two_ranks, bf16_pipe):
     assert png_sha256(Image.open(two_ranks / "demo-last-0.png")) == png_sha256(last[0])
 
 
+@pytest.mark.cpu_dtype
 def test_cfg2_x_ulysses2_on_four_ranks(tmp_path, fp8_dir, two_ranks, one_process):
     result = launch(4, [sys.executable, RANK_SCRIPT, "four", str(tmp_path), str(fp8_dir)])
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]

@@ -130,6 +130,7 @@ def test_cli_refuses_gpus_unlike_the_launched_ranks(capsys, monkeypatch):
     assert "--gpus 4, but the launcher started 2 ranks" in capsys.readouterr().err
 
 
+@pytest.mark.cpu_dtype
 def test_info_shows_the_plans(capsys):
     heads = load_pipeline(device="cpu").transformer.config.num_attention_heads
     gpus = 2 * heads  # CFG-2 x Ulysses-heads fits; Ulysses over all of them does not divide the heads

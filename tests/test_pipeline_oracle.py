@@ -29,6 +29,7 @@ def pipes():
     return ours, theirs
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize(
     ("prompt", "negative", "size", "images_per_prompt"),
     [

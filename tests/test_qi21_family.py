@@ -139,6 +139,7 @@ def test_misfit_checkpoints_are_refused_in_one_line_before_loading(
     assert line.startswith("error: ") and message in line, line
 
 
+@pytest.mark.cpu_dtype
 def test_generate_from_the_command_line(model_dir, tmp_path, capsys):
     """As a user runs it; 2.1 decodes RGBA, and a JPEG output keeps the RGB channels with a warning."""
     out = tmp_path / "fox.png"
@@ -153,6 +154,7 @@ def test_generate_from_the_command_line(model_dir, tmp_path, capsys):
     assert PIL.Image.open(jpeg).mode == "RGB" and "stores no alpha" in capsys.readouterr().err
 
 
+@pytest.mark.cpu_dtype
 def test_generate_with_condition_images_takes_the_last_ones_aspect(model_dir, tmp_path, monkeypatch, capsys):
     """`--image` twice, in order; without --width/--height the output has the last image's aspect at the
     condition area (64x64 here instead of 1024x1024, so it runs in seconds)."""
@@ -168,6 +170,7 @@ def test_generate_with_condition_images_takes_the_last_ones_aspect(model_dir, tm
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.cpu_dtype
 def test_a_processor_that_resizes_condition_images_is_refused_in_one_line(model_dir, tmp_path, capsys):
     """Vision tokens and latent tokens of a condition image must cover the same pixels: a processor whose
     pixel ceiling shrinks the images is named instead of failing inside the transformer."""
@@ -181,6 +184,7 @@ def test_a_processor_that_resizes_condition_images_is_refused_in_one_line(model_
     assert "vision tokens, not 1024: its pixel limits" in line and "'longest_edge': 4096" in line, line
 
 
+@pytest.mark.cpu_dtype
 def test_info_describes_the_family(model_dir, capsys):
     assert main(["info", "--model", str(model_dir), "--gpus", "2"]) == 0
     out = capsys.readouterr().out
@@ -200,6 +204,7 @@ def test_info_describes_the_family(model_dir, capsys):
         assert expected in out, expected
 
 
+@pytest.mark.cpu_dtype
 def test_turbo_info_shows_its_grid(tmp_path, capsys):
     turbo = build_qi21_checkpoint(tmp_path / "turbo", sample_sigmas=TURBO_SIGMAS)
     assert inspect_checkpoint(turbo).defaults.num_inference_steps == len(TURBO_SIGMAS)
@@ -232,6 +237,7 @@ def test_a_text_only_model_refuses_input_images(tmp_path, capsys):
     assert "generates from text only and takes no input images" in line
 
 
+@pytest.mark.cpu_dtype
 def test_web_demo_serves_2_1(model_dir):
     """The demo's pieces around a 2.1 pipeline: aspect presets on its 32-pixel grid, a request run by the
     Runner, and the app built."""

@@ -39,6 +39,7 @@ def block_tensors(directory):
     return load_file(directory / "transformer" / "diffusion_pytorch_model.safetensors")
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("kind", ["default", "all"])
 def test_quantize_writes_a_modelopt_fp8_checkpoint_with_shared_scales(checkpoints, kind):
     directory = checkpoints[kind]
@@ -56,6 +57,7 @@ def test_quantize_writes_a_modelopt_fp8_checkpoint_with_shared_scales(checkpoint
     assert "modulation.1.input_scale" not in tensors
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize(
     ("kind", "swiglu", "caches"), [("default", 0, (True, False)), ("all", LAYERS, (True,))]
 )
@@ -85,6 +87,7 @@ def test_fp8_fused_equals_unfused_png_for_png(checkpoints, kind, swiglu, caches)
             assert hashes == results["fp8-unfused", *key[1:]], key
 
 
+@pytest.mark.cpu_dtype
 def test_eval_parity_fused_vs_unfused_is_identical(checkpoints, tmp_path):
     command = [sys.executable, "-m", "eval.parity", "--model", str(checkpoints["all"]), "--a", "fp8-unfused",
                "--b", "fp8-fused", "--prompts", str(checkpoints["prompts"]), "--seeds", "0", "--size",

@@ -103,6 +103,7 @@ def test_activation_estimates_bound_what_traces_allocate(full_size):
     assert per_patch <= VISION_BYTES_PER_WIDTH
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("budget", [16, 24])
 def test_full_size_plans_at_16_and_24_gib(full_size, budget, capsys):
     """`info --gpu-memory` prints the plan before loading anything; every phase fits with the two KV caches,

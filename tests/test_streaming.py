@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
-from memory_fixtures import BF16, FP32, LateLink, placed_pipeline
+from memory_fixtures import FP32, LateLink, placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipelines.memory
@@ -23,7 +23,9 @@ from models.families import inspect_checkpoint
 from models.memory import DENOISE, ENCODE, Workload
 from models.streaming import ALIGN, HostLink, PlacedWeights, moving_tensors
 from pipelines import load_pipeline
+from pipelines.memory import DTYPE_BYTES
 from pipelines.memory_plan import OFFLOAD, RESERVE_FRACTION, gib, minimum_budget, plan_memory
+from pipelines.pipeline import pick_numerics
 from pipelines.quantize import quantize_checkpoint
 from ui.cli import main
 
@@ -140,10 +142,13 @@ def fp8_dir(tmp_path_factory):
     return quantize_checkpoint(None, out, prompts=["a red fox"], steps=2, size=32, device="cpu")
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("variant", ["fp8-unfused", "fp8-fused"])
 def test_fp8_streamed_equals_resident(fp8_dir, variant):
-    expected = png_sha256(load_pipeline(fp8_dir, variant=variant, device="cpu").generate(**REQUEST)[0])
-    pipe = placed_pipeline(fp8_dir, variant, ("offload", 0), 1, LateLink())
+    """In the dtypes the CPU's default picks (BF16 transformer; the VAE in BF16 or FP32)."""
+    resident = load_pipeline(fp8_dir, variant=variant, device="cpu")
+    expected = png_sha256(resident.generate(**REQUEST)[0])
+    pipe = placed_pipeline(fp8_dir, variant, ("offload", 0), 1, LateLink(), resident.precision)
     assert pipe.variant == variant
     assert png_sha256(pipe.generate(**REQUEST)[0]) == expected
 
@@ -151,12 +156,13 @@ def test_fp8_streamed_equals_resident(fp8_dir, variant):
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory):
     """A rank-8 LoRA on every block linear, in the Lightning release layout."""
-    base = load_pipeline(variant="contract", device="cpu")
+    base = load_pipeline(variant="contract", device="cpu", dtype="bf16")
     shapes = linear_shapes(base.transformer)
     factors = random_factors(shapes, block_modules(base.transformer.config.num_layers), 8, seed=5)
     return write_lightning(tmp_path_factory.mktemp("lora") / "fast.safetensors", factors, 4.0)
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize(
     ("model", "variant", "mode"),
     [
@@ -170,10 +176,9 @@ def test_loras_stream_with_their_blocks(fp8_dir, lightning, model, variant, mode
     """A LoRA loaded after placing: its factors (and merged weights) wait on the host with their blocks;
     images equal the resident pipeline's with the same LoRA, and unloading gives the base bytes back."""
     model_dir = None if model == "bf16" else fp8_dir
-    precision = FP32 if variant == "reference" else BF16
     dtype = "fp32" if variant == "reference" else None
     reference = load_pipeline(model_dir, variant=variant, device="cpu", dtype=dtype)
-    pipe = placed_pipeline(model_dir, variant, ("offload", 1), 1, LateLink(), precision=precision)
+    pipe = placed_pipeline(model_dir, variant, ("offload", 1), 1, LateLink(), reference.precision)
     base = png_sha256(reference.generate(**REQUEST)[0])
     for each in (reference, pipe):
         each.load_lora(lightning, scale=0.7, name="fast")
@@ -189,6 +194,7 @@ def test_loras_stream_with_their_blocks(fp8_dir, lightning, model, variant, mode
     assert png_sha256(pipe.generate(**REQUEST)[0]) == base
 
 
+@pytest.mark.cpu_dtype
 @pytest.mark.parametrize("mode", ["branch", "merge"])
 def test_replanning_with_a_lora_loaded_keeps_the_bytes(fp8_dir, lightning, mode):
     """The H200's full-size test's sequence (and back): a resident pipeline re-planned to stream blocks, a
@@ -217,7 +223,7 @@ def test_a_lora_that_no_longer_fits_streams_more_blocks(lightning, resident):
     new plan still fits)."""
     first = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), precision=FP32)
     budget = math.ceil(max(first.memory.plan.peaks.values()) / (1 - RESERVE_FRACTION)) + 1  # just fits
-    pipe = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), budget, FP32)
+    pipe = placed_pipeline(None, "reference", ("offload", 2), 3, HostLink(), FP32, budget)
     before = pipe.memory.plan.placements
     block_bytes = pipe.memory.profile.part(DENOISE).blocks[0]
     reference = resident[0]
@@ -235,6 +241,7 @@ def test_a_lora_that_no_longer_fits_streams_more_blocks(lightning, resident):
         reference.unload_lora()
 
 
+@pytest.mark.cpu_dtype
 def test_budget_on_the_cpu_through_load_pipeline_and_request_checks(resident):
     """load_pipeline(gpu_memory=...) on a CPU places the weights for the budget (the CPU standing in), and a
     request larger than the one planned for is refused in one line when it does not fit."""
@@ -264,12 +271,14 @@ def test_set_gpu_memory_replans_in_place_both_ways(resident):
     assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
 
 
+@pytest.mark.cpu_dtype
 def test_generate_with_a_budget_on_the_command_line_writes_the_same_png(tmp_path, capsys):
     """`qwen-image generate --gpu-memory` (on the CPU, standing in for the GPU) at about the smallest budget
     the planner accepts for the request (the text encoder offloaded into the memory the blocks lend it):
     the same PNG bytes as without a budget."""
     spec = inspect_checkpoint(None)
-    profile = spec.family.memory_profile(spec, 4, 4)  # FP32 on this CPU: diffusers' arithmetic
+    _, precision = pick_numerics(spec.fp8, "auto", torch.device("cpu"))  # what the command will pick
+    profile = spec.family.memory_profile(spec, DTYPE_BYTES[precision.dtype], DTYPE_BYTES[precision.vae_dtype])
     need = minimum_budget(profile, Workload(32, 32, text_tokens=512), graphs=False, fixed_reserve=0)
     args = ["generate", "a red circle on the left", "--width", "32", "--height", "32", "--steps", "2"]
     args += ["--seed", "3", "--device", "cpu"]
@@ -369,6 +378,7 @@ def test_a_plan_that_needs_more_host_memory_than_there_is_is_refused(resident, m
     with pytest.raises(InputError, match=refused):
         load_pipeline(**small)
     args = ["generate", "a red circle", "--width", "32", "--height", "32", "--steps", "2", "--device", "cpu"]
+    args += ["--dtype", "fp32"]  # as `small`: FP32 weights are what the 1 MiB of host memory cannot hold
     assert main([*args, "--gpu-memory", "48MiB", "-o", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: the 48 MiB GPU memory plan keeps"), err
@@ -396,6 +406,7 @@ def test_available_host_memory_is_read_from_the_kernel():
     assert 0 < pipelines.memory.host_memory_available() < physical
 
 
+@pytest.mark.cpu_dtype
 def test_merging_more_original_weights_than_the_host_holds_is_refused(lightning, monkeypatch):
     """Merge mode keeps each changed layer's original weight in host memory: when that is more than the
     host has available, switching to merge or loading another LoRA in merge mode is refused in one line

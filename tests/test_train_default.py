@@ -59,6 +59,7 @@ def test_smoke_run_writes_one_small_tar_with_a_loss_log(smoke_run) -> None:
     assert set(meta["dit"]["held_out_samples"]) == {"en", "zh"}
 
 
+@pytest.mark.cpu_dtype
 def test_the_assembled_checkpoint_loads_and_generates(smoke_run) -> None:
     _, checkpoint = smoke_run
     assert json.loads((checkpoint / "model_index.json").read_text())["_class_name"] == "QwenImagePipeline"

@@ -56,6 +56,7 @@ def server() -> Iterator[tuple[str, list[int], Runner]]:
         demo.close()
 
 
+@pytest.mark.cpu_dtype
 def test_readme_client_call(server: tuple[str, list[int], Runner]) -> None:
     client = Client(server[0], verbose=False, analytics_enabled=False)
     images, seed, details = client.predict(

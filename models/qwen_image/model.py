@@ -97,7 +97,9 @@ class QwenImageModel(FamilyModel):
         )
         return Conditioning(embeds, mask)
 
-    def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> LatentCanvas:
+    def canvas(
+        self, width: int, height: int, images: list[PIL.Image.Image] | None = None, prompts: int = 1
+    ) -> LatentCanvas:
         return latent_size(width, height, self.vae_scale_factor)
 
     def initial_latents(self, canvas: LatentCanvas, batch: int, seed: int) -> torch.Tensor:

@@ -114,7 +114,9 @@ class QwenImage21Model(FamilyModel):
                 f"pixel limits {dict(limits)} resize images of about {self.resolution}x{self.resolution}"
             )
 
-    def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> RequestSteps:
+    def canvas(
+        self, width: int, height: int, images: list[PIL.Image.Image] | None = None, prompts: int = 1
+    ) -> RequestSteps:
         rows, columns = 2 * (height // (2 * VAE_SCALE)), 2 * (width // (2 * VAE_SCALE))
         if not images:
             return RequestSteps(rows, columns, None)

@@ -5,7 +5,8 @@ Each input image adds to the text-encoder call its vision tower's patches (measu
 `bench/activation_memory.py` with real tensors: 34.5 x vision width bytes per patch, rounded up to 40) and
 its vision tokens to the language model's sequence, and to every transformer call its VAE tokens and its
 vision tokens (the prompt embeddings carry them); the VAE encodes each input image before denoising
-(measured 20.2 x base_dim bytes per pixel, rounded up to 23), whole even when the plan decodes in tiles,
+(measured 20.2 x base_dim bytes per pixel, rounded up to 23; Edit's one image once per prompt, in one batch,
+as diffusers encodes a prompt batch's images), whole even when the plan decodes in tiles,
 which the decode phase's bound covers. Image sizes are the pipelines' fixed areas with 10% to spare for
 the rounding of their sides.
 """
@@ -57,10 +58,11 @@ class EditActivations(QwenImageActivations):
         return super().step(workload) + self.step_bytes(inputs)
 
     def decode(self, workload: Workload, tiled: bool) -> int:
-        """Decoding the outputs, or encoding one input image, always whole (the larger)."""
+        """Decoding the outputs, or encoding an input image, always whole (the larger); Edit encodes its
+        image once per prompt in one batch (Plus takes one prompt)."""
         if not workload.input_images:
             return super().decode(workload, tiled)
-        per_input = ENCODE_BYTES_PER_BASE * self.vae_base * VAE_AREA * AREA_SLACK
+        per_input = ENCODE_BYTES_PER_BASE * self.vae_base * VAE_AREA * AREA_SLACK * workload.prompts
         return max(super().decode(workload, tiled), round(per_input * self.dtype_bytes / 2))
 
 

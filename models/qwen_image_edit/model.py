@@ -88,19 +88,26 @@ class QwenImageEditModel(QwenImageModel):
         )
         return Conditioning(embeds, mask)
 
-    def canvas(self, width: int, height: int, images: list[PIL.Image.Image] | None = None) -> EditCanvas:
+    def canvas(
+        self, width: int, height: int, images: list[PIL.Image.Image] | None = None, prompts: int = 1
+    ) -> EditCanvas:
         """The target canvas and the input images' VAE latents (encoded in the VAE's dtype, then in the
         model's; diffusers runs both in one dtype). They are encoded whole even when a memory plan decodes
-        in tiles (its budget holds a whole encode), so every plan denoises the same latents."""
+        in tiles (its budget holds a whole encode), so every plan denoises the same latents. Edit's one
+        image is encoded once per prompt in one VAE batch, as diffusers' `QwenImageEditPipeline` encodes
+        the image list a prompt batch needs there (a convolution may round a row differently at another
+        batch size); the rows are equal, and every sample takes the first."""
         vae = self.components.vae
         pixels = self.prepare(images or []).pixels
+        if not self.kind.plus and prompts > 1:
+            pixels = [torch.cat(pixels * prompts)]
         tiling, vae.use_tiling = vae.use_tiling, False
         try:
-            references, grids = encode_reference_latents(vae, pixels, 1, self.device, vae.dtype)
+            references, grids = encode_reference_latents(vae, pixels, prompts, self.device, vae.dtype)
         finally:
             vae.use_tiling = tiling
         target = latent_size(width, height, self.vae_scale_factor)
-        return EditCanvas(target, references.to(self.dtype), ImageLayout(target.grid, grids))
+        return EditCanvas(target, references[:1].to(self.dtype), ImageLayout(target.grid, grids))
 
     def initial_latents(self, canvas: EditCanvas, batch: int, seed: int) -> torch.Tensor:
         return super().initial_latents(canvas.target, batch, seed)
