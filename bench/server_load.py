@@ -6,7 +6,7 @@ The model loads once. For each workload (size, steps or preset, the batch cap wh
 - direct: `pipe.generate` on one request, timed (median of --direct-runs), and PNG encoding timed apart;
 - identity: three requests denoised as one batch vs each alone, at the fixed batch size the server uses
   (must be equal) and at their own row counts (equal only where the kernels are batch-invariant);
-- scaling: `run_batch` on one request alone vs a full batch, timed directly (what batching can buy);
+- scaling: `Pipeline.run` on one request alone vs a full batch, timed directly (what batching can buy);
 - served: for batching off (every request alone, as generate) and on (--max-batch rows per step, fixed
   batch shapes), the server in-process on 127.0.0.1 and C clients (each one keep-alive connection,
   sending its requests back to back) at each of --clients; images/s over the level's wall time and
@@ -32,11 +32,13 @@ from typing import Any
 import httpx
 import torch
 
+from bench.in_thread import InThread
 from pipelines import load_pipeline
-from pipelines.batching import BatchPlan, BatchRequest, BatchSettings, encode, run_batch
+from pipelines.batching import BatchPlan
+from ui.image_cache import png_bytes
 from ui.limits import Limits
 from ui.runner import Runner
-from ui.server import InThread, build_server, png_bytes
+from ui.server import build_server
 
 TARGETS = {"http_overhead_ms": 5.0, "batching_speedup_16_clients_512": 1.3}
 
@@ -95,17 +97,31 @@ def direct(pipe: Any, work: Workload, runs: int) -> dict[str, float]:
     return {"generate_s": statistics.median(times), "png_encode_s": statistics.median(png)}
 
 
+def request_for(pipe: Any, work: Workload, index: int) -> Any:
+    """The pipeline's request for `work`'s body with prompt and seed `index`."""
+    return pipe.request(
+        prompt_for(index),
+        width=work.size,
+        height=work.size,
+        num_inference_steps=work.steps,
+        preset=work.preset,
+        true_cfg_scale=1.0,
+        seed=index,
+    )
+
+
 def identity(pipe: Any, work: Workload) -> dict[str, Any]:
     """Three requests as one batch vs each alone: at the server's fixed size, and at their own row counts."""
-    settings = BatchSettings(work.size, work.size, _steps(work), 1.0, False, preset=work.preset)
-    requests = [BatchRequest(prompt_for(i), None, i) for i in range(3)]
-    for request in requests:
-        encode(pipe, request, settings)
-    slots = max(3, BatchPlan(work.max_batch).slots(settings))
-    together = [im[0].tobytes() for im in run_batch(pipe, requests, settings, slots)[0]]
-    fixed = [run_batch(pipe, [r], settings, slots)[0][0][0].tobytes() for r in requests]
-    own_rows = [im[0].tobytes() for im in run_batch(pipe, requests, settings, 3)[0]]
-    alone = [run_batch(pipe, [r], settings, 1)[0][0][0].tobytes() for r in requests]
+    requests = [request_for(pipe, work, i) for i in range(3)]
+    slots = max(3, BatchPlan(work.max_batch).slots(requests[0]))
+
+    def first_images(results: list) -> list[bytes]:
+        return [result.images[0].tobytes() for result in results]
+
+    together = first_images(pipe.run(requests, slots))
+    fixed = [first_images(pipe.run([r], slots))[0] for r in requests]
+    own_rows = first_images(pipe.run(requests, 3))
+    alone = [first_images(pipe.run([r]))[0] for r in requests]
     return {
         "fixed_batch_identical": together == fixed,
         "own_row_counts_identical": own_rows == alone,
@@ -114,22 +130,21 @@ def identity(pipe: Any, work: Workload) -> dict[str, Any]:
 
 
 def scaling(pipe: Any, work: Workload, rounds: int = 3) -> dict[str, float]:
-    """One request alone vs a full batch of --max-batch requests, `run_batch` timed directly (no HTTP),
-    alternated so clock drift hits both alike: what batching can buy, and what a lone request pays."""
-    settings = BatchSettings(work.size, work.size, _steps(work), 1.0, False, preset=work.preset)
-    slots = BatchPlan.for_device(pipe.device, work.max_batch).slots(settings)
-    requests = [BatchRequest(prompt_for(i), None, i) for i in range(slots)]
-    for request in requests:
-        encode(pipe, request, settings)
-    run_batch(pipe, requests[:1], settings, 1)  # warm-up: graph capture at both shapes
-    run_batch(pipe, requests, settings, slots)
+    """One request alone vs a full batch of --max-batch requests, `Pipeline.run` timed directly (no HTTP;
+    each request's text encoding included), alternated so clock drift hits both alike: what batching can
+    buy, and what a lone request pays."""
+    planned = pipe.memory is not None
+    slots = BatchPlan.for_device(pipe.device, work.max_batch, planned).slots(request_for(pipe, work, 0))
+    requests = [request_for(pipe, work, i) for i in range(slots)]
+    pipe.run(requests[:1])  # warm-up: graph capture at both shapes
+    pipe.run(requests, slots)
     alone, full = [], []
     for _ in range(rounds):
         start = _now(pipe)
-        run_batch(pipe, requests[:1], settings, 1)
+        pipe.run(requests[:1])
         alone.append(_now(pipe) - start)
         start = _now(pipe)
-        run_batch(pipe, requests, settings, slots)
+        pipe.run(requests, slots)
         full.append(_now(pipe) - start)
     one, batch = statistics.median(alone), statistics.median(full)
     return {
@@ -150,14 +165,14 @@ def served(
     window_s: float,
     response_format: str = "b64_json",
 ) -> dict:
-    plan = BatchPlan.for_device(pipe.device, work.max_batch) if batching else None
+    plan = BatchPlan.for_device(pipe.device, work.max_batch, pipe.memory is not None) if batching else None
     limits = Limits.for_device(pipe.device.type, queue_size=1024, max_work=1e9, time_limit_s=3600)
     runner = Runner(pipe, limits, plan, window_s)
     server = InThread(build_server(pipe, runner))
     if pipe.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pipe.device)
     try:
-        warm = max(1, plan.slots(BatchSettings(work.size, work.size, 1, 1.0, False)) if plan else 1)
+        warm = plan.slots(request_for(pipe, work, 0)) if plan else 1
         _fire(server.url, work, warm, 1, first=9000)  # capture the batch shape's graphs
         results = {}
         for clients in levels:
@@ -212,12 +227,6 @@ def _fire(
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     return latencies, time.perf_counter() - start
-
-
-def _steps(work: Workload) -> int:
-    from pipelines.presets import PRESETS
-
-    return work.steps if work.preset is None else PRESETS[work.preset].num_inference_steps
 
 
 def _now(pipe: Any) -> float:
@@ -320,7 +329,7 @@ def table(report: dict[str, Any]) -> str:
             f"HTTP overhead {entry.get('http_overhead_ms', float('nan')):.1f} ms "
             f"({entry.get('http_overhead_without_png_ms', float('nan')):.1f} ms without PNG; "
             f"{entry.get('http_overhead_url_ms', float('nan')):.1f} ms for a URL response); batching "
-            f"speed-up by clients {speedups}; run_batch alone vs full {entry['scaling']}; identity "
+            f"speed-up by clients {speedups}; run alone vs full batch {entry['scaling']}; identity "
             f"{entry['identity']}"
         )
     return "\n".join(lines)

@@ -60,17 +60,18 @@ class RequestRecord:
 
 def start_app(pipe: Pipeline, limits: Limits) -> ServedApp:
     """Serve `pipe` on 127.0.0.1, recording each generation's start and end by prompt."""
-    generate = pipe.generate
+    run = pipe.run
     app = ServedApp(demo=build_app(pipe, limits), pipe=pipe, url="")
 
-    def timed_generate(prompt: str, **kwargs: Any) -> Any:
+    def timed_run(requests: list[Any], *args: Any, **kwargs: Any) -> Any:
         start = time.monotonic()
         try:
-            return generate(prompt, **kwargs)
+            return run(requests, *args, **kwargs)
         finally:
-            app.timeline[prompt] = (start, time.monotonic())
+            for request in requests:
+                app.timeline[request.prompts[0]] = (start, time.monotonic())
 
-    pipe.generate = timed_generate  # type: ignore[method-assign]
+    pipe.run = timed_run  # type: ignore[method-assign]
     _, app.url, _ = app.demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
     return app
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from models.errors import CheckpointError
+from models.presets import Preset
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -116,6 +117,15 @@ class Conditioning:
         mask = None if self.mask is None else self.mask.repeat(1, copies).view(batch * copies, seq)
         return Conditioning(embeds, mask)
 
+    @classmethod
+    def stack(cls, parts: list[Conditioning]) -> Conditioning:
+        """Several requests' conditionings of equal shapes as one batch, rows in order."""
+        import torch
+
+        masks = [p.mask for p in parts]
+        mask = None if all(m is None for m in masks) else torch.cat(masks)
+        return Conditioning(torch.cat([p.embeds for p in parts]), mask)
+
 
 @dataclass(frozen=True)
 class StepCall:
@@ -207,10 +217,12 @@ class FamilyModel(ABC):
 
 
 class ModelFamily(ABC):
-    """A model family: the `model_index.json` classes it serves, how it reads and how it loads them."""
+    """A model family: the `model_index.json` classes it serves, how it reads and how it loads them, and the
+    generation presets made for its checkpoints."""
 
     name: str
     pipeline_classes: tuple[str, ...]
+    presets: tuple[Preset, ...] = ()
 
     @abstractmethod
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:

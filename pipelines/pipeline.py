@@ -8,9 +8,10 @@ rescale and decoding), so with `variant="reference"` its pixels equal diffusers'
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import PIL.Image
 import torch
@@ -28,21 +29,22 @@ from models.lora import MergeReport
 from models.lora_files import LoraFile
 from models.memory import ENCODE, Workload
 from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
-from pipelines.limits import as_prompt_list, check_generation_args, check_images
+from pipelines.generation_request import GenerationRequest, resolve_request
+from pipelines.load_options import LoadOptions
 from pipelines.lora import LoadedLora, LoraSet
 from pipelines.memory import GpuMemory, in_phase, plan_for
 from pipelines.memory_plan import MemoryPlan
 from pipelines.parallel import ParallelPlan, Ranks, check_supported, join_ranks, resolve_plan
 from pipelines.presets import get_preset
 from pipelines.sampling import Step, branch_velocities, euler_loop, flow_timesteps
-from pipelines.variants import AUTO, Variant, resolve_variant, variants_for
+from pipelines.variants import AUTO, Variant, get_variant, resolve_variant, variants_for
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass
 class RunInfo:
-    """What the last `generate` call did: seed, size, variant and seconds per stage."""
+    """What one request's run did: seed, size, variant and seconds per stage."""
 
     seed: int | list[int]
     width: int
@@ -53,6 +55,7 @@ class RunInfo:
     timings: dict[str, float] = field(default_factory=dict)
     preset: str = ""
     loras: str = ""  # the LoRAs that ran, with scales and mode ("" without LoRA)
+    shared_by: int = 1  # requests that shared its denoising steps (their seconds are in each one's timings)
 
     @property
     def ms_per_step(self) -> float:
@@ -159,7 +162,7 @@ class Pipeline:
         model: FamilyModel,
         spec: CheckpointSpec,
         precision: Precision,
-        variant: str = AUTO,
+        variant: str | Variant = AUTO,
         memory: GpuMemory | None = None,
     ) -> None:
         self.model = model
@@ -176,29 +179,27 @@ class Pipeline:
         self._limit_graphs()
         self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
         self.lora = LoraSet(model.transformer, self.dtype, spec.family.convert_lora, device=self.device)
-        self.variant = ""
         self.set_variant(variant)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path | None = None,
-        variant: str = AUTO,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        gpu_memory: int | str | None = None,
-        workload: Workload | None = None,
-    ) -> "Pipeline":
+    def load(cls, options: LoadOptions) -> "Pipeline":
         """Load a local diffusers-layout checkpoint of any registered family, or the embedded default
-        (`directory` None). Every argument and config is checked before any weight is read. On CUDA the
-        weights are placed for `gpu_memory` (bytes or a size such as "24GiB"; default: what the device has
-        free) and the largest request `workload` (default: the checkpoint's default size): see
-        pipelines/memory_plan.py. On a CPU an explicit `gpu_memory` places them the same way, the CPU
-        standing in for the device (what the CI tests run)."""
-        spec = inspect_checkpoint(directory)
-        device = pick_device(device)
-        chosen, precision = pick_numerics(spec.fp8, variant, device, dtype)
+        (`options.model` None). Every option and config is checked before any weight is read. A parallel
+        plan makes this process one rank of a launched group (refused before loading when it does not
+        fit). On CUDA the weights are placed for `gpu_memory` (bytes or a size such as "24GiB"; default:
+        what the device has free) and the largest request `workload` (default: the checkpoint's default
+        size): see pipelines/memory_plan.py. On a CPU an explicit `gpu_memory` places them the same way,
+        the CPU standing in for the device (what the CI tests run)."""
+        plan = resolve_plan(options.parallel, options.model)
+        device = pick_device(options.device)
+        if plan is not None:
+            device = join_ranks(device)
+        spec = inspect_checkpoint(options.model)
+        chosen, precision = pick_numerics(spec.fp8, options.variant, device, options.dtype)
+        gpu_memory, workload = options.gpu_memory, options.workload
         planned = plan_for(spec, precision.dtype, precision.vae_dtype, device, gpu_memory, workload)
+        if plan is not None and planned is not None and not planned[1].resident:
+            raise InputError("weights streamed for a GPU-memory budget do not combine with several GPUs yet")
         host = planned is not None and not planned[1].resident  # load on the host, place from there
         model = spec.family.load(
             spec, precision.dtype, torch.device("cpu") if host else device, precision.vae_dtype
@@ -207,7 +208,10 @@ class Pipeline:
         if planned is not None:
             model.device = device
             memory = GpuMemory.for_model(model, *planned)
-        return cls(model, spec, precision, chosen.name if variant == AUTO else variant, memory)
+        pipe = cls(model, spec, precision, chosen, memory)
+        if plan is not None:
+            pipe.set_parallel(plan)
+        return pipe
 
     @classmethod
     def from_model(cls, model: FamilyModel, spec: CheckpointSpec, variant: str = AUTO) -> "Pipeline":
@@ -244,20 +248,25 @@ class Pipeline:
         """Variants these weights can run: FP8 ones for a ModelOpt FP8 checkpoint, BF16 ones otherwise."""
         return [v.name for v in variants_for(self.spec.fp8)]
 
-    def set_variant(self, variant: str) -> None:
+    @property
+    def variant(self) -> str:
+        """The variant that runs (fp8-unfused where fp8-fused was asked and the gate fused nothing)."""
+        return self._variant.name
+
+    def set_variant(self, variant: str | Variant) -> None:
         """Switch numerics or FP8 fusion in place (re-running the gate); 'auto' picks the fastest path."""
-        self.variant = resolve_variant(variant, self.spec.fp8).name
+        self._variant = variant if isinstance(variant, Variant) else resolve_variant(variant, self.spec.fp8)
         self._resync()
 
     def _resync(self) -> None:
         """After a variant or LoRA change: branch or merge the LoRAs, set every module's numerics, re-run the
         FP8 fusion gate, and drop the captured CUDA graphs."""
-        variant = resolve_variant(self.variant, self.spec.fp8)
+        variant = self._variant
         self.lora.sync()
         self.transformer.set_numerics(variant.numerics)
         if variant.fp8_weights:
             report = self.transformer.post_load_weights(fuse=variant.fused)
-            self.variant = "fp8-fused" if report.fused else "fp8-unfused"  # e.g. QWEN_IMAGE_FP8_FUSION=0
+            self._variant = get_variant("fp8-fused" if report.fused else "fp8-unfused")  # e.g. FP8_FUSION=0
         self._graphed.graphs.clear()
         if self.memory is not None:
             self.memory.refresh()
@@ -340,6 +349,13 @@ class Pipeline:
         """One branch's conditioning, each prompt repeated `copies` times in a row."""
         return self.model.encode(prompts, max_sequence_length, images).repeat(copies)
 
+    def request(self, prompt: str | list[str], **values: Any) -> GenerationRequest:
+        """`resolve_request` for this checkpoint (its defaults and presets, the size its model suggests for
+        input images, its loaded LoRAs): `generate`'s arguments but the callbacks and `output_type`."""
+        return resolve_request(
+            self.spec, prompt, suggest_size=self.model.default_size, loras=self.loras, **values
+        )
+
     @torch.no_grad()
     def generate(
         self,
@@ -362,76 +378,144 @@ class Pipeline:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `seed` may give one seed per
         prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
         of the run land in `self.last_run`. `output_type="latent"` returns the final packed latents and skips
-        decoding (as diffusers' pipelines do)."""
+        decoding (as diffusers' pipelines do). One request through `run`."""
+        request = self.request(
+            prompt,
+            negative_prompt=negative_prompt,
+            width=width,
+            height=height,
+            num_inference_steps=num_inference_steps,
+            true_cfg_scale=true_cfg_scale,
+            seed=seed,
+            num_images_per_prompt=num_images_per_prompt,
+            max_sequence_length=max_sequence_length,
+            preset=preset,
+            lora_scales=lora_scales,
+            image=image,
+        )
+        return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
+
+    @torch.no_grad()
+    def run(
+        self,
+        requests: Sequence[GenerationRequest],
+        slots: int | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+        progress: bool = False,
+        output_type: str = "pil",
+    ) -> list["Generated"]:
+        """The one way requests run: each request's images and RunInfo, in order (`last_run` is the last's).
+
+        One request runs alone. Several (or `slots` above one) share denoising steps: they must agree on
+        `batch_key`; each is encoded and decoded alone, and those whose conditioning has the same shapes
+        denoise as one batch of `slots` requests (default: as many as given), the free slots filled with
+        copies of the first, so a request's bytes do not depend on its companions (kernels may compute a
+        row differently at another row count). Under a memory plan every phase runs inside it: the text
+        encoder brought in, the request checked against the plan (at its batch's rows) and the VAE tiled
+        when it must, the offloaded components prefetched after."""
         if output_type not in ("pil", "latent"):
             raise InputError(f"output_type {output_type!r} must be 'pil' or 'latent'")
-        prompts = as_prompt_list(prompt, "prompt")
-        images = check_images(image, self.spec.max_images, self.spec.images_required, self.model_name)
-        size = self.default_size(images)  # each side not given follows it (diffusers' Edit pipelines)
-        width, height = size[0] if width is None else width, size[1] if height is None else height
-        negative_prompt = self.defaults.negative_prompt if negative_prompt is None else negative_prompt
-        negatives = as_prompt_list(negative_prompt, "negative_prompt")
-        run_preset = get_preset(preset, self.spec.family.name)
-        suggested = run_preset or self.defaults  # a preset's steps and CFG scale, else the model's
-        steps = suggested.num_inference_steps if num_inference_steps is None else num_inference_steps
-        true_cfg_scale = suggested.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
-        check_generation_args(
-            prompts,
-            negatives,
-            width,
-            height,
-            steps,
-            true_cfg_scale,
-            num_images_per_prompt,
-            max_sequence_length,
-            seed,
-            self.size_multiple,
-        )
+        requests = list(requests)
+        slots = len(requests) if slots is None else slots
+        first = requests[0] if requests else None
+        if first is None or slots < len(requests):
+            raise InputError(f"{len(requests)} requests for a batch of {slots}")
+        if slots > 1 and (first.batch_key is None or any(r.batch_key != first.batch_key for r in requests)):
+            raise InputError("requests that share a batch must agree on everything but prompt and seed")
         if self.memory is not None:
-            true_cfg = negatives is not None and true_cfg_scale > 1
-            batch = len(prompts) * num_images_per_prompt
-            inputs = len(images or [])
-            kept = self.model.prompt_tokens(prompts + (negatives if true_cfg else []))
-            tokens = max_sequence_length if kept is None else max(kept, max_sequence_length)
-            workload = Workload(width, height, batch, len(prompts), tokens, true_cfg, inputs)
-            self._limit_graphs(self.memory.request(workload))
-        if lora_scales:
-            self.set_lora_scales(lora_scales)
-        scheduler = self.model.scheduler if run_preset is None else run_preset.make_scheduler()
-        if seed is None:
-            seed = random.randrange(2**31)
-            if self.ranks is not None:
-                seed = self.ranks.share_seed(seed)
-        timer = _StageTimer(self.device)
-
-        with in_phase(self.memory, ENCODE):
-            branches = [self.encode(prompts, max_sequence_length, num_images_per_prompt, images)]
-            if negatives is not None and true_cfg_scale > 1:
-                negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
-                branches.append(self.encode(negatives, max_sequence_length, num_images_per_prompt, images))
-        timer.lap("text_encoding")
-
-        canvas = self.model.canvas(width, height, images, len(prompts))
-        if images:
-            timer.lap("image_encoding")
-        latents = self.denoise(branches, canvas, steps, true_cfg_scale, seed, on_step, progress, scheduler)
-        timer.lap("denoising")
-        images = latents if output_type == "latent" else self.model.decode(latents, canvas)
-        timer.lap("decoding")
-        self.last_run = RunInfo(
-            seed,
-            width,
-            height,
-            steps,
-            self.variant,
-            self.fusion_summary(),
-            timer.timings | {"total": timer.total},
-            preset=preset or "",
-            loras=self.lora.summary(),
-        )
+            asked = [p for r in requests for p in (*r.prompts, *(r.negative_prompts if r.true_cfg else ()))]
+            kept = self.model.prompt_tokens(asked)
+            tokens = first.max_sequence_length if kept is None else max(kept, first.max_sequence_length)
+            self._limit_graphs(self.memory.request(first.workload(slots * first.rows, tokens)))
+        if first.lora_scales:
+            self.set_lora_scales(dict(first.lora_scales))
+        preset = get_preset(first.preset, self.spec.family.name)
+        scheduler = self.model.scheduler if preset is None else preset.make_scheduler()
+        seeds = [self._seed(r) for r in requests]
+        encoded = []
+        for request in requests:
+            timer = _StageTimer(self.device)
+            with in_phase(self.memory, ENCODE):
+                encoded.append(self._branches(request))
+            timer.lap("text_encoding")
+            encoded[-1].timings.update(timer.timings)
+        results: list[Generated | None] = [None] * len(requests)
+        for group in _same_shapes(encoded):
+            for index, generated in self._denoise_group(
+                requests, encoded, seeds, group, slots, scheduler, on_step, progress, output_type
+            ):
+                results[index] = generated
+        self.last_run = results[-1].info
         if self.memory is not None:
             self.memory.prefetch()  # the text encoder comes back while the caller looks at the images
-        return images
+        return results
+
+    def _seed(self, request: GenerationRequest) -> int | list[int]:
+        """The request's seed (a list: one per prompt); drawn when it has none, the same on every rank."""
+        if request.seed is not None:
+            return list(request.seed) if isinstance(request.seed, tuple) else request.seed
+        seed = random.randrange(2**31)
+        return seed if self.ranks is None else self.ranks.share_seed(seed)
+
+    def _branches(self, request: GenerationRequest) -> "_Encoded":
+        """The request's conditioning per CFG branch (its prompts together, each repeated per image)."""
+        n, length, images = request.num_images_per_prompt, request.max_sequence_length, list(request.images)
+        branches = [self.encode(list(request.prompts), length, n, images)]
+        if request.true_cfg:
+            branches.append(self.encode(list(request.negative_prompts), length, n, images))
+        return _Encoded(branches)
+
+    def _denoise_group(
+        self,
+        requests: list[GenerationRequest],
+        encoded: list["_Encoded"],
+        seeds: list[int | list[int]],
+        group: list[int],
+        slots: int,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        on_step: Callable[[int, int], None] | None,
+        progress: bool,
+        output_type: str,
+    ) -> list[tuple[int, "Generated"]]:
+        """Requests `group` (indices into `requests`) denoised as one batch of `slots` (`slots` 1: alone),
+        each decoded alone."""
+        first = requests[group[0]]
+        padded = group + [group[0]] * (slots - len(group)) if slots > 1 else group
+        branches = encoded[group[0]].branches  # alone: the family's conditioning as it made it
+        if len(padded) > 1:
+            rows = [[encoded[i].branches[b] for i in padded] for b in range(len(branches))]
+            branches = [type(parts[0]).stack(parts) for parts in rows]
+        images = list(first.images)
+        timer = _StageTimer(self.device)
+        canvas = self.model.canvas(first.width, first.height, images, len(first.prompts))
+        if images:
+            timer.lap("image_encoding")
+        batch_seeds = seeds[group[0]] if slots <= 1 else [seeds[i] for i in padded]
+        steps, scale = first.num_inference_steps, first.true_cfg_scale
+        latents = self.denoise(branches, canvas, steps, scale, batch_seeds, on_step, progress, scheduler)
+        timer.lap("denoising")
+        shared = dict(timer.timings)
+        done = []
+        for position, index in enumerate(group):
+            rows = latents[position * first.rows : (position + 1) * first.rows] if slots > 1 else latents
+            decode = _StageTimer(self.device)
+            out = rows if output_type == "latent" else self.model.decode(rows, canvas)
+            decode.lap("decoding")
+            request, own = requests[index], encoded[index].timings | shared | decode.timings
+            info = RunInfo(
+                seeds[index],
+                request.width,
+                request.height,
+                request.num_inference_steps,
+                self.variant,
+                self.fusion_summary(),
+                own | {"total": sum(own.values())},
+                preset=request.preset or "",
+                loras=self.lora.summary(),
+                shared_by=len(group),
+            )
+            done.append((index, Generated(out, info)))
+        return done
 
     def denoise(
         self,
@@ -497,7 +581,37 @@ class _StageTimer:
         return self.last - self.start
 
 
-_CACHE: dict[tuple, Pipeline] = {}
+@dataclass
+class Generated:
+    """One request's images (or final packed latents) and what its run did."""
+
+    images: list[PIL.Image.Image] | torch.Tensor
+    info: RunInfo
+
+
+@dataclass
+class _Encoded:
+    """A request's conditioning per CFG branch and the seconds it took."""
+
+    branches: list[Conditioning]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def shapes(self) -> tuple:
+        return tuple(
+            (tuple(b.embeds.shape), None if b.mask is None else tuple(b.mask.shape)) for b in self.branches
+        )
+
+
+def _same_shapes(encoded: list[_Encoded]) -> list[list[int]]:
+    """Indices of requests grouped by the shapes of their conditioning (only equal shapes stack), in order."""
+    groups: dict[tuple, list[int]] = {}
+    for index, each in enumerate(encoded):
+        groups.setdefault(each.shapes, []).append(index)
+    return list(groups.values())
+
+
+_CACHE: dict[LoadOptions, Pipeline] = {}
 
 
 def load_pipeline(
@@ -509,22 +623,9 @@ def load_pipeline(
     gpu_memory: int | str | None = None,
     workload: Workload | None = None,
 ) -> Pipeline:
-    """A new pipeline for `model` (None: the embedded default). `parallel` ("auto" or a ParallelPlan)
-    makes this process one rank of a launched group; a plan that does not fit is refused before loading.
-    `gpu_memory` (bytes or "24GiB") caps this process's GPU memory, and the weights are placed to fit it
-    for requests up to `workload` (docs/API.md)."""
-    plan = resolve_plan(parallel, model)
-    device = pick_device(device)
-    if plan is not None:
-        device = join_ranks(device)
-    pipe = Pipeline.from_pretrained(
-        model, variant=variant, device=device, dtype=dtype, gpu_memory=gpu_memory, workload=workload
-    )
-    if plan is not None and pipe.memory is not None and not pipe.memory.plan.resident:
-        raise InputError("weights streamed for a GPU-memory budget do not combine with several GPUs yet")
-    if plan is not None:
-        pipe.set_parallel(plan)
-    return pipe
+    """A new pipeline for `model` (None: the embedded default); the options of `LoadOptions`
+    (docs/API.md)."""
+    return Pipeline.load(LoadOptions(model, variant, device, dtype, parallel, gpu_memory, workload))
 
 
 def generate(
@@ -537,8 +638,8 @@ def generate(
     gpu_memory: int | str | None = None,
     **kwargs,
 ) -> list[PIL.Image.Image]:
-    """One-call generation; keeps one pipeline per (model, variant, device, dtype, parallel, gpu_memory)."""
-    key = (str(model), variant, str(pick_device(device)), check_dtype(dtype), parallel, gpu_memory)
-    if key not in _CACHE:
-        _CACHE[key] = load_pipeline(model, variant, device, dtype, parallel, gpu_memory)
-    return _CACHE[key].generate(prompt, **kwargs)
+    """One-call generation (`Pipeline.generate`'s arguments); keeps one pipeline per load options."""
+    options = LoadOptions(model, variant, device, check_dtype(dtype), parallel, gpu_memory)
+    if options not in _CACHE:
+        _CACHE[options] = Pipeline.load(options)
+    return _CACHE[options].generate(prompt, **kwargs)

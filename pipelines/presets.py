@@ -1,4 +1,4 @@
-"""Generation presets as plain data, and LoRA file arguments (`FILE[:SCALE]`).
+"""The presets of every registered family by name, and LoRA file arguments (`FILE[:SCALE]`).
 
 Torch-free, so the CLI and the UI show the presets and refuse a bad LoRA argument before any model loads.
 """
@@ -9,76 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import InputError
+from models.families import registered_families
+from models.presets import Preset
 
-# The scheduler configuration Qwen-Image-Lightning was distilled for ("We use shift=3 in distillation"),
-# from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (docs/DESIGN.md §7 gives the source); the
-# same script runs the Edit Lightning LoRAs with it (its QwenImageEditPipeline branch, DESIGN §8).
-LIGHTNING_SCHEDULER: dict[str, Any] = {
-    "base_image_seq_len": 256,
-    "base_shift": math.log(3),
-    "invert_sigmas": False,
-    "max_image_seq_len": 8192,
-    "max_shift": math.log(3),
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "shift_terminal": None,
-    "stochastic_sampling": False,
-    "time_shift_type": "exponential",
-    "use_beta_sigmas": False,
-    "use_dynamic_shifting": True,
-    "use_exponential_sigmas": False,
-    "use_karras_sigmas": False,
-}
 LORA_MODES = ("branch", "merge")
+# every registered family's presets, by name (a preset belongs to the families that list it)
+PRESETS: dict[str, Preset] = {p.name: p for family in registered_families() for p in family.presets}
 
 
-@dataclass(frozen=True)
-class Preset:
-    """Step count, true-CFG scale and FlowMatchEulerDiscreteScheduler config for a distilled LoRA."""
-
-    name: str
-    num_inference_steps: int
-    true_cfg_scale: float
-    scheduler: dict[str, Any]
-    lora: str  # the LoRA file the preset is made for (load it with --lora)
-    families: tuple[str, ...] = ("qwen-image",)  # the model families its LoRAs were distilled for
-
-    def describe(self) -> str:
-        """One line for --help and the UI."""
-        s = self.scheduler
-        cfg = "off" if self.true_cfg_scale <= 1 else f"{self.true_cfg_scale:g}"
-        return (
-            f"{self.name}: {self.num_inference_steps} steps, true CFG {cfg}, FlowMatch Euler with "
-            f"base_shift = max_shift = {s['base_shift']:.4f} (log 3), {s['time_shift_type']} time shift, "
-            f"shift_terminal {s['shift_terminal']}; for {self.lora}"
-        )
-
-    def make_scheduler(self):
-        """A fresh diffusers `FlowMatchEulerDiscreteScheduler` with this preset's config."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler)
-
-
-PRESETS: dict[str, Preset] = {
-    preset.name: preset
-    for preset in (
-        Preset("lightning-8", 8, 1.0, LIGHTNING_SCHEDULER, "Qwen-Image-Lightning-8steps-*.safetensors"),
-        Preset("lightning-4", 4, 1.0, LIGHTNING_SCHEDULER, "Qwen-Image-Lightning-4steps-*.safetensors"),
-        # Qwen-Image-Edit, Edit-2509 and Edit-2511 Lightning (lightx2v): the same schedule on Edit checkpoints
-        *(
-            Preset(
-                f"edit-lightning-{steps}",
-                steps,
-                1.0,
-                LIGHTNING_SCHEDULER,
-                f"Qwen-Image-Edit-*Lightning-{steps}steps-*.safetensors",
-                ("qwen-image-edit",),
-            )
-            for steps in (8, 4)
-        ),
-    )
-}
+def families_of(preset: Preset) -> list[str]:
+    """The families whose checkpoints `preset` is made for."""
+    return [family.name for family in registered_families() if preset in family.presets]
 
 
 def get_preset(name: str | None, family: str | None = None) -> Preset | None:
@@ -87,11 +28,12 @@ def get_preset(name: str | None, family: str | None = None) -> Preset | None:
     if name is None:
         return None
     if name not in PRESETS:
-        raise InputError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        raise InputError(f"preset {name!r} is not one of {', '.join(PRESETS)}")
     preset = PRESETS[name]
-    if family is not None and family not in preset.families:
+    owners = families_of(preset)
+    if family is not None and family not in owners:
         raise InputError(
-            f"preset {name} is made for {' and '.join(preset.families)} checkpoints ({preset.lora}), "
+            f"preset {name} is made for {' and '.join(owners)} checkpoints ({preset.lora}), "
             f"not for the {family} family"
         )
     return preset
@@ -99,7 +41,7 @@ def get_preset(name: str | None, family: str | None = None) -> Preset | None:
 
 def presets_for(family: str | None) -> list[Preset]:
     """The presets made for the model `family` (every preset for None)."""
-    return [p for p in PRESETS.values() if family is None or family in p.families]
+    return [p for p in PRESETS.values() if family is None or family in families_of(p)]
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def web_demo_jobs(pipe, out: Path) -> dict:
     seen = {}
 
     def job(prompt: str, **kwargs) -> Job:
-        return Job("session", pipe.variant, {"prompt": prompt, **kwargs})
+        return Job("session", pipe.variant, pipe.request(prompt, **kwargs))
 
     def stop_at_first_step(i: int, total: int) -> None:
         runner.stop_session("session", STOP_PRESSED)

@@ -106,7 +106,7 @@ def test_bad_edit_requests_are_refused_before_they_queue(server, files) -> None:
     # and ours, beneath it: the request's check takes only files the upload route received
     job = {**raw, "image_2": None, "image_3": None}
     with pytest.raises(FieldError, match="image_1 must be an image uploaded to this server"):
-        job_from_edit_inputs("s", job, [pipe.variant], pipe, uploaded=set())
+        job_from_edit_inputs("s", job, pipe, uploaded=set())
 
 
 def upload(url: str, path: Path) -> httpx.Response:

@@ -21,8 +21,8 @@ from lora_files import (
 )
 
 from models.lora import LoraLinear, lora_layers
+from models.qwen_image.presets import LIGHTNING_SCHEDULER
 from pipelines import load_pipeline
-from pipelines.presets import LIGHTNING_SCHEDULER
 
 ARGS = dict(width=48, height=32, num_inference_steps=2, true_cfg_scale=4.0)
 PROMPT, NEGATIVE, SEED = "a red fox in the snow", "blurry", 7

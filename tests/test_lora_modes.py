@@ -346,7 +346,7 @@ def test_bad_calls_are_refused_by_name(pipe, two_loras, tmp_path):
         pipe.unload_lora("nope")
     with pytest.raises(InputError, match="LoRA mode 'fuse' is not one of branch, merge"):
         pipe.set_lora_mode("fuse")
-    with pytest.raises(InputError, match="unknown preset 'lightning-2'"):
+    with pytest.raises(InputError, match="preset 'lightning-2' is not one of"):
         pipe.generate("a fox", preset="lightning-2")
 
 

@@ -249,7 +249,7 @@ def test_web_demo_serves_2_1(model_dir):
     values = dict(prompt="a red fox", negative_prompt="", aspect="custom", width=64, height=32,
                   num_inference_steps=2, true_cfg_scale=1.0, seed=5, randomize_seed=False, num_images=1,
                   variant=pipe.variant)  # fmt: skip
-    job = job_from_inputs(None, values, pipe.available_variants(), pipe.size_multiple)
+    job = job_from_inputs(None, values, pipe)
     runner = Runner(pipe, Limits.for_device("cpu", time_limit_s=600))
     images, run = runner.run(job, lambda i, n: None)
     runner.close()

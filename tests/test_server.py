@@ -25,13 +25,17 @@ import torch
 from helpers import rss_bytes, wait_for
 from PIL import Image
 
+from bench.in_thread import InThread
 from models.errors import InputError
 from models.family import GenerationDefaults
 from pipelines import RunInfo, load_pipeline
+from pipelines.generation_request import resolve_request
+from pipelines.pipeline import Generated
 from ui.access import ApiKeys, read_api_keys
+from ui.image_cache import png_bytes
 from ui.limits import Limits
 from ui.runner import Runner
-from ui.server import InThread, build_server, png_bytes
+from ui.server import build_server
 
 KEY = "test-key-0123456789abcdef"
 PROMPTS = [f"a red circle on the left and a blue square on the right, request {i:02d}" for i in range(40)]
@@ -41,14 +45,17 @@ TINY = {"size": "16x16", "extra_body": NO_CFG}  # one latent token, one transfor
 
 class FakePipe:
     """The pipeline surface the server uses, for a model that takes up to 3 input images; each step sleeps
-    `delay` s (or waits for `hold` to be set) and the images it returns are coloured by seed."""
+    `delay` s (or waits for `hold` to be set) and the images it returns are coloured by seed. Requests are
+    resolved by the real `resolve_request`; each run's request lands in `calls` as a dict."""
 
     model_name = "/models/Fake-Edit"
     device = torch.device("cpu")
     size_multiple = 16
     defaults = GenerationDefaults(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
-    spec = SimpleNamespace(max_images=3, images_required=False, family=SimpleNamespace(name="fake-edit"))
-    loras: dict[str, Any] = {}  # noqa: RUF012 (read only)
+    spec = SimpleNamespace(
+        family=SimpleNamespace(name="fake-edit"), name=model_name, defaults=defaults, size_multiple=16,
+        max_images=3, images_required=False,
+    )  # fmt: skip
     model = SimpleNamespace(
         default_size=lambda images: (images[0].width // 16 * 16, images[0].height // 16 * 16)
     )
@@ -58,15 +65,13 @@ class FakePipe:
         self.hold = threading.Event()
         self.hold.set()
         self.variant = "contract"
+        self.loras: dict[str, Any] = {}
         self.calls: list[dict[str, Any]] = []
         self.steps_run = 0
         self.last_run: Any = None
 
     def fusion_summary(self) -> str:
         return "FP8 norm+quant fusion: off (BF16 weights)"
-
-    def default_size(self, images: list[Any]) -> tuple[int, int]:
-        return self.model.default_size(images)
 
     def available_variants(self) -> list[str]:
         return ["reference", "contract"]
@@ -80,20 +85,34 @@ class FakePipe:
     def parallel_summary(self) -> str:
         return "one process"
 
-    def generate(self, prompt: str, on_step: Any = None, **kw: Any) -> list[Image.Image]:
-        self.calls.append(kw | {"prompt": prompt})
-        if not prompt.strip():
-            raise InputError("prompt is empty: describe the image to generate")
-        for i in range(1, kw["num_inference_steps"] + 1):
-            self.hold.wait(30)
-            time.sleep(self.delay)
-            self.steps_run += 1
-            on_step(i, kw["num_inference_steps"])
-        timings = {"text_encoding": 0.01, "denoising": 0.02, "decoding": 0.03, "total": 0.06}
-        steps = kw["num_inference_steps"]
-        self.last_run = RunInfo(kw["seed"], kw["width"], kw["height"], steps, self.variant, "off", timings)
-        image = Image.new("RGB", (kw["width"], kw["height"]), (kw["seed"] % 256, 10, 20))
-        return [image] * kw["num_images_per_prompt"]
+    def request(self, prompt: str, **values: Any) -> Any:
+        return resolve_request(
+            self.spec, prompt, suggest_size=self.model.default_size, loras=self.loras, **values
+        )
+
+    def run(self, requests: list[Any], slots: int | None = None, on_step: Any = None) -> list[Generated]:
+        results = []
+        for r in requests:
+            if r.lora_scales:
+                self.set_lora_scales(dict(r.lora_scales))
+            self.calls.append(
+                {
+                    "prompt": r.prompts[0], "width": r.width, "height": r.height, "seed": r.seed,
+                    "true_cfg_scale": r.true_cfg_scale, "num_images_per_prompt": r.num_images_per_prompt,
+                    "image": list(r.images), "lora_scales": dict(r.lora_scales),
+                }
+            )  # fmt: skip
+            for i in range(1, r.num_inference_steps + 1):
+                self.hold.wait(30)
+                time.sleep(self.delay)
+                self.steps_run += 1
+                on_step(i, r.num_inference_steps)
+            timings = {"text_encoding": 0.01, "denoising": 0.02, "decoding": 0.03, "total": 0.06}
+            info = RunInfo(r.seed, r.width, r.height, r.num_inference_steps, self.variant, "off", timings)
+            image = Image.new("RGB", (r.width, r.height), (r.seed % 256, 10, 20))
+            results.append(Generated([image] * r.num_images_per_prompt, info))
+        self.last_run = results[-1].info
+        return results
 
 
 def _client(url: str, key: str = "unused", **kwargs: Any) -> openai.OpenAI:
@@ -216,9 +235,9 @@ BAD = [
     (
         b'{"prompt": "x", "preset": "turbo"}',
         "preset",
-        "preset 'turbo' is not one of lightning-8, lightning-4",
+        "preset 'turbo' is not one of lightning-8, lightning-4, edit-lightning-8, edit-lightning-4",
     ),
-    (b'{"prompt": "x", "lora_scales": {"style": 0.5}}', "lora_scales", "LoRA 'style' is not loaded here"),
+    (b'{"prompt": "x", "lora_scales": {"style": 0.5}}', "lora_scales", "no LoRA named 'style' is loaded"),
     (b'{"prompt": "x", "lora_scales": [1]}', "lora_scales", "must be an object"),
     (b'{"prompt": "x", "user": 5}', "user", "user must be text"),
     (b'{"prompt": "x", "negative-prompt": "y"}', "negative-prompt", "unknown parameter 'negative-prompt'"),

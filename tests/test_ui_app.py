@@ -27,30 +27,37 @@ from helpers import wait_for
 from PIL import Image
 
 from models.errors import InputError
+from models.family import GenerationDefaults
+from pipelines import RunInfo
+from pipelines.generation_request import GenerationRequest, resolve_request
 from ui.app import build_app
 from ui.generation import (
     ASPECT_RATIOS,
     CUSTOM,
-    MAX_IMAGES_PER_REQUEST,
     FieldError,
     check_work,
     format_details,
     job_from_inputs,
     preset_for,
 )
-from ui.limits import DEVICE_LIMITS, Limits, work_of
+from ui.limits import DEVICE_LIMITS, MAX_IMAGES_PER_REQUEST, Limits, work_of
 from ui.runner import STOP_PRESSED, Job, Runner, Stopped
 
 VARIANTS = ["reference", "contract", "fp8-unfused", "fp8-fused"]
 
 
 class FakePipe:
-    """docs/API.md's pipeline surface; each step sleeps `delay` s and records how many ran at once."""
+    """docs/API.md's pipeline surface; each step sleeps `delay` s and records how many ran at once. Requests
+    are resolved by the real `resolve_request`; each run's request lands in `calls` as a dict."""
 
     model_name = "fake"
     device = "cpu"
     size_multiple = 16
-    defaults = SimpleNamespace(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
+    defaults = GenerationDefaults(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
+    spec = SimpleNamespace(
+        family=SimpleNamespace(name="fake"), name="fake", defaults=defaults, size_multiple=16, max_images=0,
+        images_required=False,
+    )  # fmt: skip
 
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
@@ -74,11 +81,21 @@ class FakePipe:
     def parallel_summary(self) -> str:
         return "CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)"
 
-    def generate(self, prompt: str, on_step: Any = None, **kw: Any) -> list[Image.Image]:
-        self.calls.append(kw | {"prompt": prompt})
-        if not prompt.strip():
+    def request(self, prompt: str, **values: Any) -> GenerationRequest:
+        return resolve_request(self.spec, prompt, **values)
+
+    def run(self, requests: list[Any], slots: int | None = None, on_step: Any = None) -> list[Any]:
+        return [self._run(r, on_step) for r in requests]
+
+    def _run(self, r: GenerationRequest, on_step: Any) -> Any:
+        if r.lora_scales:
+            self.set_lora_scales(dict(r.lora_scales))
+        negative = None if r.negative_prompts is None else r.negative_prompts[0]
+        call = {"prompt": r.prompts[0], "negative_prompt": negative, "true_cfg_scale": r.true_cfg_scale}
+        self.calls.append(call | {"seed": r.seed, "preset": r.preset, "lora_scales": dict(r.lora_scales)})
+        if not r.prompts[0].strip():
             raise InputError("prompt is empty: describe the image to generate")
-        w, h, n = kw["width"], kw["height"], kw["num_inference_steps"]
+        w, h, n = r.width, r.height, r.num_inference_steps
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
@@ -89,17 +106,17 @@ class FakePipe:
         finally:
             self.running -= 1
         timings = {"text_encoding": 0.1, "denoising": 0.2, "decoding": 0.3, "total": 0.6}
-        self.last_run = SimpleNamespace(
-            seed=kw["seed"], width=w, height=h, num_inference_steps=n, variant=self.variant,
-            fusion_summary="FP8 norm+quant fusion: 240/240 block paths", timings=timings, ms_per_step=66.7,
-        )  # fmt: skip
+        fusion = "FP8 norm+quant fusion: 240/240 block paths"
+        self.last_run = RunInfo(r.seed, w, h, n, self.variant, fusion, timings)
         # Distinct per seed: Gradio rewrites byte-identical outputs in place, racing concurrent downloads.
-        color = (200, kw["seed"] % 256, len(self.calls) % 256)
-        return [Image.new("RGB", (w, h), color)] * kw["num_images_per_prompt"]
+        color = (200, r.seed % 256, len(self.calls) % 256)
+        return SimpleNamespace(
+            images=[Image.new("RGB", (w, h), color)] * r.num_images_per_prompt, info=self.last_run
+        )
 
 
 def _job_of(values: dict[str, Any], session: str = "s") -> Job:
-    return job_from_inputs(session, values, VARIANTS, FakePipe.size_multiple)
+    return job_from_inputs(session, values, FakePipe())
 
 
 def _inputs(**changes: Any) -> dict[str, Any]:
@@ -129,22 +146,19 @@ def test_presets() -> None:
 def test_job_from_inputs_reads_a_valid_request() -> None:
     job = _job_of(_inputs(width=96.0, negative_prompt="blurry"))
     assert (job.session, job.variant) == ("s", "contract")
-    assert job.kwargs == {
-        "prompt": "a red apple", "negative_prompt": "blurry", "width": 96, "height": 32,
-        "num_inference_steps": 3, "true_cfg_scale": 4.0, "seed": 7, "num_images_per_prompt": 1,
-    }  # fmt: skip
-    assert type(job.kwargs["width"]) is int
+    assert job.request == GenerationRequest(
+        prompts=("a red apple",), negative_prompts=("blurry",), width=96, height=32, num_inference_steps=3,
+        true_cfg_scale=4.0, seed=7, num_images_per_prompt=1,
+    )  # fmt: skip
+    assert type(job.request.width) is int
     preset = _job_of(_inputs(aspect="16:9", width=None, negative_prompt=""))
-    assert (preset.kwargs["width"], preset.kwargs["height"], preset.kwargs["negative_prompt"]) == (
-        1664,
-        928,
-        None,
-    )
-    seeds = {_job_of(_inputs(randomize_seed=True)).kwargs["seed"] for _ in range(5)}
+    r = preset.request
+    assert (r.width, r.height, r.negative_prompts) == (1664, 928, None)
+    seeds = {_job_of(_inputs(randomize_seed=True)).request.seed for _ in range(5)}
     assert len(seeds) > 1 and all(
         0 <= s < 2**31 for s in seeds
     )  # picked per request, so a stop can report it
-    assert _job_of(_inputs(seed=None)).kwargs["seed"] is not None
+    assert _job_of(_inputs(seed=None)).request.seed is not None
 
 
 @pytest.mark.parametrize(
@@ -203,10 +217,10 @@ def test_cost_cap_counts_pixels_steps_images_and_cfg() -> None:
     limits = Limits(max_work=40.0, time_limit_s=10)
     request = _inputs(width=1008, height=992, num_inference_steps=10, num_images=4)
     at_cap = _job_of(request)
-    assert not at_cap.true_cfg and at_cap.work == pytest.approx(39.99744)  # 1008x992 is 0.999936 MP
+    assert not at_cap.request.true_cfg and at_cap.work == pytest.approx(39.99744)  # 1008x992 is 0.999936 MP
     check_work(at_cap, limits)
     over = _job_of(request | {"negative_prompt": "blurry"})
-    assert over.true_cfg and over.work == pytest.approx(2 * at_cap.work)
+    assert over.request.true_cfg and over.work == pytest.approx(2 * at_cap.work)
     with pytest.raises(
         FieldError,
         match=r"79\.99 megapixel-steps \(width 1008 × height 992 / 10⁶ × num_inference_steps 10 × "
@@ -278,7 +292,7 @@ def test_time_limit_stops_a_running_job() -> None:
 
 def test_details_show_seed_stages_and_fusion() -> None:
     pipe = FakePipe()
-    pipe.generate(on_step=lambda i, n: None, **_job("a", 3).kwargs)
+    pipe.run([_job("a", 3).request], on_step=lambda i, n: None)
     text = format_details(pipe.last_run)
     for part in ("`7`", "64×32", "66.7 ms/step", "FP8 fused", "240/240", "text encoding", "decoding"):
         assert part in text

@@ -49,17 +49,17 @@ def test_forty_clients_complete_in_order_or_get_queue_full(app: tuple[ServedApp,
     with "queue full"; none hangs, and the accepted ones run in the order they arrived."""
     served, _ = app
     release = threading.Event()
-    generate = served.pipe.generate
+    run = served.pipe.run
 
     def held(*args: Any, **kwargs: Any) -> Any:
         release.wait(60)
-        return generate(*args, **kwargs)
+        return run(*args, **kwargs)
 
-    served.pipe.generate = held  # type: ignore[method-assign]
+    served.pipe.run = held  # type: ignore[method-assign]
     try:
         records = fire(served.url, CLIENTS, REQUEST, timeout_s=120, after_submit=release.set)
     finally:
-        served.pipe.generate = generate  # type: ignore[method-assign]
+        served.pipe.run = run  # type: ignore[method-assign]
     add_server_times(records, served.timeline)
     summary = summarize(records, served.timeline)
     assert summary["outcomes"] == {"ok": QUEUE + 1, "queue full": CLIENTS - QUEUE - 1}

@@ -16,10 +16,10 @@ import gradio as gr
 import torch
 from PIL import Image
 
+import pipelines.pipeline
 from models.embedded import EMBEDDED_NAME
 from models.errors import InputError, QwenImageError
-from pipelines import load_pipeline
-from pipelines.parallel import ParallelPlan
+from pipelines.load_options import LoadOptions
 from ui.controls import settings_controls, settings_fields
 from ui.edit_tab import Handlers, edit_tab
 from ui.generation import (
@@ -77,11 +77,11 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
         """The checked job for one request's values: a /generate request (INPUT_NAMES) or an /edit one
         (EDIT_INPUT_NAMES, whose "size" replaces "aspect", and the image inputs); with the preset and LoRA
         controls' state."""
+        extra = values.get(LORA_KWARGS) or {}
         if EDIT_SIZE in values:
-            job = job_from_edit_inputs(session, values, variants, pipe, demo.upload_file_set)
+            job = job_from_edit_inputs(session, values, pipe, demo.upload_file_set, extra)
         else:
-            job = job_from_inputs(session, values, variants, pipe.size_multiple)
-        job.kwargs.update(values.get(LORA_KWARGS) or {})
+            job = job_from_inputs(session, values, pipe, extra)
         check_work(job, limits)
         return job
 
@@ -123,14 +123,14 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             images, run = await _run(runner, job, on_step)
         except Stopped as stopped:
             if stopped.by_user:  # a result, not an error: the page shows it in the details
-                return [], job.kwargs["seed"], str(stopped)
+                return [], job.request.seed, str(stopped)
             raise gr.Error(str(stopped), print_exception=False) from None
         except QwenImageError as err:
             raise gr.Error(str(err), print_exception=False) from None
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()  # hand the failed run's blocks back so the next request can fit
-            k = job.kwargs
-            msg = f"Out of GPU memory at {k['width']}x{k['height']} x{k['num_images_per_prompt']}: "
+            r = job.request
+            msg = f"Out of GPU memory at {r.width}x{r.height} x{r.num_images_per_prompt}: "
             raise gr.Error(msg + "try a smaller size or fewer images.", print_exception=False) from None
         return images, run.seed, seed_note(job) + format_details(run) + lora_details(run)
 
@@ -264,38 +264,24 @@ def _pending_requests(demo: gr.Blocks, session: str | None) -> int:
 
 
 def launch(
-    model: str | None,
+    options: LoadOptions,
     host: str,
     port: int,
-    variant: str = "auto",
-    device: str | None = None,
-    dtype: str | None = None,
-    parallel: ParallelPlan | None = None,
     lora_files: list[Path] | None = None,
     limits: dict[str, Any] | None = None,
     auth: list[tuple[str, str]] | None = None,
     on_start: Callable[[int, Limits], None] | None = None,
-    gpu_memory: int | str | None = None,
-    workload: Any = None,
 ) -> None:
     """Load the model once and serve the demo until interrupted (entry point of `qwen-image ui`).
 
-    With a parallel plan, rank 0 serves and the other ranks follow its jobs (ui/ranks.py). `lora_files`
-    are mounted at scale 0 (on every rank) for the LoRA sliders. `limits`: Limits fields to override on
-    the device's defaults; `auth`: (user, password) accounts; `on_start(port, limits)` runs once the page
-    is up. Gradio's share link stays off whatever the environment says (GRADIO_SHARE), and so does its
-    MCP server; uploads are refused above 1 kB, except the Edit tab's images (ui/uploads.py). `gpu_memory`
-    and `workload`: the memory plan (pipelines.load_pipeline).
+    With a parallel plan (`options.parallel`), rank 0 serves and the other ranks follow its jobs
+    (ui/ranks.py). `lora_files` are mounted at scale 0 (on every rank) for the LoRA sliders. `limits`:
+    Limits fields to override on the device's defaults; `auth`: (user, password) accounts;
+    `on_start(port, limits)` runs once the page is up. Gradio's share link stays off whatever the
+    environment says (GRADIO_SHARE), and so does its MCP server; uploads are refused above 1 kB, except the
+    Edit tab's images (ui/uploads.py).
     """
-    pipe = load_pipeline(
-        model=model,
-        variant=variant,
-        device=device,
-        dtype=dtype,
-        parallel=parallel,
-        gpu_memory=gpu_memory,
-        workload=workload,
-    )
+    pipe = pipelines.pipeline.Pipeline.load(options)
     if lora_files is not None:
         load_lora_files(pipe, lora_files)
     applied = Limits.for_device(torch.device(pipe.device).type, **(limits or {}))

@@ -14,9 +14,11 @@ from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import CheckpointSpec
 from models.memory import Workload
+from pipelines.generation_request import resolve_request
 from pipelines.images import open_input_image, read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
-from pipelines.limits import as_prompt_list, check_generation_args, check_size, check_steps
+from pipelines.limits import check_size, check_steps
+from pipelines.load_options import LoadOptions
 from pipelines.memory_plan import default_workload, parse_size, plan_memory
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
 from pipelines.requests import check_requests, read_requests
@@ -65,30 +67,27 @@ def read_loras(specs: list[LoraSpec], spec: CheckpointSpec) -> list[tuple[Any, f
     return loras
 
 
-def load(
+def load_options(
     args: argparse.Namespace, parallel: Any = None, gpu_memory: int | None = None, workload: Any = None
-) -> Any:
-    from pipelines import load_pipeline
+) -> LoadOptions:
+    """The load options the command line gives (the model, variant, device and dtype flags)."""
+    return LoadOptions(args.model, args.variant, args.device, args.dtype, parallel, gpu_memory, workload)
 
+
+def load(options: LoadOptions) -> Any:
     if is_leader_process():
-        where = "" if parallel is None else f" as {parallel.describe()}"
-        print(f"loading {args.model or 'the embedded default model'}{where} ...", file=sys.stderr)
-    return load_pipeline(
-        args.model,
-        variant=args.variant,
-        device=args.device,
-        dtype=args.dtype,
-        parallel=parallel,
-        gpu_memory=gpu_memory,
-        workload=workload,
-    )
+        where = "" if options.parallel is None else f" as {options.parallel.describe()}"
+        print(f"loading {options.model or 'the embedded default model'}{where} ...", file=sys.stderr)
+    from pipelines.pipeline import Pipeline
+
+    return Pipeline.load(options)
 
 
 def memory_budget(args: argparse.Namespace) -> int | None:
     """--gpu-memory in bytes (None: what the GPU has free), checked without torch."""
     if args.gpu_memory is None:
         return None
-    if args.gpus > 1 or launched_world_size() > 1:
+    if getattr(args, "gpus", 1) > 1 or launched_world_size() > 1:  # `serve` has no --gpus
         raise InputError("--gpu-memory does not combine with several GPUs yet: leave out one of them")
     return parse_size(args.gpu_memory)
 
@@ -106,13 +105,21 @@ def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int,
     return plan_memory(profile, budget, workload)
 
 
-def request_workload(args: argparse.Namespace, spec: CheckpointSpec) -> Workload:
-    """The request `generate` will run, as the memory planner sees it."""
-    width = spec.defaults.width if args.width is None else args.width
-    height = spec.defaults.height if args.height is None else args.height
-    images = args.num_images_per_prompt
-    inputs = len(args.image or [])
-    return Workload(width, height, images, 1, args.max_sequence_length, true_cfg_on(args, spec), inputs)
+def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> dict[str, Any]:
+    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`)."""
+    names = (
+        "negative_prompt",
+        "width",
+        "height",
+        "num_inference_steps",
+        "true_cfg_scale",
+        "seed",
+        "num_images_per_prompt",
+        "max_sequence_length",
+        "preset",
+    )
+    given = {name: getattr(args, name) for name in names if hasattr(args, name)}  # edit: no max length
+    return given | {"image": images or None}
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
@@ -153,33 +160,6 @@ def launch(args: argparse.Namespace, chosen: Any) -> None:
     launch_ranks(chosen.world_size, [sys.executable, "-m", "ui.cli", *args.argv])
 
 
-def true_cfg_on(args: argparse.Namespace, spec: CheckpointSpec) -> bool:
-    """Whether the request runs true CFG: a negative prompt (given or the model's default) and a scale > 1."""
-    preset = get_preset(args.preset, spec.family.name)
-    defaults = spec.defaults if preset is None else preset
-    scale = defaults.true_cfg_scale if args.true_cfg_scale is None else args.true_cfg_scale
-    negative = spec.defaults.negative_prompt if args.negative_prompt is None else args.negative_prompt
-    return negative is not None and scale > 1
-
-
-def check_generate_args(args: argparse.Namespace, spec: CheckpointSpec) -> None:
-    """Every generation argument and the output name, checked before any model loads."""
-    count = args.num_images_per_prompt if isinstance(args.num_images_per_prompt, int) else 1
-    image_paths(Path(args.out), count)
-    check_generation_args(
-        as_prompt_list(args.prompt, "prompt"),
-        as_prompt_list(args.negative_prompt, "negative_prompt"),
-        args.width,
-        args.height,
-        args.num_inference_steps,
-        args.true_cfg_scale,
-        args.num_images_per_prompt,
-        args.max_sequence_length,
-        args.seed,
-        spec.size_multiple,
-    )
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
     spec = check_model_args(args)
     if spec.images_required and not args.image:
@@ -204,39 +184,32 @@ def cmd_edit(args: argparse.Namespace) -> None:
 
 
 def run_generation(args: argparse.Namespace, spec: CheckpointSpec, images: list[PIL.Image.Image]) -> None:
-    """`generate` and `edit` (with input `images`): every argument checked, the ranks started when asked
-    (each reads the image files itself), then the model loaded and run."""
-    check_generate_args(args, spec)
+    """`generate` and `edit` (with input `images`): the request resolved and checked, the ranks started when
+    asked (each reads the image files itself), then the model loaded and the request run. Before loading,
+    the checkpoint's default size stands in for the size input images suggest (the loaded model's)."""
+    image_paths(Path(args.out), args.num_images_per_prompt)
+    values = request_values(args, images)
+    checked = resolve_request(spec, args.prompt, **values)
     budget = memory_budget(args)
-    workload = request_workload(args, spec)
+    workload = checked.workload()
     if budget is not None and not (args.device or "cuda").startswith("cpu"):
         gpu_memory_plan(args, spec, budget, workload)
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
-    chosen = plan(args, spec, true_cfg_on(args, spec))
+    chosen = plan(args, spec, checked.true_cfg)
     if chosen is not None and launched_world_size() == 1:
         launch(args, chosen)
         return
     check_device(args.device)
     loras = read_loras(lora_specs, spec)
-    pipe = load(args, chosen, budget, workload)
+    pipe = load(load_options(args, chosen, budget, workload))
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
     pipe.set_lora_mode(args.lora_mode)
-    names = ("width", "height", "num_inference_steps", "seed", "num_images_per_prompt", "max_sequence_length")
-    options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    result = pipe.generate(
-        args.prompt,
-        negative_prompt=args.negative_prompt,
-        true_cfg_scale=args.true_cfg_scale,
-        progress=is_leader_process(),
-        preset=args.preset,
-        image=images or None,
-        **options,
-    )
+    [result] = pipe.run([pipe.request(args.prompt, **values)], progress=is_leader_process())
     if not is_leader_process():
         return
-    paths = image_paths(Path(args.out), len(result))
-    for image, path in zip(result, paths, strict=True):
+    paths = image_paths(Path(args.out), len(result.images))
+    for image, path in zip(result.images, paths, strict=True):
         save_image(image, path)
     print_run(pipe, paths)
 
@@ -291,7 +264,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 
     plans = describe_plans(args.gpus, spec) if args.gpus > 1 else None
     on_gpu = pick_device(args.device).type == "cuda"
-    print(describe(load(args, gpu_memory=budget if on_gpu else None)))
+    print(describe(load(load_options(args, gpu_memory=budget if on_gpu else None))))
     if plans:
         print(plans)
 
@@ -367,15 +340,9 @@ def cmd_ui(args: argparse.Namespace) -> None:
         print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
     limits = limit_overrides(args)
     launch_app(
-        args.model,
+        load_options(args, chosen, budget, workload),
         host=args.host,
         port=args.port,
-        variant=args.variant,
-        device=args.device,
-        dtype=args.dtype,
-        parallel=chosen,
-        gpu_memory=budget,
-        workload=workload,
         lora_files=lora_files,
         limits=limits,
         auth=accounts or None,
@@ -440,20 +407,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
     serve(
-        args.model,
+        load_options(args, gpu_memory=budget, workload=workload),
         args.host,
         args.port,
-        variant=args.variant,
-        device=args.device,
-        dtype=args.dtype,
         lora_files=lora_files,
         limits=limit_overrides(args),
         keys=keys,
         ui=args.ui,
         max_batch=args.max_batch,
         window_s=args.batch_window_ms / 1000,
-        gpu_memory=budget,
-        workload=workload,
         on_start=lambda port, applied, slots: print(
             api_serving_message(args.host, port, len(keys), applied, args.ui, slots), flush=True
         ),

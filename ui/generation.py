@@ -6,19 +6,18 @@ Kept apart from the layout so it can be unit-tested with a fake pipeline and no 
 
 import math
 import random
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Mapping
 from typing import Any, Protocol
 
 from PIL import Image
 
 from models.errors import InputError
-from models.family import DEFAULT_SEQUENCE_LENGTH
 from pipelines.images import MAX_INPUT_BYTES, open_input_image
-from pipelines.limits import check_generation_args
-from ui.limits import Limits
+from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
 from ui.runner import Job
 
 CUSTOM = "custom"
+FROM_IMAGES = "from the images"  # the edit form's size choice: what the input images suggest
 RANDOM_SEED = -1  # the seed field's value (and the API default) for "draw a random seed"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
 ASPECT_RATIOS: dict[str, tuple[int, int]] = {
@@ -37,7 +36,6 @@ VARIANT_LABELS = {
     "reference": "BF16 (diffusers reference)",
 }
 STAGES = ("text_encoding", "image_encoding", "denoising", "decoding", "total")
-MAX_IMAGES_PER_REQUEST = 4  # per request: what the gallery shows at once
 MAX_PROMPT_CHARS = 20_000  # far beyond the 512 tokens the text encoder keeps; bounds tokenizer work
 # The /generate API's parameters in order: the page's inputs.
 INPUT_NAMES = (
@@ -72,11 +70,11 @@ class Pipeline(Protocol):
 
     def parallel_summary(self) -> str: ...
 
-    def generate(self, prompt: str, **kwargs: Any) -> list[Image.Image]: ...
-
-    def default_size(self, images: list[Image.Image]) -> tuple[int, int]:
-        """The output size for these input images (the Edit tab also reads `spec.max_images`)."""
+    def request(self, prompt: str, **values: Any) -> Any:
+        """The resolved GenerationRequest (the Edit tab also reads `spec.max_images`)."""
         ...
+
+    def run(self, requests: list[Any], slots: int | None = None, on_step: Any = None) -> list[Any]: ...
 
 
 class FieldError(InputError):
@@ -88,9 +86,11 @@ class FieldError(InputError):
 
 
 def job_from_inputs(
-    session: str | None, values: Mapping[str, Any], variants: Sequence[str], size_multiple: int
+    session: str | None, values: Mapping[str, Any], pipe: Any, extra: Mapping[str, Any] | None = None
 ) -> Job:
-    """Check every value of a /generate request (from the page or any API client) and build its Job.
+    """Check every value of a /generate request (from the page or any API client) and build its Job with
+    the pipeline's request (`pipe.request`); `extra`: further `generate()` arguments (the preset and LoRA
+    controls', an edit's images).
 
     Raw JSON values arrive here (NaN, infinity, strings in number fields...); each bad one raises a
     FieldError naming its input. Ranges are the pipeline's own checks.
@@ -98,9 +98,11 @@ def job_from_inputs(
     prompt = text_field("prompt", values["prompt"])
     negative_prompt = text_field("negative_prompt", values["negative_prompt"]) or None
     aspect = values["aspect"]
-    presets = aspect_ratios(size_multiple)
+    presets = aspect_ratios(pipe.size_multiple)
     if aspect in presets:
         width, height = presets[aspect]
+    elif aspect == FROM_IMAGES and extra and extra.get("image"):
+        width = height = None  # the size the input images suggest (the pipeline's)
     elif aspect == CUSTOM:
         width, height = whole_field("width", values["width"]), whole_field("height", values["height"])
     else:
@@ -114,48 +116,38 @@ def job_from_inputs(
     images = whole_field("num_images", values["num_images"])
     if not 1 <= images <= MAX_IMAGES_PER_REQUEST:
         raise FieldError("num_images", f"num_images {images} must be between 1 and {MAX_IMAGES_PER_REQUEST}")
+    variants = pipe.available_variants()
     variant = values["variant"]
     if variant not in variants:
         raise FieldError("variant", f"variant {variant!r} is not served here: choose {', '.join(variants)}")
-    kwargs = {
-        "prompt": prompt,
-        "negative_prompt": negative_prompt,
-        "width": width,
-        "height": height,
-        "num_inference_steps": steps,
-        "true_cfg_scale": true_cfg_scale,
-        "seed": seed,
-        "num_images_per_prompt": images,
-    }
-    check_values(kwargs, size_multiple, DEMO_FIELDS)
-    job = Job(session, variant, kwargs)
+    request = request_of(
+        pipe,
+        DEMO_FIELDS,
+        prompt,
+        negative_prompt=negative_prompt,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        true_cfg_scale=true_cfg_scale,
+        seed=seed,
+        num_images_per_prompt=images,
+        **(extra or {}),
+    )
+    job = Job(session, variant, request)
     job.ignored_seed = given if randomize and given is not None else None
     return job
 
 
-def check_values(kwargs: Mapping[str, Any], size_multiple: int, fields: Mapping[str, str]) -> None:
-    """The pipeline's own checks on one request's `generate` kwargs, before it queues; their InputError
-    becomes a FieldError naming the front door's input (`fields`: the pipeline's argument name -> that
-    input's name; any other concerns the prompt)."""
-    negative = kwargs["negative_prompt"]
+def request_of(pipe: Any, fields: Mapping[str, str], prompt: str, **values: Any) -> Any:
+    """`pipe.request(prompt, **values)`, the one resolution of a request; its InputError becomes a FieldError
+    naming the front door's input (`fields`: the pipeline's argument name -> that input's name; any other
+    concerns the prompt)."""
     try:
-        check_generation_args(
-            [kwargs["prompt"]],
-            None if negative is None else [negative],
-            kwargs["width"],
-            kwargs["height"],
-            kwargs["num_inference_steps"],
-            kwargs["true_cfg_scale"],
-            kwargs["num_images_per_prompt"],
-            DEFAULT_SEQUENCE_LENGTH,
-            kwargs["seed"],
-            size_multiple,
-        )
+        return pipe.request(prompt, **values)
     except InputError as err:
-        raise FieldError(fields.get(str(err).split()[0], "prompt"), str(err)) from None
+        raise FieldError(fields.get(str(err).split()[0].rstrip(":"), "prompt"), str(err)) from None
 
 
-FROM_IMAGES = "from the images"  # the edit form's size choice: what the input images suggest
 # The /edit API's parameters besides the input images (`image_1` ... `image_N`, N the images the model
 # takes): /generate's, with the size choice in the place of the aspect ratio.
 EDIT_INPUT_NAMES = tuple("size" if name == "aspect" else name for name in INPUT_NAMES)
@@ -169,14 +161,14 @@ def image_input_names(max_images: int) -> tuple[str, ...]:
 def job_from_edit_inputs(
     session: str | None,
     values: Mapping[str, Any],
-    variants: Sequence[str],
     pipe: Any,
     uploaded: Container[str],
+    extra: Mapping[str, Any] | None = None,
 ) -> Job:
     """Check an /edit request (from the page or any API client) and build its Job: the images are files
     this server received through its upload route (`uploaded`), each opened and checked (an image, not
-    truncated, within the byte and pixel caps); the size is what they suggest (`pipe.default_size`) or
-    custom; every other value as for /generate."""
+    truncated, within the byte and pixel caps); the size is what they suggest (the pipeline's) or custom;
+    every other value as for /generate."""
     names = image_input_names(pipe.spec.max_images)
     images = [_uploaded_image(name, values[name], uploaded) for name in names if values[name] is not None]
     if not images:
@@ -184,12 +176,8 @@ def job_from_edit_inputs(
     size = values["size"]
     if size not in (FROM_IMAGES, CUSTOM):
         raise FieldError("size", f"size {size!r} must be {FROM_IMAGES!r} or {CUSTOM!r}")
-    sides = (
-        dict(zip(("width", "height"), pipe.default_size(images), strict=True)) if size == FROM_IMAGES else {}
-    )
-    job = job_from_inputs(session, {**values, "aspect": CUSTOM, **sides}, variants, pipe.size_multiple)
-    job.kwargs["image"] = images
-    return job
+    form = {**values, "aspect": size}
+    return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images})
 
 
 def _uploaded_image(name: str, value: Any, uploaded: Container[str]) -> Image.Image:
@@ -207,13 +195,13 @@ def check_work(job: Job, limits: Limits) -> None:
     """FieldError when the job costs more than the server allows per request (shown at the prompt)."""
     if job.work <= limits.max_work:
         return
-    k = job.kwargs
-    inputs = len(k.get("image") or ())
-    pixels = f"width {k['width']} × height {k['height']}"
+    r = job.request
+    inputs = len(r.images)
+    pixels = f"width {r.width} × height {r.height}"
     if inputs:  # an Edit model sees each input image at about 1024x1024 (ui/limits.py)
         pixels = f"({pixels} + {inputs} input image{'s' * (inputs > 1)} × 1024 × 1024)"
-    size = f"{pixels} / 10⁶ × num_inference_steps {job.total_steps} × num_images {k['num_images_per_prompt']}"
-    cfg = " × 2 for true CFG (negative_prompt with true_cfg_scale > 1)" if job.true_cfg else ""
+    size = f"{pixels} / 10⁶ × num_inference_steps {job.total_steps} × num_images {r.num_images_per_prompt}"
+    cfg = " × 2 for true CFG (negative_prompt with true_cfg_scale > 1)" if r.true_cfg else ""
     raise FieldError(
         "num_inference_steps",
         f"This request is {job.work:.4g} megapixel-steps ({size}{cfg}); this server allows at most "
@@ -280,7 +268,7 @@ def seed_note(job: Job) -> str:
         return ""
     return (
         f"**Note:** seed {job.ignored_seed} was not used: randomize_seed is on (pass randomize_seed=False "
-        f"to use it); this run's seed is `{job.kwargs['seed']}`.\n\n"
+        f"to use it); this run's seed is `{job.request.seed}`.\n\n"
     )
 
 

@@ -1,7 +1,7 @@
 """The web demo on several ranks: rank 0 serves Gradio and leads, the other ranks follow its jobs.
 
-Every rank holds the same pipeline. Rank 0's app sees a `Leader`: each generate call first sends the
-job (prompt, settings, variant) to the followers, and after every denoising step sends one flag saying
+Every rank holds the same pipeline. Rank 0's app sees a `Leader`: each run first sends the job (its
+requests and variant) to the followers, and after every denoising step sends one flag saying
 whether the job goes on, so Stop (or any error raised by the step callback) ends the job at the same
 step on every rank. A job refused by the argument checks fails the same way on every rank. When the app
 exits, the leader tells the followers to quit.
@@ -9,8 +9,6 @@ exits, the leader tells the followers to quit.
 
 from collections.abc import Callable
 from typing import Any
-
-from PIL import Image
 
 from models.errors import QwenImageError
 from ui.generation import Pipeline
@@ -31,7 +29,7 @@ def serve(pipe: Any, run_app: Callable[[Pipeline], None]) -> None:
 
 
 class Leader:
-    """Rank 0's pipeline as the app sees it: the same object, except that `generate` leads the followers."""
+    """Rank 0's pipeline as the app sees it: the same object, except that `run` leads the followers."""
 
     def __init__(self, pipe: Any) -> None:
         self._pipe = pipe
@@ -42,11 +40,11 @@ class Leader:
     def set_variant(self, variant: str) -> None:
         self._pipe.set_variant(variant)  # the followers switch with the next job
 
-    def generate(
-        self, prompt: str | list[str], on_step: Callable[[int, int], None] | None = None, **kwargs: Any
-    ) -> list[Image.Image]:
+    def run(
+        self, requests: list[Any], slots: int | None = None, on_step: Callable[[int, int], None] | None = None
+    ) -> list[Any]:
         ranks = self._pipe.ranks
-        ranks.share({"prompt": prompt, "variant": self._pipe.variant, **kwargs})
+        ranks.share({"requests": requests, "slots": slots, "variant": self._pipe.variant})
 
         def step(i: int, total: int) -> None:
             try:
@@ -57,7 +55,7 @@ class Leader:
                 raise
             ranks.share_flag(False)
 
-        return self._pipe.generate(prompt, on_step=step, **kwargs)
+        return self._pipe.run(requests, slots, on_step=step)
 
     def close(self) -> None:
         """Tell the followers to quit."""
@@ -81,6 +79,6 @@ def follow(pipe: Any) -> None:
         try:
             if variant != pipe.variant:
                 pipe.set_variant(variant)
-            pipe.generate(on_step=step, **job)
+            pipe.run(job["requests"], job["slots"], on_step=step)
         except (QwenImageError, StoppedOnLeader):
             continue

@@ -56,45 +56,36 @@ def stop_message(job: "Job", reason: str | None) -> str:
 
 
 class Job:
-    """One request: its client session, variant and `generate` kwargs, its own stop flag and step count.
-
-    `on_step(step, total)` (progress) runs after each of its denoising steps."""
+    """One request: its client session, the variant it runs on, its resolved `GenerationRequest`, its own
+    stop flag and step count. `on_step(step, total)` (progress) runs after each of its denoising steps."""
 
     def __init__(
         self,
         session: str | None,
         variant: str,
-        kwargs: dict[str, Any],
+        request: Any,
         on_step: Callable[[int, int], None] | None = None,
     ) -> None:
         self.session = session
         self.variant = variant
-        self.kwargs = kwargs
+        self.request = request  # pipelines.generation_request.GenerationRequest
         self.on_step = on_step
         self.ignored_seed: int | None = None  # the demo's: a seed given with randomize_seed on (not used)
         self.steps_done = 0
         self.stop_reason: str | None = None
         self.future: Future = Future()
         self.future.set_running_or_notify_cancel()
-        self.request: Any = None  # its BatchRequest once the worker encodes it for a batch
-        self.encode_s = 0.0  # seconds its text encoding took in a batch
         self._lock = threading.Lock()  # a stop and a step count never interleave
 
     @property
     def total_steps(self) -> int:
-        return self.kwargs["num_inference_steps"]
-
-    @property
-    def true_cfg(self) -> bool:
-        """Whether the pipeline runs true CFG for it (a negative prompt and a scale above 1)."""
-        return self.kwargs["negative_prompt"] is not None and self.kwargs["true_cfg_scale"] > 1
+        return self.request.num_inference_steps
 
     @property
     def work(self) -> float:
-        k = self.kwargs
-        inputs = len(k.get("image") or ())
+        r = self.request
         return work_of(
-            k["width"], k["height"], self.total_steps, k["num_images_per_prompt"], self.true_cfg, inputs
+            r.width, r.height, r.num_inference_steps, r.num_images_per_prompt, r.true_cfg, len(r.images)
         )
 
     @property
@@ -160,26 +151,11 @@ class Counters:
             self.batch_slots += slots
 
 
-def batch_key(job: Job, negative_default: str | None) -> tuple | None:
-    """The batching key of a job: its model state (variant, LoRA scales) and BatchSettings; None for a job
-    that runs alone: one with input images, or without a seed (generate draws it)."""
-    from pipelines.batching import BatchSettings
-
-    k = job.kwargs
-    if k.get("image") or k["seed"] is None:
-        return None
-    negative = negative_default if k["negative_prompt"] is None else k["negative_prompt"]
-    optional = {name: k[name] for name in ("max_sequence_length", "preset") if name in k}
-    settings = BatchSettings(
-        width=k["width"],
-        height=k["height"],
-        num_inference_steps=k["num_inference_steps"],
-        true_cfg_scale=k["true_cfg_scale"],
-        true_cfg=negative is not None and k["true_cfg_scale"] > 1,
-        num_images_per_prompt=k["num_images_per_prompt"],
-        **optional,
-    )
-    return job.variant, tuple(sorted((k.get("lora_scales") or {}).items())), settings
+def batch_key(job: Job) -> tuple | None:
+    """What jobs sharing a batch agree on: the variant they run on and their request's `batch_key` (None:
+    the job runs alone)."""
+    key = job.request.batch_key
+    return None if key is None else (job.variant, key)
 
 
 class Runner:
@@ -187,9 +163,9 @@ class Runner:
 
     With a `batch` plan (pipelines.batching.BatchPlan) of more than one image, jobs with the same batching
     key that arrive within `window_s` of the first (or wait while another batch runs) share its batch, up
-    to `batch.slots(...)` jobs; every batch runs at that fixed size, so a job's images do not depend on its
-    companions. Without one (or under several ranks) every job runs alone through `pipe.generate`, as the
-    CLI runs it.
+    to `batch.slots(...)` jobs; every batch runs at that fixed size through `pipe.run`, so a job's images
+    do not depend on its companions. Without one (or under several ranks) every job runs alone through
+    `pipe.run`, as the CLI runs it.
     """
 
     def __init__(
@@ -277,8 +253,8 @@ class Runner:
         while (head := self._next()) is not None:
             start = time.monotonic()
             try:
-                key = batch_key(head, self._pipe.defaults.negative_prompt) if self.batching else None
-                self._run_alone(head) if key is None else self._run_batch(head, key)
+                key = batch_key(head) if self.batching else None
+                self._run([head]) if key is None else self._run(self._gather(head, key), key)
             except Exception as err:  # the worker never dies; the job says what went wrong
                 head._settle(exception=err)
             finally:
@@ -291,14 +267,6 @@ class Runner:
         with self._cond:
             self._queue = [j for j in self._queue if j not in jobs]
             self._running = list(jobs)
-
-    def _prepare(self, job: Job) -> None:
-        """Put the pipeline in the job's model state (variant, LoRA scales)."""
-        if job.variant != self._pipe.variant:
-            self._pipe.set_variant(job.variant)
-        scales = job.kwargs.get("lora_scales")
-        if scales:
-            self._pipe.set_lora_scales(scales)
 
     def _stepper(self, jobs: list[Job]) -> Callable[[int, int], None]:
         """The denoising loop's step callback for `jobs`: counts their steps, applies the time limit,
@@ -321,52 +289,36 @@ class Runner:
 
         return step
 
-    def _run_alone(self, job: Job) -> None:
-        """`pipe.generate` on one job, as the CLI runs it."""
-        self._take([job])
-        try:
-            self._prepare(job)
-            images = self._pipe.generate(on_step=self._stepper([job]), **job.kwargs)
-        except _Abandoned:
+    def _run(self, jobs: list[Job], key: tuple | None = None) -> None:
+        """`pipe.run` on the jobs' requests on their variant: alone (`key` None, as the CLI runs one), or as
+        one batch of the plan's fixed size."""
+        self._take(jobs)
+        if all(job.done for job in jobs):
             return
-        run = self._pipe.last_run
-        for stage in STAGES:
-            self.counters.time(stage, run.timings.get(stage, 0.0))
-        job._settle((images, run))
-
-    def _run_batch(self, head: Job, key: tuple) -> None:
-        """Gather the jobs that can share `head`'s batch, then run them as one (pipelines/batching.py)."""
-        from pipelines.batching import run_batch
-
-        variant, _, settings = key
-        self._prepare(head)
-        batch = self._gather(head, key)
-        self._take(batch)
-        if all(job.done for job in batch):
-            return
+        head = jobs[0]
+        if head.variant != self._pipe.variant:
+            self._pipe.set_variant(head.variant)
+        slots = None if key is None else self.batch.slots(head.request)
         try:
-            requests = [job.request for job in batch]
-            slots = self.batch.slots(settings)
-            images, timings = run_batch(self._pipe, requests, settings, slots, self._stepper(batch))
+            results = self._pipe.run([job.request for job in jobs], slots, self._stepper(jobs))
         except _Abandoned:
             return
         except Exception as err:
-            for job in batch:
+            for job in jobs:
                 job._settle(exception=err)
             return
-        self.counters.batch(len(batch), slots)
-        for stage, seconds in timings.items():
-            self.counters.time(stage, seconds)
-        for job, each in zip(batch, images, strict=True):
-            job._settle((each, self._run_info(job, settings, variant, timings)))
+        if key is not None:
+            self.counters.batch(len(jobs), slots)
+        for job, result in zip(jobs, results, strict=True):
+            for stage in STAGES:  # shared denoising counted once across the requests that shared it
+                share = result.info.shared_by if stage == "denoising" else 1
+                self.counters.time(stage, result.info.timings.get(stage, 0.0) / share)
+            job._settle((result.images, result.info))
 
     def _gather(self, head: Job, key: tuple) -> list[Job]:
-        """`head` and the queued jobs that fit its batch, in arrival order, each encoded: waiting up to
-        `window_s` for more while the batch has free slots."""
-        settings = key[2]
-        slots = self.batch.slots(settings)
-        if not self._encode(head, settings):
-            return [head]
+        """`head` and the queued jobs with its batching key, in arrival order: waiting up to `window_s` for
+        more while the batch has free slots."""
+        slots = self.batch.slots(head.request)
         batch, seen = [head], {id(head)}
         deadline = time.monotonic() + self.window_s
         while len(batch) < slots:
@@ -380,48 +332,11 @@ class Runner:
                     continue
             for job in fresh:
                 seen.add(id(job))
-                negative = self._pipe.defaults.negative_prompt
-                if job.done or batch_key(job, negative) != key or not self._encode(job, settings):
-                    continue
-                if job.request.signature == head.request.signature:
+                if not job.done and batch_key(job) == key:
                     batch.append(job)
                     if len(batch) == slots:
                         break
         return batch
-
-    def _encode(self, job: Job, settings: Any) -> bool:
-        """Encode `job` for a batch once (its conditioning waits on it); False when that failed."""
-        from pipelines.batching import BatchRequest, encode
-
-        if job.request is None:
-            k = job.kwargs
-            negative = (
-                self._pipe.defaults.negative_prompt if k["negative_prompt"] is None else k["negative_prompt"]
-            )
-            job.request = BatchRequest(k["prompt"], negative, k["seed"])
-            try:
-                job.encode_s = encode(self._pipe, job.request, settings)
-            except Exception as err:
-                job._settle(exception=err)
-                return False
-            self.counters.time("text_encoding", job.encode_s)
-        return True
-
-    def _run_info(self, job: Job, settings: Any, variant: str, timings: dict[str, float]) -> Any:
-        from pipelines.pipeline import RunInfo
-
-        stages = {"text_encoding": job.encode_s, **timings}
-        return RunInfo(
-            job.request.seed,
-            settings.width,
-            settings.height,
-            settings.num_inference_steps,
-            variant,
-            self._pipe.fusion_summary(),
-            stages | {"total": sum(stages.values())},
-            preset=settings.preset or "",
-            loras=self._pipe.lora.summary(),
-        )
 
 
 def _outcome(future: Future) -> str:

@@ -6,6 +6,7 @@ from models.checkpoint import check_layout, is_fp8_transformer, read_model_index
 from models.errors import CheckpointError
 from models.family import DEFAULTS_KEY, CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
 from models.qwen_image.config import PIPELINE_CLASS, read_configs
+from models.qwen_image.presets import LIGHTNING_PRESETS
 
 COMPONENT_DIRS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
 DEFAULT_SAMPLE_SIZE = 128  # latent cells per side by default, as diffusers' pipeline (1024 px at 8x)
@@ -15,6 +16,7 @@ class QwenImageFamily(ModelFamily):
     name = "qwen-image"
     pipeline_classes = (PIPELINE_CLASS,)
     component_dirs = COMPONENT_DIRS
+    presets = LIGHTNING_PRESETS
 
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:
         index = read_model_index(directory)

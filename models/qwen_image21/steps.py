@@ -40,6 +40,11 @@ class Conditioning21(Conditioning):
         slots = self.image_slots.repeat(1, copies).view(batch * copies, seq)
         return Conditioning21(repeated.embeds, repeated.mask, slots)
 
+    @classmethod
+    def stack(cls, parts: list[Conditioning]) -> "Conditioning21":
+        stacked = super().stack(parts)
+        return Conditioning21(stacked.embeds, stacked.mask, torch.cat([p.image_slots for p in parts]))
+
 
 class CacheSlot:
     """Key/value buffers of every block for one request shape, reused by every request of that shape."""

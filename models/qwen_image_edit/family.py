@@ -13,12 +13,14 @@ from models.checkpoint import read_model_index
 from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
 from models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
 from models.qwen_image_edit.config import EDIT_KINDS, check_processor_fits
+from models.qwen_image_edit.presets import EDIT_LIGHTNING_PRESETS
 
 
 class QwenImageEditFamily(QwenImageFamily):
     name = "qwen-image-edit"
     pipeline_classes = tuple(EDIT_KINDS)
     component_dirs = (*COMPONENT_DIRS, "processor")
+    presets = EDIT_LIGHTNING_PRESETS
 
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:
         spec = super().inspect(directory, name)

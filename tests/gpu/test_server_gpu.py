@@ -1,4 +1,4 @@
-"""GPU checks of request batching (pipelines/batching.py, ui/runner.py): on CUDA, with graphs and the FP8
+"""GPU checks of request batching (`Pipeline.run`, ui/runner.py): on CUDA, with graphs and the FP8
 fused path, a request's PNG is the same bytes alone and in any batch and slot at the server's fixed batch
 size, and the HTTP server with batching on answers concurrent requests with those bytes."""
 
@@ -7,7 +7,7 @@ import torch
 from helpers import png_sha256
 
 from pipelines import load_pipeline
-from pipelines.batching import BatchPlan, BatchRequest, BatchSettings, encode, run_batch
+from pipelines.batching import BatchPlan
 from pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -25,26 +25,20 @@ def fp8_pipe(tmp_path_factory):
 def test_fixed_batches_keep_each_requests_bytes_on_gpu(fp8_pipe, cfg: bool) -> None:
     pipe = fp8_pipe
     assert pipe.variant == "fp8-fused" and pipe.cuda_graphs
-    settings = BatchSettings(192, 128, 6, 4.0 if cfg else 1.0, true_cfg=cfg, num_images_per_prompt=2)
-    requests = [BatchRequest(p, " ", seed) for seed, p in enumerate(PROMPTS[:3])]
-    for request in requests:
-        encode(pipe, request, settings)
+    values = dict(
+        negative_prompt=" ", width=192, height=128, num_inference_steps=6, true_cfg_scale=4.0 if cfg else 1.0,
+        num_images_per_prompt=2,
+    )  # fmt: skip
+    requests = [pipe.request(p, seed=seed, **values) for seed, p in enumerate(PROMPTS[:3])]
+    assert requests[0].true_cfg == cfg
 
-    def hashes(batch: list[BatchRequest]) -> list[list[str]]:
-        return [[png_sha256(im) for im in images] for images in run_batch(pipe, batch, settings, slots=4)[0]]
+    def hashes(batch: list) -> list[list[str]]:
+        return [[png_sha256(im) for im in result.images] for result in pipe.run(batch, slots=4)]
 
     alone = [hashes([r])[0] for r in requests]
     assert hashes(requests) == alone
     assert hashes(requests[::-1])[::-1] == alone
     assert len({h for pair in alone for h in pair}) == 6
-    one = run_batch(pipe, [requests[0]], settings, slots=1)[0][0]
-    generated = pipe.generate(
-        PROMPTS[0], negative_prompt=" ", width=192, height=128, num_inference_steps=6, seed=0,
-        true_cfg_scale=settings.true_cfg_scale, num_images_per_prompt=2,
-    )  # fmt: skip
-    assert [png_sha256(im) for im in one] == [
-        png_sha256(im) for im in generated
-    ]  # a batch of one is generate
 
 
 def test_served_batches_answer_with_the_bytes_of_requests_alone(fp8_pipe) -> None:
@@ -54,11 +48,12 @@ def test_served_batches_answer_with_the_bytes_of_requests_alone(fp8_pipe) -> Non
 
     import httpx
 
+    from bench.in_thread import InThread
     from ui.limits import Limits
     from ui.runner import Runner
-    from ui.server import InThread, build_server
+    from ui.server import build_server
 
-    runner = Runner(fp8_pipe, Limits.for_device("cuda"), BatchPlan.for_device(fp8_pipe.device, 4))
+    runner = Runner(fp8_pipe, Limits.for_device("cuda"), BatchPlan.for_device(fp8_pipe.device, 4, False))
     server = InThread(build_server(fp8_pipe, runner))
     try:
 
@@ -77,8 +72,9 @@ def test_served_batches_answer_with_the_bytes_of_requests_alone(fp8_pipe) -> Non
 
 
 def test_memory_bounds_the_batch(fp8_pipe) -> None:
-    plan = BatchPlan.for_device(fp8_pipe.device, 1000)
+    plan = BatchPlan.for_device(fp8_pipe.device, 1000, planned=False)
     free, _ = torch.cuda.mem_get_info(fp8_pipe.device)
     assert 0 < plan.memory_bytes <= free
-    huge = BatchSettings(2048, 2048, 4, 1.0, False)
+    huge = fp8_pipe.request("x", width=2048, height=2048, num_inference_steps=4, seed=0)
     assert 1 <= plan.slots(huge) < 1000
+    assert BatchPlan.for_device(fp8_pipe.device, 1000, planned=True).slots(huge) == 1000  # the plan bounds it

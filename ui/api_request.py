@@ -1,0 +1,203 @@
+"""The HTTP API's request parsing: an OpenAI Images API request (JSON, or multipart for edits) into a Job with
+the pipeline's `GenerationRequest`, or one ApiError in OpenAI's shape naming the parameter. Parsing only:
+every value is resolved and checked by `pipe.request` (pipelines/generation_request.py), as for the CLI and
+the demo."""
+
+import io
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import PIL.Image
+from fastapi.responses import JSONResponse
+
+from pipelines.limits import MAX_INPUT_PIXELS
+from ui.generation import (
+    FieldError,
+    check_work,
+    number_field,
+    random_seed,
+    request_of,
+    text_field,
+    whole_field,
+)
+from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
+from ui.runner import Job
+
+MAX_INPUT_IMAGES = 16  # files one edit request may carry (the model's own bound is checked too)
+RESPONSE_FORMATS = ("b64_json", "url")
+SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+IGNORED = ("user", "quality", "style", "moderation")  # OpenAI fields that change nothing here
+FIELDS = (
+    "prompt",
+    "model",
+    "n",
+    "size",
+    "response_format",
+    "output_format",
+    "seed",
+    "negative_prompt",
+    "num_inference_steps",
+    "true_cfg_scale",
+    "preset",
+    "lora_scales",
+    *IGNORED,
+)
+EDIT_FIELDS = (*FIELDS, "image", "image[]")
+# The pipeline's argument names and the API parameters they come from (an error names the parameter).
+API_FIELDS = {name: name for name in FIELDS} | {
+    "width": "size",
+    "height": "size",
+    "num_images_per_prompt": "n",
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: `status`, message, the parameter it concerns, a code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, self.status, headers=self.headers)
+
+
+def model_id(pipe: Any) -> str:
+    """The id /v1/models lists: the checkpoint directory's name (or the embedded default's)."""
+    return Path(pipe.model_name).name or pipe.model_name
+
+
+def read_job(
+    values: Mapping[str, Any], pipe: Any, limits: Limits, variant: str, images: list | None = None
+) -> tuple[Job, str]:
+    """Parse every value of an Images API request into its Job on `variant` (the request fully resolved:
+    size, steps, CFG scale, negative prompt, seed and every loaded LoRA's scale, so no earlier request's
+    state reaches it) and its response format; ApiError (400) names the first bad one. Multipart values
+    arrive as text; a number field's text is read as a number."""
+    allowed = EDIT_FIELDS if images is not None else FIELDS
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
+    try:
+        return _job_of(values, pipe, limits, variant, images, text_numbers=images is not None)
+    except FieldError as err:
+        raise ApiError(400, str(err), err.field, "invalid_value") from None
+
+
+def _job_of(
+    values: Mapping[str, Any],
+    pipe: Any,
+    limits: Limits,
+    variant: str,
+    images: list | None,
+    text_numbers: bool,
+) -> tuple[Job, str]:
+    def number(name: str, whole: bool) -> Any:
+        value = values.get(name)
+        if value is None:
+            return None
+        if text_numbers and isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eEnN") else int(value)
+            except ValueError:
+                raise FieldError(name, f"{name} must be a number, not {value!r}") from None
+        return whole_field(name, value) if whole else number_field(name, value)
+
+    served = values.get("model")
+    if served is not None and served not in (model_id(pipe), pipe.model_name):
+        raise FieldError(
+            "model", f"model {served!r} is not served here: this server serves {model_id(pipe)!r}"
+        )
+    negative = values.get("negative_prompt")
+    n = number("n", whole=True)
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_IMAGES_PER_REQUEST:
+        raise FieldError("n", f"n {n} must be between 1 and {MAX_IMAGES_PER_REQUEST}")
+    seed = number("seed", whole=True)
+    response_format = values.get("response_format") or "b64_json"
+    if response_format not in RESPONSE_FORMATS:
+        raise FieldError("response_format", f"response_format {response_format!r} must be b64_json or url")
+    if values.get("output_format") not in (None, "png"):
+        raise FieldError("output_format", "output_format must be png: this server writes PNG images")
+    for name in IGNORED:
+        if values.get(name) is not None and not isinstance(values[name], str):
+            raise FieldError(name, f"{name} must be text")
+    preset = values.get("preset")
+    if preset is not None and not isinstance(preset, str):
+        raise FieldError("preset", f"preset must be text, not {preset!r}")
+    width, height = _size(values.get("size"))
+    request = request_of(
+        pipe,
+        API_FIELDS,
+        text_field("prompt", values.get("prompt")),
+        negative_prompt=None if negative is None else text_field("negative_prompt", negative),
+        width=width,
+        height=height,
+        num_inference_steps=number("num_inference_steps", whole=True),
+        true_cfg_scale=number("true_cfg_scale", whole=False),
+        seed=random_seed() if seed is None else seed,
+        num_images_per_prompt=n,
+        preset=preset or None,
+        lora_scales=_lora_scales(values.get("lora_scales"), getattr(pipe, "loras", {}), text_numbers),
+        image=images or None,
+    )
+    job = Job(None, variant, request)
+    check_work(job, limits)
+    return job, response_format
+
+
+def _size(value: Any) -> tuple[int | None, int | None]:
+    """(width, height) of a `size` "WxH"; "auto" or none: (None, None), the model's default (for an edit,
+    the size the model picks for its input images)."""
+    if value in (None, "auto"):
+        return None, None
+    match = SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise FieldError("size", f"size {value!r} must be WIDTHxHEIGHT in pixels, such as 1024x1024, or auto")
+    return int(match[1]), int(match[2])
+
+
+def _lora_scales(value: Any, loaded: Mapping[str, Any], text: bool) -> dict[str, float]:
+    """{LoRA name: scale} for every LoRA the server has loaded: those the request names (multipart: as JSON
+    text) at its scales, the others at 0 (off). The pipeline checks the names and the scales."""
+    off = dict.fromkeys(loaded, 0.0)
+    if value is None:
+        return off
+    if text and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise FieldError("lora_scales", "lora_scales must be a JSON object of {name: scale}") from None
+    if not isinstance(value, dict):
+        raise FieldError("lora_scales", "lora_scales must be an object of {LoRA name: scale}")
+    return off | value
+
+
+def read_image(data: bytes, index: int) -> PIL.Image.Image:
+    """An uploaded file as a loaded PIL image; ApiError (400) when it is not an image PIL reads or has more
+    than MAX_INPUT_PIXELS pixels (checked from its header, before its pixels are decoded)."""
+    try:
+        image = PIL.Image.open(io.BytesIO(data))
+        if image.width * image.height > MAX_INPUT_PIXELS:
+            raise ApiError(
+                400,
+                f"image {index} is {image.width}x{image.height}: at most {MAX_INPUT_PIXELS / 1e6:.1f} MP",
+                "image",
+                "image_too_large",
+            )
+        image.load()
+    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as err:
+        raise ApiError(400, f"image {index} is not an image this server reads ({err})", "image") from None
+    return image
