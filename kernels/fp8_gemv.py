@@ -12,9 +12,8 @@ streamed and resident runs give the same bytes.
 
 import torch
 
-from kernels._triton_common import jit, launchable, tl, triton
+from kernels._triton_common import FP8_DTYPE, FusedOp, jit, launchable, tl, triton
 
-FP8_DTYPE = torch.float8_e4m3fn
 MAX_ROWS = 16
 _BLOCK_N = 32
 _BLOCK_K = 128
@@ -65,12 +64,12 @@ def _fp8_gemv_kernel(
     tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
-def fp8_gemv_triton(
+def _fp8_gemv_ok(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The kernel for a contiguous bf16 x [M <= MAX_ROWS, K]; None when it does not apply."""
+) -> bool:
+    """Guard: a contiguous bf16 x [M <= MAX_ROWS, K], a contiguous E4M3 weight and fp32 scales, one device."""
     tensors = (x, weight, scale) if bias is None else (x, weight, scale, bias)
-    if not (
+    return (
         launchable(_fp8_gemv_kernel, *tensors)
         and x.dtype == torch.bfloat16
         and x.dim() == 2
@@ -79,8 +78,12 @@ def fp8_gemv_triton(
         and weight.dtype == FP8_DTYPE
         and weight.is_contiguous()
         and scale.dtype == torch.float32
-    ):
-        return None
+    )
+
+
+def _launch_fp8_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -102,9 +105,6 @@ def fp8_gemv_triton(
     return y
 
 
-def fp8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The Triton kernel on CUDA when it applies, else the torch twin (always on CPU)."""
-    y = fp8_gemv_triton(x, weight, scale, bias) if x.is_cuda else None
-    return fp8_gemv_torch(x, weight, scale, bias) if y is None else y
+# The weight-only FP8 GEMV: the Triton kernel on CUDA when it applies, else the torch twin (always on CPU).
+fp8_gemv = FusedOp(fp8_gemv_torch, _launch_fp8_gemv, _fp8_gemv_ok)
+fp8_gemv_triton = fp8_gemv.triton

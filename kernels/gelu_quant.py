@@ -18,6 +18,7 @@ import torch
 
 from kernels._triton_common import (
     NO_FMA,
+    FusedOp,
     dummy,
     interpreted,
     inverse_scale_ok,
@@ -125,39 +126,37 @@ def _gelu_ok(h: torch.Tensor) -> bool:
     )
 
 
-def gelu_tanh_triton(h: torch.Tensor) -> torch.Tensor | None:
-    """Triton twin of `gelu_tanh_torch` (the kernel with only g written); None when rejected."""
-    if not _gelu_ok(h):
-        return None
+def _launch_gelu_only(h: torch.Tensor) -> torch.Tensor:
+    """The kernel with only g written."""
     g = torch.empty_like(h)
     _launch_gelu(h, g, dummy(h.device, FP8_DTYPE), dummy(h.device, torch.float32), True, False)
     return g
 
 
-def gelu_tanh_quant_triton(
+def _gelu_quant_twin(
     h: torch.Tensor, inv_scale: torch.Tensor, write_g: bool = False
-) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-    """Fused GELU + FP8 quantization: `(g if write_g else None, q)`; None when rejected."""
-    if not (_gelu_ok(h) and inverse_scale_ok(inv_scale, h.device)):
-        return None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The torch twins of the fused op: `(g if write_g else None, q)`."""
+    g = gelu_tanh_torch(h)
+    return (g if write_g else None), static_quant_fp8_torch(g, inv_scale)
+
+
+def _gelu_quant_ok(h: torch.Tensor, inv_scale: torch.Tensor, write_g: bool = False) -> bool:
+    return _gelu_ok(h) and inverse_scale_ok(inv_scale, h.device)
+
+
+def _launch_gelu_quant(
+    h: torch.Tensor, inv_scale: torch.Tensor, write_g: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Fused GELU + FP8 quantization: `(g if write_g else None, q)`."""
     g = torch.empty_like(h) if write_g else dummy(h.device, torch.bfloat16)
     q = torch.empty_like(h, dtype=FP8_DTYPE)
     _launch_gelu(h, g, q, inv_scale, write_g, True)
     return (g if write_g else None), q
 
 
-def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
-    """GELU(tanh) through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
-    g = gelu_tanh_triton(h) if h.is_cuda else None
-    return gelu_tanh_torch(h) if g is None else g
-
-
-def gelu_tanh_quant(
-    h: torch.Tensor, inv_scale: torch.Tensor, write_g: bool = False
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Fused GELU + quantization on CUDA when the guard accepts, else the torch twins (always on CPU)."""
-    out = gelu_tanh_quant_triton(h, inv_scale, write_g) if h.is_cuda else None
-    if out is not None:
-        return out
-    g = gelu_tanh_torch(h)
-    return (g if write_g else None), static_quant_fp8_torch(g, inv_scale)
+# GELU(tanh), and GELU + quantization fused: Triton on CUDA when the guard accepts, else the torch twins.
+gelu_tanh = FusedOp(gelu_tanh_torch, _launch_gelu_only, _gelu_ok)
+gelu_tanh_quant = FusedOp(_gelu_quant_twin, _launch_gelu_quant, _gelu_quant_ok)
+gelu_tanh_triton = gelu_tanh.triton
+gelu_tanh_quant_triton = gelu_tanh_quant.triton

@@ -18,11 +18,9 @@ a per-sample launch) get a dummy pointer of the same dtype.
 
 import torch
 
-from kernels._triton_common import NO_FMA, dummy, inverse_scale_ok, jit, launchable, tl, triton
+from kernels._triton_common import FusedOp, dummy, jit, row_launch, row_outputs, row_producer_ok, tl
 from kernels.fp32 import div_rn, row_sum, sqrt_rn
-from kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
-
-MAX_WIDTH = 16384
+from kernels.quant import quant_fp8, static_quant_fp8_torch
 
 
 def layer_norm_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,55 +171,12 @@ def _gated_residual_layer_norm_modulate_kernel(
         )  # fmt: skip
 
 
-def _row_launch(x: torch.Tensor) -> tuple[tuple[int], dict]:
-    """Grid (one program per row) and options: BLOCK = next power of two >= D, no FMA, and 32 elements a
-    thread (4 warps at D = 3072: ~10% faster on H200 than 8 warps, 25% than 16)."""
-    block = triton.next_power_of_2(x.shape[-1])
-    return (x.shape[0] * x.shape[1],), {"BLOCK": block, "num_warps": max(4, min(16, block // 1024)), **NO_FMA}
-
-
-def _producer_ok(
-    kernel, acts: list[torch.Tensor], mods: list[torch.Tensor], inv_scale, mod_index: torch.Tensor | None
-) -> bool:
-    """Guard: bf16 contiguous [B, L, D] activations, D % 16 == 0, bf16 rows with unit column stride: [B, D],
-    or [R, D] (R >= 1) with a contiguous int32 [B, L] `mod_index` (its values in [0, R) are the caller's
-    promise: checking them would sync with the host)."""
-    x = acts[0]
-    index = [] if mod_index is None else [mod_index]
-    if not launchable(kernel, *acts, *mods, *index) or x.dim() != 3 or x.numel() == 0:
-        return False
-    batch, seq, width = x.shape
-    if width % 16 or width > MAX_WIDTH:
-        return False
-    if any(a.dtype != torch.bfloat16 or a.shape != x.shape or not a.is_contiguous() for a in acts):
-        return False
-    rows = batch if mod_index is None else mods[0].shape[0] if mods[0].dim() == 2 else 0
-    if rows < 1 or any(
-        m.dtype != torch.bfloat16 or m.shape != (rows, width) or m.stride(1) != 1 for m in mods
-    ):
-        return False
-    if mod_index is not None and not (
-        mod_index.dtype == torch.int32 and mod_index.shape == (batch, seq) and mod_index.is_contiguous()
-    ):
-        return False
-    return inv_scale is None or inverse_scale_ok(inv_scale, x.device)
-
-
 def _index_arg(x: torch.Tensor, mod_index: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """The index pointer and the per-token flag of a launch (a same-dtype dummy when per sample)."""
     return (dummy(x.device, torch.int32), 0) if mod_index is None else (mod_index, 1)
 
 
-def _outputs(x: torch.Tensor, inv_scale, write_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y, q and the inverse scale to pass: real tensors where written, same-dtype dummies elsewhere."""
-    device = x.device
-    y = torch.empty_like(x) if write_y else dummy(device, torch.bfloat16)
-    if inv_scale is None:
-        return y, dummy(device, FP8_DTYPE), dummy(device, torch.float32)
-    return y, torch.empty_like(x, dtype=FP8_DTYPE), inv_scale
-
-
-def layer_norm_modulate_triton(
+def _layer_norm_modulate_ok(
     x: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor,
@@ -229,16 +184,27 @@ def layer_norm_modulate_triton(
     inv_scale: torch.Tensor | None = None,
     write_y: bool = True,
     mod_index: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """Triton twin of `layer_norm_modulate_torch` (same returns); None when the guard rejects the input."""
-    if not _producer_ok(_layer_norm_modulate_kernel, [x], [shift, scale], inv_scale, mod_index):
-        return None
+) -> bool:
+    rows = [(shift, torch.bfloat16), (scale, torch.bfloat16)]
+    return row_producer_ok(_layer_norm_modulate_kernel, [x], rows, mod_index, inv_scale)
+
+
+def _launch_layer_norm_modulate(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+    mod_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Producer 1's binary on guarded inputs (same returns as the twin)."""
     write_q = inv_scale is not None
     if not (write_y or write_q):
         return None, None
-    y, q, inv = _outputs(x, inv_scale, write_y)
+    y, q, inv = row_outputs(x, inv_scale, write_y)
     index, per_token = _index_arg(x, mod_index)
-    grid, options = _row_launch(x)
+    grid, options = row_launch(x)
     _layer_norm_modulate_kernel[grid](
         x, shift, scale, index, y, q, inv, x.shape[1], x.shape[2], shift.stride(0), scale.stride(0), eps,
         int(write_y), int(write_q), per_token, **options,
@@ -246,7 +212,7 @@ def layer_norm_modulate_triton(
     return (y if write_y else None), (q if write_q else None)
 
 
-def gated_residual_layer_norm_modulate_triton(
+def _residual_producer_ok(
     residual: torch.Tensor,
     gate: torch.Tensor,
     x: torch.Tensor,
@@ -256,50 +222,13 @@ def gated_residual_layer_norm_modulate_triton(
     inv_scale: torch.Tensor | None = None,
     write_y: bool = True,
     mod_index: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """Triton twin of `gated_residual_layer_norm_modulate_torch` (same returns); None when rejected."""
+) -> bool:
     kernel = _gated_residual_layer_norm_modulate_kernel
-    if not _producer_ok(kernel, [residual, x], [gate, shift, scale], inv_scale, mod_index):
-        return None
-    write_q = inv_scale is not None
-    r = torch.empty_like(residual)
-    y, q, inv = _outputs(residual, inv_scale, write_y)
-    index, per_token = _index_arg(residual, mod_index)
-    grid, options = _row_launch(residual)
-    kernel[grid](
-        residual, gate, x, shift, scale, index, r, y, q, inv, residual.shape[1], residual.shape[2],
-        gate.stride(0), shift.stride(0), scale.stride(0), eps, int(write_y), int(write_q), per_token,
-        **options,
-    )  # fmt: skip
-    return r, (y if write_y else None), (q if write_q else None)
+    rows = [(gate, torch.bfloat16), (shift, torch.bfloat16), (scale, torch.bfloat16)]
+    return row_producer_ok(kernel, [residual, x], rows, mod_index, inv_scale)
 
 
-def gated_residual_triton(
-    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, mod_index: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """Triton twin of `gated_residual_torch`: the producer-2 binary with y and q off (no LN is run)."""
-    out = gated_residual_layer_norm_modulate_triton(
-        residual, gate, x, gate, gate, 0.0, write_y=False, mod_index=mod_index
-    )
-    return None if out is None else out[0]
-
-
-def layer_norm_modulate(
-    x: torch.Tensor,
-    shift: torch.Tensor,
-    scale: torch.Tensor,
-    eps: float,
-    inv_scale: torch.Tensor | None = None,
-    write_y: bool = True,
-    mod_index: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Producer 1 through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
-    args = (x, shift, scale, eps, inv_scale, write_y, mod_index)
-    out = layer_norm_modulate_triton(*args) if x.is_cuda else None
-    return layer_norm_modulate_torch(*args) if out is None else out
-
-
-def gated_residual_layer_norm_modulate(
+def _launch_residual_producer(
     residual: torch.Tensor,
     gate: torch.Tensor,
     x: torch.Tensor,
@@ -310,15 +239,42 @@ def gated_residual_layer_norm_modulate(
     write_y: bool = True,
     mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Producer 2 through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
-    args = (residual, gate, x, shift, scale, eps, inv_scale, write_y, mod_index)
-    out = gated_residual_layer_norm_modulate_triton(*args) if residual.is_cuda else None
-    return gated_residual_layer_norm_modulate_torch(*args) if out is None else out
+    """Producer 2's binary on guarded inputs (same returns as the twin)."""
+    write_q = inv_scale is not None
+    r = torch.empty_like(residual)
+    y, q, inv = row_outputs(residual, inv_scale, write_y)
+    index, per_token = _index_arg(residual, mod_index)
+    grid, options = row_launch(residual)
+    _gated_residual_layer_norm_modulate_kernel[grid](
+        residual, gate, x, shift, scale, index, r, y, q, inv, residual.shape[1], residual.shape[2],
+        gate.stride(0), shift.stride(0), scale.stride(0), eps, int(write_y), int(write_q), per_token,
+        **options,
+    )  # fmt: skip
+    return r, (y if write_y else None), (q if write_q else None)
 
 
-def gated_residual(
+def _gated_residual_ok(
+    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, mod_index: torch.Tensor | None = None
+) -> bool:
+    return _residual_producer_ok(residual, gate, x, gate, gate, 0.0, write_y=False, mod_index=mod_index)
+
+
+def _launch_gated_residual(
     residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, mod_index: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`r = residual + gate * x` through Triton on CUDA when the guard accepts, else the torch twin."""
-    r = gated_residual_triton(residual, gate, x, mod_index) if residual.is_cuda else None
-    return gated_residual_torch(residual, gate, x, mod_index) if r is None else r
+    """Producer 2's binary with y and q off (no LN is run)."""
+    return _launch_residual_producer(residual, gate, x, gate, gate, 0.0, write_y=False, mod_index=mod_index)[
+        0
+    ]
+
+
+# Producer 1, producer 2, and the gated residual alone (after the MLP): Triton on CUDA when the guard
+# accepts, else the torch twin (always on CPU).
+layer_norm_modulate = FusedOp(layer_norm_modulate_torch, _launch_layer_norm_modulate, _layer_norm_modulate_ok)
+gated_residual_layer_norm_modulate = FusedOp(
+    gated_residual_layer_norm_modulate_torch, _launch_residual_producer, _residual_producer_ok
+)
+gated_residual = FusedOp(gated_residual_torch, _launch_gated_residual, _gated_residual_ok)
+layer_norm_modulate_triton = layer_norm_modulate.triton
+gated_residual_layer_norm_modulate_triton = gated_residual_layer_norm_modulate.triton
+gated_residual_triton = gated_residual.triton

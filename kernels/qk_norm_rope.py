@@ -24,7 +24,7 @@ another grouping): tests/test_qk_norm_rope.py states the tolerance.
 
 import torch
 
-from kernels._triton_common import NO_FMA, jit, launchable, tl, triton
+from kernels._triton_common import NO_FMA, FusedOp, jit, launchable, tl, triton
 from kernels.fp32 import div_rn, row_sum, sqrt_rn
 
 MIN_HEAD_DIM = 16
@@ -111,12 +111,10 @@ def _rms_norm_rope_ok(
     return out is None or (out.dtype == torch.bfloat16 and out.shape == x.shape and out.stride(3) == 1)
 
 
-def rms_norm_rope_triton(
+def _launch_rms_norm_rope(
     x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, eps: float, out: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """Triton twin of `rms_norm_rope_torch` (one launch; writes `out` when given); None when rejected."""
-    if not _rms_norm_rope_ok(x, weight, rope, out):
-        return None
+) -> torch.Tensor:
+    """The kernel on guarded inputs (one launch; writes `out` when given)."""
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     batch, seq, heads, dim = x.shape
@@ -129,9 +127,12 @@ def rms_norm_rope_triton(
     return out
 
 
-def rms_norm_rope(
+def _rms_norm_rope_guard(
     x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor, eps: float, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """RMSNorm + RoPE through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
-    y = rms_norm_rope_triton(x, weight, rope, eps, out) if x.is_cuda else None
-    return rms_norm_rope_torch(x, weight, rope, eps, out) if y is None else y
+) -> bool:
+    return _rms_norm_rope_ok(x, weight, rope, out)
+
+
+# RMSNorm + RoPE of q or k: Triton on CUDA when the guard accepts, else the torch twin (always on CPU).
+rms_norm_rope = FusedOp(rms_norm_rope_torch, _launch_rms_norm_rope, _rms_norm_rope_guard)
+rms_norm_rope_triton = rms_norm_rope.triton

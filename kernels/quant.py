@@ -8,9 +8,8 @@ round-to-nearest-even (`cvt.rn.satfinite` on sm_89+).
 
 import torch
 
-from kernels._triton_common import NO_FMA, inverse_scale_ok, jit, launchable, tl, triton
+from kernels._triton_common import FP8_DTYPE, NO_FMA, FusedOp, inverse_scale_ok, jit, launchable, tl, triton
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _QUANT_BLOCK = 4096
 _MAX_SAMPLES = 65535  # CUDA's limit on the second grid dimension
@@ -45,22 +44,24 @@ def _static_quant_fp8_kernel(y_ptr, q_ptr, inv_scale_ptr, sample_numel, sample_s
     tl.store(q_ptr + sample * sample_numel + offs, quant_fp8(y, inv_scale_ptr), mask=mask)
 
 
-def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor | None:
-    """Triton twin of `static_quant_fp8_torch` for bf16 `y` whose samples `y[i]` are each contiguous
-    (no copy of a row slice first); the result is contiguous. None when it does not apply."""
-    if not (
+def _static_quant_ok(y: torch.Tensor, inv_scale: torch.Tensor) -> bool:
+    """Guard: bf16 `y` whose samples `y[i]` are each contiguous (no copy of a row slice first), not empty,
+    with an inverse scale the device can use."""
+    return (
         launchable(_static_quant_fp8_kernel, y)
         and y.dtype == torch.bfloat16
         and y.numel() > 0
         and inverse_scale_ok(inv_scale, y.device)
-    ):
-        return None
+        and (y.is_contiguous() or (y.dim() >= 2 and y.shape[0] <= _MAX_SAMPLES and y[0].is_contiguous()))
+    )
+
+
+def _launch_static_quant(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """The kernel on guarded `y`; the result is contiguous."""
     if y.is_contiguous():
         samples, sample_numel, sample_stride = 1, y.numel(), y.numel()
-    elif y.dim() >= 2 and y.shape[0] <= _MAX_SAMPLES and y[0].is_contiguous():
-        samples, sample_numel, sample_stride = y.shape[0], y[0].numel(), y.stride(0)
     else:
-        return None
+        samples, sample_numel, sample_stride = y.shape[0], y[0].numel(), y.stride(0)
     q = torch.empty(y.shape, dtype=FP8_DTYPE, device=y.device)
     grid = (triton.cdiv(sample_numel, _QUANT_BLOCK), samples)
     _static_quant_fp8_kernel[grid](
@@ -69,7 +70,5 @@ def static_quant_fp8_triton(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.T
     return q
 
 
-def static_quant_fp8(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    """Triton on CUDA when the input fits, else the torch twin (always on CPU)."""
-    q = static_quant_fp8_triton(y, inv_scale) if y.is_cuda else None
-    return static_quant_fp8_torch(y, inv_scale) if q is None else q
+static_quant_fp8 = FusedOp(static_quant_fp8_torch, _launch_static_quant, _static_quant_ok)
+static_quant_fp8_triton = static_quant_fp8.triton

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton_common import dummy, inverse_scale_ok, jit, launchable, tl
-from kernels.norm_modulate import MAX_WIDTH, _outputs, _row_launch, layer_norm_torch
+from kernels._triton_common import FusedOp, dummy, jit, row_launch, row_outputs, row_producer_ok, tl
+from kernels.norm_modulate import layer_norm_torch
 from kernels.quant import quant_fp8, static_quant_fp8_torch
 
 
@@ -155,58 +155,50 @@ def _tanh_residual_layer_norm_scale_kernel(
         )  # fmt: skip
 
 
-def _rows_ok(rows: torch.Tensor, dtype: torch.dtype, width: int) -> bool:
-    return rows.dtype == dtype and rows.dim() == 2 and rows.shape[1] == width and rows.stride(1) == 1
-
-
-def _producer_ok(
-    kernel,
-    acts: list[torch.Tensor],
-    scale: torch.Tensor | None,
-    index: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    tanh_gate: torch.Tensor | None = None,
-) -> bool:
-    """Guard: bf16 contiguous [B, L, D] activations with D % 16 == 0 and D <= MAX_WIDTH; bf16 scale rows and
-    fp32 tanh rows [R, D] with unit column stride; a contiguous int32 [B, L] index; all on one device."""
-    x = acts[0]
-    rows = [r for r in (scale, tanh_gate) if r is not None]
-    if not launchable(kernel, *acts, *rows, index) or x.dim() != 3 or x.numel() == 0:
-        return False
-    width = x.shape[-1]
-    if width % 16 or width > MAX_WIDTH:
-        return False
-    if any(a.dtype != torch.bfloat16 or a.shape != x.shape or not a.is_contiguous() for a in acts):
-        return False
-    if scale is not None and not _rows_ok(scale, torch.bfloat16, width):
-        return False
-    if tanh_gate is not None and not _rows_ok(tanh_gate, torch.float32, width):
-        return False
-    if index.dtype != torch.int32 or index.shape != x.shape[:2] or not index.is_contiguous():
-        return False
-    return inv_scale is None or inverse_scale_ok(inv_scale, x.device)
-
-
-def layer_norm_scale_triton(
+def _layer_norm_scale_ok(
     x: torch.Tensor,
     scale: torch.Tensor,
     index: torch.Tensor,
     eps: float,
     inv_scale: torch.Tensor | None = None,
     write_y: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """Triton twin of `layer_norm_scale_torch` (same returns); None when the guard rejects the input."""
-    if not _producer_ok(_layer_norm_scale_kernel, [x], scale, index, inv_scale):
-        return None
+) -> bool:
+    return row_producer_ok(_layer_norm_scale_kernel, [x], [(scale, torch.bfloat16)], index, inv_scale)
+
+
+def _launch_layer_norm_scale(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    index: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Producer (a)'s binary on guarded inputs (same returns as the twin)."""
     write_q = inv_scale is not None
     if not (write_y or write_q):
         return None, None
-    y, q, inv = _outputs(x, inv_scale, write_y)
-    grid, options = _row_launch(x)
+    y, q, inv = row_outputs(x, inv_scale, write_y)
+    grid, options = row_launch(x)
     _layer_norm_scale_kernel[grid](
         x, scale, index, y, q, inv, x.shape[2], scale.stride(0), eps, int(write_y), int(write_q), **options
     )
     return (y if write_y else None), (q if write_q else None)
+
+
+def _tanh_residual_ok(
+    residual: torch.Tensor,
+    tanh_gate: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    index: torch.Tensor,
+    eps: float,
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+) -> bool:
+    kernel = _tanh_residual_layer_norm_scale_kernel
+    rows = [(scale, torch.bfloat16), (tanh_gate, torch.float32)]
+    return row_producer_ok(kernel, [residual, x], rows, index, inv_scale)
 
 
 def _launch_tanh_residual(
@@ -216,83 +208,43 @@ def _launch_tanh_residual(
     scale: torch.Tensor,
     index: torch.Tensor,
     eps: float,
-    inv_scale: torch.Tensor | None,
-    write_y: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch producer (b) on guarded inputs: `(r, y or a dummy, q or a dummy)`."""
+    inv_scale: torch.Tensor | None = None,
+    write_y: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Producer (b)'s binary on guarded inputs (same returns as the twin)."""
     r = torch.empty_like(residual)
-    y, q, inv = _outputs(residual, inv_scale, write_y)
-    grid, options = _row_launch(residual)
+    y, q, inv = row_outputs(residual, inv_scale, write_y)
+    grid, options = row_launch(residual)
     _tanh_residual_layer_norm_scale_kernel[grid](
         residual, tanh_gate, x, scale, index, r, y, q, inv, residual.shape[2], tanh_gate.stride(0),
         scale.stride(0), eps, int(write_y), int(inv_scale is not None), **options,
     )  # fmt: skip
-    return r, y, q
-
-
-def tanh_residual_layer_norm_scale_triton(
-    residual: torch.Tensor,
-    tanh_gate: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    index: torch.Tensor,
-    eps: float,
-    inv_scale: torch.Tensor | None = None,
-    write_y: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """Triton twin of `tanh_residual_layer_norm_scale_torch` (same returns); None when rejected."""
-    kernel = _tanh_residual_layer_norm_scale_kernel
-    if not _producer_ok(kernel, [residual, x], scale, index, inv_scale, tanh_gate):
-        return None
-    r, y, q = _launch_tanh_residual(residual, tanh_gate, x, scale, index, eps, inv_scale, write_y)
     return r, (y if write_y else None), (q if inv_scale is not None else None)
 
 
-def tanh_gated_residual_triton(
+def _tanh_gated_residual_ok(
     residual: torch.Tensor, tanh_gate: torch.Tensor, x: torch.Tensor, index: torch.Tensor
-) -> torch.Tensor | None:
-    """Triton twin of `tanh_gated_residual_torch`: producer (b)'s binary with y and q off (no LN runs; the
-    scale pointer is a bf16 dummy, so the binary is the same as the producer's)."""
+) -> bool:
     kernel = _tanh_residual_layer_norm_scale_kernel
-    if not _producer_ok(kernel, [residual, x], None, index, None, tanh_gate):
-        return None
+    return row_producer_ok(kernel, [residual, x], [(tanh_gate, torch.float32)], index, None)
+
+
+def _launch_tanh_gated_residual(
+    residual: torch.Tensor, tanh_gate: torch.Tensor, x: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """Producer (b)'s binary with y and q off (no LN runs; the scale pointer is a bf16 dummy, so the binary
+    is the same as the producer's)."""
     rows = dummy(residual.device, torch.bfloat16).view(1, -1)
     return _launch_tanh_residual(residual, tanh_gate, x, rows, index, 0.0, None, False)[0]
 
 
-def layer_norm_scale(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    index: torch.Tensor,
-    eps: float,
-    inv_scale: torch.Tensor | None = None,
-    write_y: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Producer (a) through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
-    args = (x, scale, index, eps, inv_scale, write_y)
-    out = layer_norm_scale_triton(*args) if x.is_cuda else None
-    return layer_norm_scale_torch(*args) if out is None else out
-
-
-def tanh_residual_layer_norm_scale(
-    residual: torch.Tensor,
-    tanh_gate: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    index: torch.Tensor,
-    eps: float,
-    inv_scale: torch.Tensor | None = None,
-    write_y: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Producer (b) through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
-    args = (residual, tanh_gate, x, scale, index, eps, inv_scale, write_y)
-    out = tanh_residual_layer_norm_scale_triton(*args) if residual.is_cuda else None
-    return tanh_residual_layer_norm_scale_torch(*args) if out is None else out
-
-
-def tanh_gated_residual(
-    residual: torch.Tensor, tanh_gate: torch.Tensor, x: torch.Tensor, index: torch.Tensor
-) -> torch.Tensor:
-    """`r = residual + t[row] * x` through Triton on CUDA when the guard accepts, else the torch twin."""
-    r = tanh_gated_residual_triton(residual, tanh_gate, x, index) if residual.is_cuda else None
-    return tanh_gated_residual_torch(residual, tanh_gate, x, index) if r is None else r
+# Producer (a), producer (b), and the tanh-gated residual alone (after the MLP): Triton on CUDA when the
+# guard accepts, else the torch twin (always on CPU).
+layer_norm_scale = FusedOp(layer_norm_scale_torch, _launch_layer_norm_scale, _layer_norm_scale_ok)
+tanh_residual_layer_norm_scale = FusedOp(
+    tanh_residual_layer_norm_scale_torch, _launch_tanh_residual, _tanh_residual_ok
+)
+tanh_gated_residual = FusedOp(tanh_gated_residual_torch, _launch_tanh_gated_residual, _tanh_gated_residual_ok)
+layer_norm_scale_triton = layer_norm_scale.triton
+tanh_residual_layer_norm_scale_triton = tanh_residual_layer_norm_scale.triton
+tanh_gated_residual_triton = tanh_gated_residual.triton

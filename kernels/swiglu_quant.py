@@ -16,6 +16,7 @@ import torch
 
 from kernels._triton_common import (
     NO_FMA,
+    FusedOp,
     dummy,
     interpreted,
     inverse_scale_ok,
@@ -93,35 +94,30 @@ def _launch(g: torch.Tensor, p: torch.Tensor, inv_scale: torch.Tensor | None, wr
     return y, q
 
 
-def silu_mul_triton(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
-    """Triton twin of `silu_mul_torch` (the kernel with only y written); None when rejected."""
-    if not _silu_mul_ok(g, p):
-        return None
-    return _launch(g, p, None, True)[0]
-
-
-def silu_mul_quant_triton(
+def _silu_mul_quant_twin(
     g: torch.Tensor, p: torch.Tensor, inv_scale: torch.Tensor, write_y: bool = False
-) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-    """Fused SwiGLU + FP8 quantization: `(y if write_y else None, q)`; None when rejected."""
-    if not (_silu_mul_ok(g, p) and inverse_scale_ok(inv_scale, g.device)):
-        return None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The torch twins of the fused op: `(y if write_y else None, q)`."""
+    y = silu_mul_torch(g, p)
+    return (y if write_y else None), static_quant_fp8_torch(y, inv_scale)
+
+
+def _silu_mul_quant_ok(
+    g: torch.Tensor, p: torch.Tensor, inv_scale: torch.Tensor, write_y: bool = False
+) -> bool:
+    return _silu_mul_ok(g, p) and inverse_scale_ok(inv_scale, g.device)
+
+
+def _launch_silu_mul_quant(
+    g: torch.Tensor, p: torch.Tensor, inv_scale: torch.Tensor, write_y: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Fused SwiGLU + FP8 quantization: `(y if write_y else None, q)`."""
     y, q = _launch(g, p, inv_scale, write_y)
     return (y if write_y else None), q
 
 
-def silu_mul(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """SwiGLU product through Triton on CUDA when the guard accepts, else the torch twin (always on CPU)."""
-    y = silu_mul_triton(g, p) if g.is_cuda else None
-    return silu_mul_torch(g, p) if y is None else y
-
-
-def silu_mul_quant(
-    g: torch.Tensor, p: torch.Tensor, inv_scale: torch.Tensor, write_y: bool = False
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Fused SwiGLU + quantization on CUDA when the guard accepts, else the torch twins (always on CPU)."""
-    out = silu_mul_quant_triton(g, p, inv_scale, write_y) if g.is_cuda else None
-    if out is not None:
-        return out
-    y = silu_mul_torch(g, p)
-    return (y if write_y else None), static_quant_fp8_torch(y, inv_scale)
+# The SwiGLU product, and SwiGLU + quantization fused: Triton on CUDA when the guard accepts, else the twins.
+silu_mul = FusedOp(silu_mul_torch, lambda g, p: _launch(g, p, None, True)[0], _silu_mul_ok)
+silu_mul_quant = FusedOp(_silu_mul_quant_twin, _launch_silu_mul_quant, _silu_mul_quant_ok)
+silu_mul_triton = silu_mul.triton
+silu_mul_quant_triton = silu_mul_quant.triton

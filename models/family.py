@@ -19,7 +19,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -138,13 +138,46 @@ class StepCall:
     graphable: bool = True
 
 
+@runtime_checkable
+class FusionBlock(Protocol):
+    """A transformer block with fused producer paths: each names its producer and consumers, and the block
+    decides once, after the weights are loaded, which run fused (models/fusion.py: the gate's reasons)."""
+
+    def producer_paths(self) -> dict[str, tuple[Any, list[tuple[str, nn.Module]]]]:
+        """{path name: (its producer, its consumers (name, linear))}; names ending `_hidden` are MLP paths."""
+        ...
+
+    def post_load_weights(self, fuse: bool, prefix: str) -> list[Any]:
+        """The gate's decision (models.fusion.PathDecision) for each of its paths, fusing where allowed."""
+        ...
+
+
+@runtime_checkable
+class FamilyTransformer(Protocol):
+    """The transformer's part of the family contract, what the shared machinery calls: its numerics
+    (`set_numerics`: reference or contract, for every numerics-aware module), the FP8 fusion gate decided
+    once after loading (`post_load_weights`, over its `transformer_blocks`, each a `FusionBlock`; it returns
+    its models.fusion.FusionReport and keeps it as `fusion_report`), whether it holds ModelOpt FP8 weights,
+    and the checkpoint's config (diffusers' parameter names; `config.num_attention_heads`...)."""
+
+    config: Any
+    transformer_blocks: nn.ModuleList
+
+    @property
+    def is_fp8(self) -> bool: ...
+
+    def set_numerics(self, numerics: Any) -> None: ...
+
+    def post_load_weights(self, fuse: bool | None = None) -> Any: ...
+
+
 class FamilyModel(ABC):
     """A loaded checkpoint of one family: its components and the hooks the shared pipeline drives.
 
     `latents` are the family's packed target latents [B, tokens, channels]; a `canvas` is whatever the
     family needs to know about one request's geometry (from `canvas`), passed back to each hook."""
 
-    transformer: nn.Module
+    transformer: FamilyTransformer
     components: Any
     device: torch.device  # where it computes (a memory plan may load the weights on the host first)
     dtype: torch.dtype

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from models.family import FamilyTransformer, FusionBlock
 from models.fp8 import Fp8Linear
 from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, gate_path
 from models.qwen_image.transformer import NormModulate
@@ -94,3 +95,28 @@ def test_report_summary_counts_and_groups_reasons():
     summary = report.summary()
     assert summary.splitlines()[0] == "FP8 norm+quant fusion: 1/3 block paths"
     assert "unfused (2): why; e.g. b" in summary
+
+
+@pytest.mark.parametrize("family", ["qwen-image", "qwen-image-2.1"])
+def test_each_familys_transformer_keeps_the_family_contract(family: str) -> None:
+    """models/family.py's FamilyTransformer and FusionBlock protocols, on a tiny transformer of each family
+    built from its config class (every block a FusionBlock whose paths the gate reports)."""
+    if family == "qwen-image":
+        from models.qwen_image.config import QwenImageConfig
+        from models.qwen_image.transformer import QwenImageTransformer
+
+        tiny = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6))
+        model = QwenImageTransformer(QwenImageConfig(**tiny))
+    else:
+        from models.qwen_image21.config import QwenImage21Config
+        from models.qwen_image21.transformer import QwenImage21Transformer
+
+        tiny = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6))
+        model = QwenImage21Transformer(QwenImage21Config(**tiny, context_in_dim=32))
+    assert isinstance(model, FamilyTransformer) and not model.is_fp8
+    assert all(isinstance(block, FusionBlock) for block in model.transformer_blocks)
+    report = model.post_load_weights(fuse=True)
+    paths = sum(len(block.producer_paths()) for block in model.transformer_blocks)
+    assert model.fusion_report is report and len(report.block) + len(report.mlp) == paths
+    assert not report.fused  # BF16 weights: nothing to fuse
+    assert not isinstance(nn.Linear(2, 2), FamilyTransformer)

@@ -15,15 +15,13 @@ from helpers import REPO
 from ptx_probe import binary_key, ptx_counts, record_launches, report_from_subprocess
 from test_kernels_quant import needs_interpreter
 
-from kernels import (
+from kernels.gelu_quant import gelu_tanh_quant_triton, gelu_tanh_triton
+from kernels.norm_modulate import (
     gated_residual_layer_norm_modulate_triton,
     gated_residual_triton,
-    gelu_tanh_quant_triton,
-    gelu_tanh_triton,
-    inverse_scale,
     layer_norm_modulate_triton,
-    static_quant_fp8_triton,
 )
+from kernels.quant import inverse_scale, static_quant_fp8_triton
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 B, L = 2, 3
@@ -103,9 +101,9 @@ def compile_report() -> dict:
 
     Returns {kernel: {"launches", "keys": distinct binaries, "ptx": instruction counts}}.
     """
-    from kernels import gelu_quant, norm_modulate, quant
+    from kernels import _triton_common, gelu_quant, norm_modulate, quant
 
-    for module in (quant, norm_modulate, gelu_quant):  # CPU tensors stand in for CUDA ones
+    for module in (quant, _triton_common, gelu_quant):  # CPU tensors stand in for CUDA ones
         module.launchable = lambda kernel, *tensors: True
     kernels = {
         "quant": quant._static_quant_fp8_kernel,
@@ -176,12 +174,12 @@ def test_kernels_import_and_fall_back_without_triton():
 import sys
 sys.modules["triton"] = None
 import torch
-import kernels
+from kernels import gelu_quant, norm_modulate, quant
 x = torch.randn(1, 2, 32).bfloat16(); m = torch.randn(1, 32).bfloat16(); inv = torch.ones(1)
-assert kernels.layer_norm_modulate_triton(x, m, m, 1e-6, inv) is None
-assert kernels.static_quant_fp8_triton(x, inv) is None and kernels.gelu_tanh_triton(x) is None
-y, q = kernels.layer_norm_modulate(x, m, m, 1e-6, inv)
-assert torch.equal(q.view(torch.uint8), kernels.static_quant_fp8_torch(y, inv).view(torch.uint8))
+assert norm_modulate.layer_norm_modulate_triton(x, m, m, 1e-6, inv) is None
+assert quant.static_quant_fp8_triton(x, inv) is None and gelu_quant.gelu_tanh_triton(x) is None
+y, q = norm_modulate.layer_norm_modulate(x, m, m, 1e-6, inv)
+assert torch.equal(q.view(torch.uint8), quant.static_quant_fp8_torch(y, inv).view(torch.uint8))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,8 +8,8 @@ import torch
 from steps import nudge_bf16, ordered_codes, step_distance
 from test_kernels_quant import interpreter_exact_range, needs_interpreter
 
+from kernels._triton_common import MAX_WIDTH
 from kernels.norm_modulate import (
-    MAX_WIDTH,
     gated_residual_layer_norm_modulate_torch,
     gated_residual_layer_norm_modulate_triton,
     gated_residual_torch,

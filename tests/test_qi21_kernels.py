@@ -18,7 +18,7 @@ from test_kernels_quant import all_bf16, interpreter_exact_range, needs_interpre
 
 import kernels.scale_modulate as scale_modulate
 import kernels.swiglu_quant as swiglu_quant
-from kernels.norm_modulate import MAX_WIDTH
+from kernels._triton_common import MAX_WIDTH
 from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
 from kernels.scale_modulate import (
     layer_norm_scale,

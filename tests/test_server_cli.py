@@ -1,11 +1,17 @@
 """`qwen-image serve` as a user runs it: --help, the loopback rule with API keys, key files, a taken port
 and bad limits refused before anything loads, and the real command serving the API and the page."""
 
+import base64
+import dataclasses
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +21,10 @@ import pytest
 from helpers import REPO
 
 import ui.server
+from models.families import inspect_checkpoint
+from pipelines.memory_plan import minimum_budget
 from ui.cli import main
+from ui.commands import ui_workload
 from ui.limits import Limits
 
 KEY = "serve-test-key-0123456789"
@@ -28,7 +37,8 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def fake_serve(model: Any, host: str, port: int, **kwargs: Any) -> None:
         calls.append({"host": host, "port": port, **kwargs})
-        kwargs["on_start"](port, Limits.for_device("cpu", **kwargs["limits"]), "off (each request alone)")
+        limits = Limits.for_device("cpu", **kwargs["limits"])
+        kwargs["on_start"](port, limits, "off (each request alone)", "")
 
     monkeypatch.setattr(ui.server, "serve", fake_serve)
     return calls
@@ -120,17 +130,16 @@ def test_bad_arguments_are_refused_before_loading(
     assert served == []
 
 
-@pytest.mark.slow
-def test_the_real_command_serves_the_api_and_the_page(tmp_path: Path) -> None:
-    keys = tmp_path / "keys.txt"
-    keys.write_text(KEY + "\n")
+@contextmanager
+def real_server(argv: list[str], ready: str = "Limits:") -> Iterator[tuple[str, list[str]]]:
+    """`qwen-image serve --port P ARGV` in its own process until the block ends (then Ctrl+C, which must end
+    it with 130); yields its URL and the lines it printed up to the one starting with `ready`."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    argv = ["serve", "--port", str(port), "--api-key-file", str(keys), "--ui", "--dtype", "fp32"]
     env = os.environ | {"GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "ui.cli", *argv],
+        [sys.executable, "-m", "ui.cli", "serve", "--port", str(port), *argv],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -139,21 +148,11 @@ def test_the_real_command_serves_the_api_and_the_page(tmp_path: Path) -> None:
     )
     try:
         lines: list[str] = []
-        while not lines or not lines[-1].startswith("Limits:"):
+        while not lines or not lines[-1].startswith(ready):
             line = server.stdout.readline()
             assert line, "".join(lines)
             lines.append(line)
-        assert f"Qwen-Image API on http://127.0.0.1:{port}/v1 (Ctrl+C stops it)." in "".join(lines)
-        url = f"http://127.0.0.1:{port}"
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-        image = client.images.generate(
-            prompt="a red circle", size="32x32", extra_body={"num_inference_steps": 2}
-        )
-        assert len(image.data[0].b64_json) > 100
-        assert httpx.get(f"{url}/v1/models").status_code == 401
-        assert httpx.get(f"{url}/ui/config").status_code == 401  # the page's sign-in takes an API key
-        login = httpx.post(f"{url}/ui/login", data={"username": "anyone", "password": KEY})
-        assert login.status_code == 200
+        yield f"http://127.0.0.1:{port}", lines
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -163,6 +162,76 @@ def test_the_real_command_serves_the_api_and_the_page(tmp_path: Path) -> None:
             server.wait()
             exit_code = "none: still serving 20 s after Ctrl+C"
     assert exit_code == 130, exit_code
+
+
+@pytest.mark.slow
+def test_the_real_command_serves_the_api_and_the_page(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text(KEY + "\n")
+    argv = ["--api-key-file", str(keys), "--ui", "--dtype", "fp32"]
+    with real_server(argv) as (url, lines):
+        port = url.rsplit(":", 1)[1]
+        assert f"Qwen-Image API on http://127.0.0.1:{port}/v1 (Ctrl+C stops it)." in "".join(lines)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        image = client.images.generate(
+            prompt="a red circle", size="32x32", extra_body={"num_inference_steps": 2}
+        )
+        assert len(image.data[0].b64_json) > 100
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/ui/config").status_code == 401  # the page's sign-in takes an API key
+        login = httpx.post(f"{url}/ui/login", data={"username": "anyone", "password": KEY})
+        assert login.status_code == 200
+
+
+def _served_pngs(url: str, seeds: list[int], together: bool) -> list[bytes]:
+    """The PNG bytes of a 64x64 two-step request per seed (one prompt length), sent at once or one by one."""
+
+    def ask(seed: int) -> bytes:
+        body = {
+            "prompt": f"a red circle, request {seed}",
+            "size": "64x64",
+            "seed": seed,
+            "num_inference_steps": 2,
+        }
+        response = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+    if not together:
+        return [ask(seed) for seed in seeds]
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        return list(pool.map(ask, seeds))
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(
+        next(line.split()[-1] for line in text.splitlines() if line.startswith(f"qwen_image_{name} "))
+    )
+
+
+@pytest.mark.slow
+def test_serve_under_a_memory_budget_batches_with_the_bytes_of_requests_alone() -> None:
+    """`qwen-image serve --gpu-memory --max-batch 4` on the CPU (standing in for the GPU, as the streaming
+    tests do), through the real command: the plan holds four rows of the largest preset with blocks
+    streamed; four concurrent requests share denoising steps under it, and each response is the same bytes
+    as that request served alone at the same budget and by a server with everything resident."""
+    spec = inspect_checkpoint(None)
+    workload = dataclasses.replace(ui_workload(spec), images=4)  # what `serve --max-batch 4` plans for
+    need = minimum_budget(spec.family.memory_profile(spec, 4, 4), workload, graphs=False, fixed_reserve=0)
+    budget = f"{math.ceil(need / 2**20) + 1}MiB"
+    common = ["--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--batch-window-ms", "2000"]
+    seeds = [11, 12, 13, 14]
+    with real_server([*common, "--gpu-memory", budget], ready="Memory:") as (url, lines):
+        assert "blocks streamed" in lines[-1], lines[-1]
+        together = _served_pngs(url, seeds, together=True)
+        assert _metric(url, "batches_total") < 4 and _metric(url, "batch_requests_total") == 4
+        alone = _served_pngs(url, seeds, together=False)
+    with real_server(common) as (url, lines):
+        assert not any(line.startswith("Memory:") for line in lines)  # everything resident
+        resident = _served_pngs(url, seeds, together=False)
+    assert together == alone == resident
+    assert len(set(together)) == 4
 
 
 class _StoppedServer:

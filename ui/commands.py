@@ -118,8 +118,7 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
         "max_sequence_length",
         "preset",
     )
-    given = {name: getattr(args, name) for name in names if hasattr(args, name)}  # edit: no max length
-    return given | {"image": images or None}
+    return {name: getattr(args, name) for name in names} | {"image": images or None}
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
@@ -416,14 +415,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
         ui=args.ui,
         max_batch=args.max_batch,
         window_s=args.batch_window_ms / 1000,
-        on_start=lambda port, applied, slots: print(
-            api_serving_message(args.host, port, len(keys), applied, args.ui, slots), flush=True
+        on_start=lambda port, applied, slots, memory: print(
+            api_serving_message(args.host, port, len(keys), applied, args.ui, slots, memory), flush=True
         ),
     )
 
 
-def api_serving_message(host: str, port: int, keys: int, limits: Limits, ui: bool, batch: str) -> str:
-    """What the console says once the server is up: where, the keys, how to serve others, limits, batching."""
+def api_serving_message(
+    host: str, port: int, keys: int, limits: Limits, ui: bool, batch: str, memory: str = ""
+) -> str:
+    """What the console says once the server is up: where, the keys, how to serve others, limits, batching
+    and the memory plan (when it keeps weights off the device)."""
     url = _url(host, port)
     lines = [f"Qwen-Image API on {url}/v1{_wildcard(host, port)} (Ctrl+C stops it)."]
     if ui:
@@ -439,6 +441,8 @@ def api_serving_message(host: str, port: int, keys: int, limits: Limits, ui: boo
         f"Limits: {limits.max_work:g} megapixel-steps and {limits.time_limit_s:g} s per request, "
         f"{limits.queue_size} waiting. Batching: {batch}."
     )
+    if memory:
+        lines.append(f"Memory: {memory}.")
     return "\n".join(lines)
 
 

@@ -297,12 +297,13 @@ def serve(
     ui: bool = False,
     max_batch: int = 1,
     window_s: float = 0.02,
-    on_start: Callable[[int, Limits, str], None] | None = None,
+    on_start: Callable[[int, Limits, str, str], None] | None = None,
 ) -> None:
     """Load the model once and serve the API (and with `ui` the demo at /ui) until interrupted: the entry
     point of `qwen-image serve`. `lora_files` are mounted at scale 0 (requests set `lora_scales`);
     `limits`: Limits fields over the device's defaults; `max_batch`: image rows per denoising step (1:
-    every request alone); `on_start(port, limits, batching)` runs once the server listens."""
+    every request alone); `on_start(port, limits, batching, memory)` runs once the server listens
+    (`memory`: the plan's summary when it keeps weights off the device, else "")."""
     import uvicorn
 
     from pipelines.batching import BatchPlan
@@ -333,12 +334,13 @@ def serve(
     )
     server = uvicorn.Server(config)
     batching = "off (each request alone)" if plan is None else describe_batching(plan, window_s)
+    memory = "" if pipe.memory is None or pipe.memory.plan.resident else pipe.memory.plan.summary()
 
     def announce() -> None:
         while not server.started and not server.should_exit:
             time.sleep(0.05)
         if server.started and on_start is not None:
-            on_start(port, applied, batching)
+            on_start(port, applied, batching, memory)
 
     threading.Thread(target=announce, daemon=True).start()
     try:
