@@ -135,8 +135,9 @@ def part_sizes(
 class Workload:
     """The largest request a memory plan must hold: the image size, images per transformer call (prompts
     x images per prompt), prompts per text-encoder call, text tokens per prompt, true CFG (two
-    transformer calls per step, and a captured graph for each branch) and the input images a request
-    carries (edits, condition images: each at the size its family gives it)."""
+    transformer calls per step, and a captured graph for each branch), the input images a request
+    carries (edits, condition images: each at the size its family gives it) and the images decoded at
+    once (`decode_images`, None: all of them; a batch of requests decodes each request alone)."""
 
     width: int
     height: int
@@ -145,6 +146,12 @@ class Workload:
     text_tokens: int = MAX_SEQUENCE_LENGTH
     true_cfg: bool = True
     input_images: int = 0
+    decode_images: int | None = None
+
+    @property
+    def decoded(self) -> int:
+        """Images the VAE decodes at once."""
+        return self.images if self.decode_images is None else self.decode_images
 
     def describe(self) -> str:
         images = f"{self.images} image{'s' if self.images > 1 else ''}"

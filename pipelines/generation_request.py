@@ -51,8 +51,8 @@ class GenerationRequest:
         return len(self.prompts) * self.num_images_per_prompt
 
     def workload(self, rows: int | None = None, text_tokens: int | None = None) -> Workload:
-        """This request as a memory plan sees it, at `rows` image rows per step (a batch it shares) and
-        `text_tokens` per prompt (default: its `max_sequence_length`)."""
+        """This request as a memory plan sees it, at `rows` image rows per step (a batch it shares; it is
+        still decoded alone) and `text_tokens` per prompt (default: its `max_sequence_length`)."""
         return Workload(
             self.width,
             self.height,
@@ -61,6 +61,7 @@ class GenerationRequest:
             self.max_sequence_length if text_tokens is None else text_tokens,
             self.true_cfg,
             len(self.images),
+            decode_images=self.rows,
         )
 
     @property

@@ -294,3 +294,17 @@ def test_a_family_that_plans_no_memory_refuses_a_budget_and_loads_without_one():
     with pytest.raises(InputError, match="does not plan GPU memory yet: leave out the budget"):
         plan_for(spec, torch.float32, torch.float32, torch.device("cpu"), "1GiB", None)
     assert plan_for(spec, torch.bfloat16, torch.bfloat16, torch.device("cuda"), None, None) is None
+
+
+def test_a_batch_is_planned_at_its_rows_but_decoded_a_request_at_a_time(full_size):
+    """`Pipeline.run` decodes each request of a batch alone: the plan checks the batch's rows in every
+    transformer call and one request's images in decoding, so a batch need not decode in tiles where one
+    request's images fit whole (the H200's 24 GiB server test: four 512x512 rows, one image a request)."""
+    _, profile = full_size
+    plan = plan_memory(profile, 24 * GiB, Workload(512, 512, images=4))
+    batch = Workload(512, 512, images=4, text_tokens=512)
+    per_request = dataclasses.replace(batch, decode_images=1)
+    assert with_workload(plan, profile, batch).tiled_decode
+    decoded_alone = with_workload(plan, profile, per_request)
+    assert not decoded_alone.tiled_decode
+    assert decoded_alone.peaks["denoise"] == with_workload(plan, profile, batch).peaks["denoise"]

@@ -78,7 +78,7 @@ class QwenImageActivations:
             per_image = TILE_BYTES_PER_BASE * self.vae_base + TILE_BYTES_PER_PIXEL * pixels
         else:
             per_image = DECODE_BYTES_PER_BASE * self.vae_base * pixels
-        return round(workload.images * per_image * self.dtype_bytes / 2)
+        return round(workload.decoded * per_image * self.dtype_bytes / 2)
 
 
 def memory_profile(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> MemoryProfile:

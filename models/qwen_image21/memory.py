@@ -116,7 +116,7 @@ class Activations21:
         else:
             per_image = DECODE_BYTES_PER_BASE * self.decoder_base * pixels
         encode = ENCODE_BYTES_PER_BASE * self.vae_base * OUTPUT_RESOLUTION**2 * AREA_SLACK
-        return self._bytes(max(workload.images * per_image, encode if workload.input_images else 0))
+        return self._bytes(max(workload.decoded * per_image, encode if workload.input_images else 0))
 
 
 def memory_profile(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> MemoryProfile:
