@@ -18,7 +18,7 @@ from pipelines.memory_plan import (
     OFFLOAD,
     RESERVE_BYTES,
     MemoryPlan,
-    default_workload,
+    checkpoint_plan,
     gib,
     parse_size,
     phase_peaks,
@@ -52,18 +52,13 @@ def plan_for(
     budget = None if gpu_memory is None else budget_bytes(gpu_memory)
     if budget is None and device.type != "cuda":
         return None
-    profile = spec.family.memory_profile(spec, DTYPE_BYTES[dtype], DTYPE_BYTES[vae_dtype])
-    if profile is None:
-        if budget is not None:
-            raise InputError(
-                f"the {spec.family.name} family does not plan GPU memory yet: leave out the budget"
-            )
-        return None
+    sizes = DTYPE_BYTES[dtype], DTYPE_BYTES[vae_dtype]
+    if budget is None and spec.family.memory_profile(spec, *sizes) is None:
+        return None  # a family that plans no memory: everything loads onto the device
     explicit = budget is not None
-    budget = device_budget(device, budget)
     graphs = device.type == "cuda" and cuda_graphs_enabled_by_env()
     fixed = RESERVE_BYTES if device.type == "cuda" else 0
-    plan = plan_memory(profile, budget, workload or default_workload(spec), graphs, fixed)
+    profile, plan = checkpoint_plan(spec, *sizes, device_budget(device, budget), workload, graphs, fixed)
     check_host_memory(plan)
     if explicit:
         cap_device(device, budget)

@@ -275,6 +275,27 @@ def default_workload(spec: CheckpointSpec) -> Workload:
     return Workload(spec.defaults.width, spec.defaults.height, input_images=inputs)
 
 
+def checkpoint_plan(
+    spec: CheckpointSpec,
+    dtype_bytes: int,
+    vae_dtype_bytes: int,
+    budget: int,
+    workload: Workload | None = None,
+    graphs: bool = True,
+    fixed_reserve: int = RESERVE_BYTES,
+) -> tuple[MemoryProfile, MemoryPlan]:
+    """The memory profile of `spec`'s checkpoint (its components at `dtype_bytes` per element, the VAE at
+    `vae_dtype_bytes`) and its plan for `budget` and `workload` (default: `default_workload`): what the
+    pipeline loads with and what the CLI checks before loading. InputError where the family plans no
+    memory, or where nothing fits."""
+    profile = spec.family.memory_profile(spec, dtype_bytes, vae_dtype_bytes)
+    if profile is None:
+        raise InputError(
+            f"the {spec.family.name} family does not plan GPU memory yet: leave out the budget (--gpu-memory)"
+        )
+    return profile, plan_memory(profile, budget, workload or default_workload(spec), graphs, fixed_reserve)
+
+
 def plan_memory(
     profile: MemoryProfile,
     budget: int,

@@ -19,7 +19,7 @@ from pipelines.images import open_input_image, read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import check_size, check_steps
 from pipelines.load_options import LoadOptions
-from pipelines.memory_plan import default_workload, parse_size, plan_memory
+from pipelines.memory_plan import checkpoint_plan, default_workload, parse_size
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
 from pipelines.requests import check_requests, read_requests
 from pipelines.variants import resolve_variant
@@ -93,16 +93,12 @@ def memory_budget(args: argparse.Namespace) -> int | None:
 
 
 def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int, workload: Workload) -> Any:
-    """The plan `budget` gives on a CUDA GPU (BF16 unless --dtype fp32), from the configs and safetensors
-    headers only: a budget that cannot work, or a family that plans no memory, is refused here, before
+    """The plan `budget` gives on a CUDA GPU, where every component runs in BF16 unless --dtype fp32 (what
+    the pipeline picks there), from the configs and safetensors headers only (the pipeline's own
+    `checkpoint_plan`): a budget that cannot work, or a family that plans no memory, is refused here, before
     torch is imported."""
     size = 4 if args.dtype == "fp32" else 2
-    profile = spec.family.memory_profile(spec, size, size)
-    if profile is None:
-        raise InputError(
-            f"the {spec.family.name} family does not plan GPU memory yet: leave out --gpu-memory"
-        )
-    return plan_memory(profile, budget, workload)
+    return checkpoint_plan(spec, size, size, budget, workload)[1]
 
 
 def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> dict[str, Any]:
