@@ -15,8 +15,8 @@ The model loads once. For each workload (size, steps or preset, the batch cap wh
 Prompts all have one token length (CUDA graphs are captured per length); every configuration is warmed
 up first. Writes server_load.json under --out and prints a table.
 
-    python bench/server_load.py --model /tmp/qwen-image-random-fp8 --out DIR        # one H200, ~5 min
-    python bench/server_load.py --device cpu --dtype fp32 --workload cpu:128:8:4 --clients 1,4,16 --out DIR
+    python -m bench.server_load --model /tmp/qwen-image-random-fp8 --out DIR        # one H200, ~5 min
+    python -m bench.server_load --device cpu --dtype fp32 --workload cpu:128:8:4 --clients 1,4,16 --out DIR
 """
 
 import argparse
