@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from PIL import Image
 
 from models.errors import InputError
+from pipelines.generation_request import GenerationRequest
 from pipelines.images import MAX_INPUT_BYTES, open_input_image
 from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
 from ui.runner import Job
@@ -70,8 +71,8 @@ class Pipeline(Protocol):
 
     def parallel_summary(self) -> str: ...
 
-    def request(self, prompt: str, **values: Any) -> Any:
-        """The resolved GenerationRequest (the Edit tab also reads `spec.max_images`)."""
+    def request(self, prompt: str, **values: Any) -> GenerationRequest:
+        """The resolved request (the Edit tab also reads `spec.max_images`)."""
         ...
 
     def run(self, requests: list[Any], slots: int | None = None, on_step: Any = None) -> list[Any]: ...
@@ -138,7 +139,7 @@ def job_from_inputs(
     return job
 
 
-def request_of(pipe: Any, fields: Mapping[str, str], prompt: str, **values: Any) -> Any:
+def request_of(pipe: Any, fields: Mapping[str, str], prompt: str, **values: Any) -> GenerationRequest:
     """`pipe.request(prompt, **values)`, the one resolution of a request; its InputError becomes a FieldError
     naming the front door's input (`fields`: the pipeline's argument name -> that input's name; any other
     concerns the prompt)."""

@@ -18,6 +18,7 @@ from typing import Any
 from PIL import Image
 
 from models.errors import QwenImageError
+from pipelines.generation_request import GenerationRequest
 from ui.limits import Limits, work_of
 
 # Why a job stopped (Job.stop_reason); the time limit's reason names the limit.
@@ -63,12 +64,12 @@ class Job:
         self,
         session: str | None,
         variant: str,
-        request: Any,
+        request: GenerationRequest,
         on_step: Callable[[int, int], None] | None = None,
     ) -> None:
         self.session = session
         self.variant = variant
-        self.request = request  # pipelines.generation_request.GenerationRequest
+        self.request = request
         self.on_step = on_step
         self.ignored_seed: int | None = None  # the demo's: a seed given with randomize_seed on (not used)
         self.steps_done = 0
