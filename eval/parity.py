@@ -50,12 +50,13 @@ from pipelines.limits import check_size, check_steps
 from pipelines.requests import Request, check_requests
 from pipelines.variants import AUTO, VARIANTS
 
-VARIANT_HELP = """variants: NAME[:DEVICE[:INDEX]][:DTYPE]
+VARIANT_HELP = """variants: NAME[+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]
   NAME    reference | contract | fp8-unfused | fp8-fused | auto   (see docs/API.md)
+  PRESET  a step cache (fast | faster): approximate, compare it with the same NAME without
   DEVICE  cpu | cuda (cuda:INDEX picks a GPU; not allowed under torchrun on GPUs, where each rank
           uses GPU LOCAL_RANK); default: CUDA when available
   DTYPE   bf16 | fp32; default bf16
-  e.g. contract, fp8-fused:cuda, reference:cpu:fp32, contract:cuda:1:bf16
+  e.g. contract, fp8-fused:cuda, reference:cpu:fp32, contract:cuda:1:bf16, fp8-fused+cache:fast
 expect: 'identical' or comma-separated METRIC OP NUMBER terms that every pair must meet
   METRIC  psnr (dB) | ssim | lpips | max_abs | mean_abs;  OP  >= > <= < ==
   e.g. --expect identical, --expect "psnr>=35,ssim>=0.98"

@@ -75,7 +75,8 @@ class Worker:
     def __init__(self, slot: str, spec: VariantSpec, model: str | None, env: dict[str, str]):
         self.slot, self.spec = slot, spec
         command = [sys.executable, "-m", "eval.worker", "--variant", spec.name]
-        for flag, value in (("--model", model), ("--device", spec.device), ("--dtype", spec.dtype)):
+        flags = {"--model": model, "--device": spec.device, "--dtype": spec.dtype, "--cache": spec.cache}
+        for flag, value in flags.items():
             if value is not None:
                 command += [flag, value]
         self.process = subprocess.Popen(
@@ -162,6 +163,7 @@ def pair_record(
             **asdict(getattr(metrics, slot)),
             "seconds": replies[slot]["seconds"],
             "timings": replies[slot]["timings"],
+            "cache": replies[slot].get("cache", ""),
         }
         for slot in SLOTS
     }

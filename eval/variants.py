@@ -1,19 +1,23 @@
 """Variant specs: which pipeline configuration a side of the comparison runs.
 
-Grammar: `NAME[:DEVICE[:INDEX]][:DTYPE]`
+Grammar: `NAME[+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]`
   NAME    a variant from `pipelines.VARIANTS` (reference, contract, fp8-unfused, fp8-fused) or auto
+  PRESET  a step-cache preset (models/cache_presets.py: fast, faster); default: no cache
   DEVICE  cpu or cuda, optionally with a GPU index (cuda:1); default: the pipeline's (CUDA when available)
   DTYPE   bf16 or fp32; default: the pipeline's (bf16)
-Examples: `contract`, `fp8-fused:cuda`, `reference:cpu:fp32`, `contract:cuda:1:bf16`, `auto:bf16`.
+Examples: `contract`, `fp8-fused:cuda`, `reference:cpu:fp32`, `contract:cuda:1:bf16`, `auto:bf16`,
+`fp8-fused+cache:fast`, `contract+cache:faster:cpu:fp32`.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from models.cache_presets import CACHE_PRESETS
 from models.errors import InputError
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("bf16", "fp32")
+CACHE_SUFFIX = "+cache"
 
 
 @dataclass(frozen=True)
@@ -22,11 +26,18 @@ class VariantSpec:
     name: str
     device: str | None = None
     dtype: str | None = None
+    cache: str | None = None  # a step-cache preset's name
 
 
 def parse_variant(text: str, known: Sequence[str]) -> VariantSpec:
     """Parse one variant spec; `known` lists the accepted names. Raises InputError."""
     name, *rest = text.strip().split(":")
+    cache = None
+    if name.endswith(CACHE_SUFFIX):
+        name = name.removesuffix(CACHE_SUFFIX)
+        cache = rest.pop(0) if rest else ""
+        if cache not in CACHE_PRESETS:
+            raise InputError(f"bad variant {text!r}: +cache:PRESET needs one of {', '.join(CACHE_PRESETS)}")
     if name not in known:
         raise InputError(f"unknown variant {name!r} in {text!r}; choose one of {', '.join(known)}")
     device = dtype = None
@@ -42,4 +53,4 @@ def parse_variant(text: str, known: Sequence[str]) -> VariantSpec:
                 f"bad variant {text!r}: unexpected {token!r}; "
                 "expected NAME[:DEVICE[:INDEX]][:DTYPE] with DEVICE cpu|cuda and DTYPE bf16|fp32"
             )
-    return VariantSpec(text=text, name=name, device=device, dtype=dtype)
+    return VariantSpec(text=text, name=name, device=device, dtype=dtype, cache=cache)

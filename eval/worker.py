@@ -71,7 +71,7 @@ def load(args: argparse.Namespace) -> tuple[object, dict]:
     return pipe, info
 
 
-def generate(pipe: object, request: dict) -> dict:
+def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
     from pipelines.images import open_input_image
 
     start = time.perf_counter()
@@ -85,6 +85,7 @@ def generate(pipe: object, request: dict) -> dict:
         true_cfg_scale=request.get("true_cfg_scale", 4.0),
         seed=request["seed"],
         image=inputs or None,
+        cache=cache,
     )
     images[0].save(request["png"], format="PNG")
     run = pipe.last_run
@@ -97,6 +98,7 @@ def generate(pipe: object, request: dict) -> dict:
         "height": run.height,
         "steps": run.num_inference_steps,
         "timings": dict(run.timings),
+        "cache": run.cache,
     }
 
 
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--cache", default=None, help="a step-cache preset for every image")
     args = parser.parse_args(argv)
     channel = open_protocol_channel()
     try:
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         request = json.loads(line)
         try:
-            send(channel, generate(pipe, request))
+            send(channel, generate(pipe, request, args.cache))
         except Exception as exc:
             send_error(channel, exc, id=request.get("id"))
     return 0

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from models.env import env_flag
 from models.errors import InputError
 from models.sequence_parallel import Collective, cut_at_collectives
+from models.step_cache import BranchCache, branch_points, caching, warming_up
 
 GRAPHS_ENV = "QWEN_IMAGE_CUDA_GRAPHS"
 COLLECTIVES_ENV = "QWEN_IMAGE_GRAPH_COLLECTIVES"
@@ -56,7 +57,7 @@ class GraphSegments:
         """Capture `fn()` (on the current, non-default stream) and return its output tensors."""
         self._begin()
         try:
-            with cut_at_collectives(self._cut) if cut else nullcontext():
+            with cut_at_collectives(self._cut) if cut else nullcontext(), branch_points(self._branch):
                 out = fn()
         finally:
             self._graph.capture_end()
@@ -69,6 +70,23 @@ class GraphSegments:
             if collective is not None:
                 collective()
 
+    def _branch(
+        self, decide: Callable[[], bool], middle: Callable[[], None], reuse: Callable[[], None]
+    ) -> None:
+        """A step cache's decision (models/step_cache.py): both ways captured, one replayed per call."""
+        self._graph.capture_end()
+        self.pieces.append((self._graph, None))
+        ways = []
+        for way in (middle, reuse):
+            self._begin()
+            try:
+                way()
+            finally:
+                self._graph.capture_end()
+            ways.append(self._graph)
+        self.pieces.append((_Branch(decide, *ways), None))
+        self._begin()
+
     def _begin(self) -> None:
         self._graph = self.new_graph()
         self._graph.capture_begin(self.pool, capture_error_mode=self.mode)
@@ -77,6 +95,16 @@ class GraphSegments:
         self._graph.capture_end()
         self.pieces.append((self._graph, collective))
         self._begin()
+
+
+class _Branch:
+    """Replays `middle` when `decide()` (a host read) says some row runs the middle blocks, else `reuse`."""
+
+    def __init__(self, decide: Callable[[], bool], middle: Any, reuse: Any) -> None:
+        self.decide, self.middle, self.reuse = decide, middle, reuse
+
+    def replay(self) -> None:
+        (self.middle if self.decide() else self.reuse).replay()
 
 
 class _Captured:
@@ -89,7 +117,7 @@ class _Captured:
         self.static_inputs = tuple(None if t is None else t.clone() for t in inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), warming_up():
             step(*self.static_inputs)  # warm-up: compiles kernels, fills caches outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -126,14 +154,22 @@ class GraphedStep:
         self.cut_collectives = cut_collectives
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
 
-    def __call__(self, *inputs: torch.Tensor | None, static: tuple = ()) -> torch.Tensor:
-        key = (static, *(None if t is None else (t.shape, t.dtype, t.device) for t in inputs))
+    def __call__(
+        self, *inputs: torch.Tensor | None, static: tuple = (), cache: BranchCache | None = None
+    ) -> torch.Tensor:
+        """The step's output; with a step `cache` (one CFG branch's), its own graphs hold its buffers."""
+        key = (static, cache, *(None if t is None else (t.shape, t.dtype, t.device) for t in inputs))
         if key in self.graphs:
             self.graphs.move_to_end(key)
         else:
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.popitem(last=False)
-            self.graphs[key] = _Captured(
-                lambda *tensors: self.step(*tensors, *static), inputs, self.cut_collectives
-            )
+            self.graphs[key] = _Captured(self._with(cache, static), inputs, self.cut_collectives)
         return self.graphs[key](inputs)
+
+    def _with(self, cache: BranchCache | None, static: tuple) -> Callable[..., torch.Tensor]:
+        def step(*tensors: torch.Tensor | None) -> torch.Tensor:
+            with caching(cache):
+                return self.step(*tensors, *static)
+
+        return step

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import PIL.Image
 
+from models.cache_presets import CachePreset, get_cache_preset
 from models.errors import InputError
 from models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec
 from models.memory import Workload
@@ -39,6 +40,7 @@ class GenerationRequest:
     images: tuple[PIL.Image.Image, ...] = ()  # input images (edits, condition images), shared by every prompt
     preset: str | None = None  # its scheduler samples the steps
     lora_scales: tuple[tuple[str, float], ...] = ()
+    cache: CachePreset | None = None  # a step cache (opt-in, approximate); None: every block runs
 
     @property
     def true_cfg(self) -> bool:
@@ -80,6 +82,7 @@ class GenerationRequest:
             self.max_sequence_length,
             self.preset,
             self.lora_scales,
+            self.cache,
         )
 
 
@@ -99,12 +102,13 @@ def resolve_request(
     image: PIL.Image.Image | Sequence[PIL.Image.Image] | None = None,
     suggest_size: SizeSuggestion | None = None,
     loras: Collection[str] | None = None,
+    cache: str | CachePreset | None = None,
 ) -> GenerationRequest:
     """The request for `spec`'s checkpoint from raw values (docs/API.md, `Pipeline.generate`): each side not
     given is what the input images suggest (`suggest_size`, the loaded model's; without it, or without
     images, the checkpoint's default size), the negative prompt defaults to the checkpoint's, steps and CFG
-    scale to the preset's or the checkpoint's. InputError names the first bad value; `loras`, when given,
-    are the LoRA names `lora_scales` may set."""
+    scale to the preset's or the checkpoint's; `cache` names a step-cache preset (or is "off"). InputError
+    names the first bad value; `loras`, when given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
     images = check_images(image, spec.max_images, spec.images_required, spec.name)
     suggested = suggest_size(images) if images and suggest_size is not None else None
@@ -144,6 +148,7 @@ def resolve_request(
         images=tuple(images),
         preset=preset,
         lora_scales=checked_lora_scales(lora_scales, loras),
+        cache=get_cache_preset(cache),
     )
 
 

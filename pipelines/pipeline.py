@@ -17,6 +17,7 @@ import PIL.Image
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from models.cache_presets import CachePreset
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import (
@@ -27,7 +28,8 @@ from models.family import (
 )
 from models.lora import MergeReport
 from models.lora_files import LoraFile
-from models.memory import ENCODE, Workload
+from models.memory import DENOISE, ENCODE, Workload
+from models.step_cache import BranchCache, caching
 from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
 from pipelines.generation_request import GenerationRequest, resolve_request
 from pipelines.load_options import LoadOptions
@@ -56,6 +58,7 @@ class RunInfo:
     preset: str = ""
     loras: str = ""  # the LoRAs that ran, with scales and mode ("" without LoRA)
     shared_by: int = 1  # requests that shared its denoising steps (their seconds are in each one's timings)
+    cache: str = ""  # the step cache and the steps it skipped ("" without one)
 
     @property
     def ms_per_step(self) -> float:
@@ -176,6 +179,7 @@ class Pipeline:
         self.last_run: RunInfo | None = None
         self.cuda_graphs = self.device.type == "cuda" and cuda_graphs_enabled_by_env()
         self._graphed = GraphedStep(model.run_step, cut_collectives=cut_collectives_by_env())
+        self._caches: dict[tuple[CachePreset, int], BranchCache] = {}  # per preset and CFG branch
         self._limit_graphs()
         self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
         self.lora = LoraSet(model.transformer, self.dtype, spec.family.convert_lora, device=self.device)
@@ -267,7 +271,7 @@ class Pipeline:
         if variant.fp8_weights:
             report = self.transformer.post_load_weights(fuse=variant.fused)
             self._variant = get_variant("fp8-fused" if report.fused else "fp8-unfused")  # e.g. FP8_FUSION=0
-        self._graphed.graphs.clear()
+        self._drop_graphs()
         if self.memory is not None:
             self.memory.refresh()
             self._limit_graphs()
@@ -301,9 +305,14 @@ class Pipeline:
         pipeline plans no memory (a CPU pipeline loaded without a budget)."""
         if self.memory is None:
             raise InputError("this pipeline was loaded without a memory plan: load it with gpu_memory")
-        self._graphed.graphs.clear()
+        self._drop_graphs()
         self.memory.replan(gpu_memory, workload)
         self._limit_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget the captured CUDA graphs and the step caches' buffers they hold."""
+        self._graphed.graphs.clear()
+        self._caches.clear()
 
     def _limit_graphs(self, plan: MemoryPlan | None = None) -> None:
         """A plan that moves weights counts one captured graph's memory pool, and the buffers its steps
@@ -321,7 +330,7 @@ class Pipeline:
         if self.ranks is not None:
             self.ranks.release()
         self.ranks = None if plan is None or plan.world_size == 1 else Ranks(plan, self.transformer)
-        self._graphed.graphs.clear()
+        self._drop_graphs()
 
     def parallel_summary(self) -> str:
         """The parallel plan this process runs in, e.g. "CFG-2 x Ulysses-1 on 2 ranks (this is rank 0)"."""
@@ -374,6 +383,7 @@ class Pipeline:
         lora_scales: dict[str, float] | None = None,
         image: PIL.Image.Image | list[PIL.Image.Image] | None = None,
         output_type: str = "pil",
+        cache: str | CachePreset | None = None,
     ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `seed` may give one seed per
         prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
@@ -392,6 +402,7 @@ class Pipeline:
             preset=preset,
             lora_scales=lora_scales,
             image=image,
+            cache=cache,
         )
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
@@ -427,6 +438,8 @@ class Pipeline:
             kept = self.model.prompt_tokens(asked)
             tokens = first.max_sequence_length if kept is None else max(kept, first.max_sequence_length)
             self._limit_graphs(self.memory.request(first.workload(slots * first.rows, tokens)))
+        if first.cache is not None:
+            self._check_cache()
         if first.lora_scales:
             self.set_lora_scales(dict(first.lora_scales))
         preset = get_preset(first.preset, self.spec.family.name)
@@ -449,6 +462,20 @@ class Pipeline:
         if self.memory is not None:
             self.memory.prefetch()  # the text encoder comes back while the caller looks at the images
         return results
+
+    def _check_cache(self) -> None:
+        """InputError where a step cache is not built: blocks split over ranks (Ulysses) or brought in
+        from host memory (a memory plan that streams the transformer's blocks expects every block to run)."""
+        if self.ranks is not None and self.ranks.plan.ulysses > 1:
+            summary = self.parallel_summary()
+            raise InputError(f"a step cache is not built for Ulysses sequence parallelism ({summary})")
+        if self.memory is not None:
+            denoiser = self.memory.plan.placement(self.memory.profile.part(DENOISE).name)
+            if denoiser.streamed or denoiser.lent:
+                raise InputError(
+                    "a step cache is not built for a memory plan that streams the transformer's blocks; give "
+                    "a --gpu-memory budget that keeps them on the GPU (`qwen-image info` shows the plan)"
+                )
 
     def _seed(self, request: GenerationRequest) -> int | list[int]:
         """The request's seed (a list: one per prompt); drawn when it has none, the same on every rank."""
@@ -492,7 +519,10 @@ class Pipeline:
             timer.lap("image_encoding")
         batch_seeds = seeds[group[0]] if slots <= 1 else [seeds[i] for i in padded]
         steps, scale = first.num_inference_steps, first.true_cfg_scale
-        latents = self.denoise(branches, canvas, steps, scale, batch_seeds, on_step, progress, scheduler)
+        caches = self._step_caches(first.cache, len(branches))
+        latents = self.denoise(
+            branches, canvas, steps, scale, batch_seeds, on_step, progress, scheduler, caches
+        )
         timer.lap("denoising")
         shared = dict(timer.timings)
         done = []
@@ -513,6 +543,7 @@ class Pipeline:
                 preset=request.preset or "",
                 loras=self.lora.summary(),
                 shared_by=len(group),
+                cache=cache_summary(first.cache, caches, position * first.rows, first.rows, steps),
             )
             done.append((index, Generated(out, info)))
         return done
@@ -527,18 +558,21 @@ class Pipeline:
         on_step: Callable[[int, int], None] | None = None,
         progress: bool = False,
         scheduler: FlowMatchEulerDiscreteScheduler | None = None,
+        caches: list[BranchCache] | None = None,
     ) -> torch.Tensor:
         """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
         (true CFG); `canvas` is the model's geometry of the request (`model.canvas`); `seed` a list gives
-        each prompt's rows their own seed; `scheduler` defaults to the checkpoint's. Returns the final
-        packed latents."""
+        each prompt's rows their own seed; `scheduler` defaults to the checkpoint's; `caches`, one per
+        branch, a step cache (reset here). Returns the final packed latents."""
         scheduler = self.model.scheduler if scheduler is None else scheduler
         batch = branches[0].embeds.shape[0]
         seeds = seed if isinstance(seed, list) else [seed]
         rows = batch // len(seeds)
         latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
         timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
-        step = self._step(canvas)
+        for cache in caches or ():
+            cache.reset()
+        step = self._step(canvas, branches, caches)
 
         def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             cfg = None if self.ranks is None else self.ranks.cfg
@@ -549,16 +583,27 @@ class Pipeline:
 
         return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress)
 
-    def _step(self, canvas: object) -> Step:
-        """The transformer call for one request's geometry: CUDA-graph replays on CUDA, eager elsewhere."""
+    def _step(
+        self, canvas: object, branches: list[Conditioning], caches: list[BranchCache] | None = None
+    ) -> Step:
+        """The transformer call for one request's geometry: CUDA-graph replays on CUDA, eager elsewhere;
+        with `caches`, each branch's calls through its step cache."""
 
         def step(latents: torch.Tensor, branch: Conditioning, sigma: torch.Tensor) -> torch.Tensor:
             call = self.model.step_call(latents, sigma, branch, canvas)
+            cache = None if caches is None else caches[next(i for i, b in enumerate(branches) if b is branch)]
             if not (self.cuda_graphs and call.graphable):
-                return self.model.run_step(*call.tensors, *call.static)
-            return self._graphed(*call.tensors, static=call.static)
+                with caching(cache):
+                    return self.model.run_step(*call.tensors, *call.static)
+            return self._graphed(*call.tensors, static=call.static, cache=cache)
 
         return step
+
+    def _step_caches(self, preset: CachePreset | None, branches: int) -> list[BranchCache] | None:
+        """One step cache per CFG branch for `preset`, kept across requests (graphs hold their buffers)."""
+        if preset is None:
+            return None
+        return [self._caches.setdefault((preset, b), BranchCache(preset)) for b in range(branches)]
 
 
 class _StageTimer:
@@ -612,6 +657,21 @@ def _same_shapes(encoded: list[_Encoded]) -> list[list[int]]:
 
 
 _CACHE: dict[LoadOptions, Pipeline] = {}
+
+
+def cache_summary(
+    preset: CachePreset | None, caches: list[BranchCache] | None, first_row: int, rows: int, steps: int
+) -> str:
+    """RunInfo's line for a request's rows `first_row`.. of a denoise loop run with step `caches`: the
+    preset and, per CFG branch, the steps whose middle blocks it skipped (mean over the request's rows)."""
+    if preset is None or not caches:
+        return ""
+    names = ["positive", "negative"] if len(caches) == 2 else [""]
+    parts = []
+    for name, cache in zip(names, caches, strict=True):
+        skipped = cache.skipped[first_row : first_row + rows] or [0]
+        parts.append(f"{sum(skipped) / len(skipped):g} of {steps}" + (f" ({name})" if name else ""))
+    return f"{preset.name}: middle blocks skipped in {', '.join(parts)} steps"
 
 
 def load_pipeline(

@@ -43,6 +43,7 @@ FIELDS = (
     "true_cfg_scale",
     "preset",
     "lora_scales",
+    "cache",
     *IGNORED,
 )
 EDIT_FIELDS = (*FIELDS, "image", "image[]")
@@ -134,9 +135,10 @@ def _job_of(
     for name in IGNORED:
         if values.get(name) is not None and not isinstance(values[name], str):
             raise FieldError(name, f"{name} must be text")
+    for name in ("preset", "cache"):
+        if values.get(name) is not None and not isinstance(values[name], str):
+            raise FieldError(name, f"{name} must be text, not {values[name]!r}")
     preset = values.get("preset")
-    if preset is not None and not isinstance(preset, str):
-        raise FieldError("preset", f"preset must be text, not {preset!r}")
     width, height = _size(values.get("size"))
     request = request_of(
         pipe,
@@ -150,6 +152,7 @@ def _job_of(
         seed=random_seed() if seed is None else seed,
         num_images_per_prompt=n,
         preset=preset or None,
+        cache=values.get("cache"),
         lora_scales=_lora_scales(values.get("lora_scales"), getattr(pipe, "loras", {}), text_numbers),
         image=images or None,
     )

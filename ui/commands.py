@@ -113,6 +113,7 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
         "num_images_per_prompt",
         "max_sequence_length",
         "preset",
+        "cache",
     )
     return {name: getattr(args, name) for name in names} | {"image": images or None}
 
@@ -241,6 +242,8 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
         print(f"memory: {pipe.memory.plan.summary()}")
     if run.preset:
         print(f"preset: {get_preset(run.preset).describe()}")
+    if run.cache:
+        print(f"step cache {run.cache} (approximate)")
     if run.loras:
         print(run.loras)
     if pipe.lora_merge is not None:

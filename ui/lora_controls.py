@@ -1,4 +1,5 @@
-"""Presets and LoRA scales in the demo: the controls, and the `generate()` arguments they make.
+"""Presets, the step cache and LoRA scales in the demo: the controls, and the `generate()` arguments they
+make.
 
 Self-contained: the layout (ui/app.py) places `lora_controls(...)` and passes the state it returns to
 `generate()` as keyword arguments. LoRAs are mounted once at start-up at scale 0 (off), so switching one
@@ -11,9 +12,11 @@ from typing import Any
 
 import gradio as gr
 
+from models.cache_presets import CACHE_PRESETS
 from pipelines.presets import PRESETS, presets_for
 
 NO_PRESET = "none"
+NO_CACHE = "off"
 
 
 def load_lora_files(pipe: Any, files: Sequence[Path]) -> None:
@@ -22,10 +25,11 @@ def load_lora_files(pipe: Any, files: Sequence[Path]) -> None:
         pipe.load_lora(path, scale=0.0)
 
 
-def run_kwargs(names: Sequence[str], preset: str, scales: Sequence[float]) -> dict[str, Any]:
+def run_kwargs(names: Sequence[str], preset: str, cache: str, scales: Sequence[float]) -> dict[str, Any]:
     """`generate()` arguments for the control values: the preset (none: the model's own scheduler and
-    defaults) and the scale of each loaded LoRA."""
+    defaults), the step cache (off: every block runs) and the scale of each loaded LoRA."""
     kwargs: dict[str, Any] = {"preset": None if preset == NO_PRESET else preset}
+    kwargs["cache"] = None if cache == NO_CACHE else cache
     if names:
         kwargs["lora_scales"] = {name: float(scale) for name, scale in zip(names, scales, strict=True)}
     return kwargs
@@ -38,14 +42,15 @@ def preset_settings(preset: str, steps: float, cfg: float) -> tuple[float, float
 
 
 def lora_controls(pipe: Any, steps: gr.Slider, cfg: gr.Slider) -> gr.State:
-    """A preset choice and one scale slider per loaded LoRA (call inside the Blocks layout); returns the
-    State holding the `generate()` arguments they make. Picking a preset also sets the steps and CFG."""
+    """A preset choice, a step-cache choice and one scale slider per loaded LoRA (call inside the Blocks
+    layout); returns the State holding the `generate()` arguments they make. Picking a preset also sets
+    the steps and CFG."""
     loras = getattr(pipe, "loras", {})  # a pipeline without LoRA support offers the presets only
     spec = getattr(pipe, "spec", None)  # the presets made for the model's family (all for a stand-in)
     family = None if spec is None else spec.family.name
     names = list(loras)
-    state = gr.State(run_kwargs(names, NO_PRESET, [loras[name].scale for name in names]))
-    with gr.Accordion("Preset and LoRA", open=bool(names)):
+    state = gr.State(run_kwargs(names, NO_PRESET, NO_CACHE, [loras[name].scale for name in names]))
+    with gr.Accordion("Preset, step cache and LoRA", open=bool(names)):
         preset = gr.Dropdown(
             [("none (the model's scheduler and defaults)", NO_PRESET)]
             + [(p.describe(), p.name) for p in presets_for(family)],
@@ -53,19 +58,32 @@ def lora_controls(pipe: Any, steps: gr.Slider, cfg: gr.Slider) -> gr.State:
             label="Preset",
             elem_id="preset",
         )
+        cache = gr.Dropdown(
+            [("off (exact: every block runs)", NO_CACHE)]
+            + [(f"{p.describe()} (approximate)", p.name) for p in CACHE_PRESETS.values()],
+            value=NO_CACHE,
+            label="Step cache",
+            elem_id="cache",
+        )
         sliders = [
             gr.Slider(-2.0, 2.0, loras[name].scale, step=0.05, label=f"LoRA {name} (0 = off)")
             for name in names
         ]
     private = {"queue": False, "api_visibility": "private"}
     preset.input(preset_settings, [preset, steps, cfg], [steps, cfg], **private)
-    for control in (preset, *sliders):
-        control.change(lambda p, *s: run_kwargs(names, p, s), [preset, *sliders], state, **private)
+    controls = [preset, cache, *sliders]
+    for control in controls:
+        control.change(lambda p, c, *s: run_kwargs(names, p, c, s), controls, state, **private)
     return state
 
 
 def lora_details(run: Any) -> str:
-    """Markdown lines for the details panel: the preset and the LoRAs that ran ('' without them)."""
-    preset, loras = getattr(run, "preset", ""), getattr(run, "loras", "")
-    lines = [f"**Preset:** {preset}" if preset else "", f"**{loras}**" if loras else ""]
+    """Markdown lines for the details panel: the preset, the step cache and the LoRAs that ran ('' without
+    them)."""
+    preset, cache, loras = getattr(run, "preset", ""), getattr(run, "cache", ""), getattr(run, "loras", "")
+    lines = [
+        f"**Preset:** {preset}" if preset else "",
+        f"**Step cache:** {cache}" if cache else "",
+        f"**{loras}**" if loras else "",
+    ]
     return "".join(f"\n{line}  " for line in lines if line)

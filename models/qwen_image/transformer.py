@@ -47,6 +47,7 @@ from models.qwen_image.math import (
     timestep_embedding,
 )
 from models.sequence_parallel import SequencePlan
+from models.step_cache import Streams, run_blocks
 
 
 class RMSNorm(nn.Module):
@@ -272,12 +273,14 @@ class TransformerBlocks(nn.ModuleList):
         rope: Rope,
         mod_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Image rows after every block (the text rows only feed the attention)."""
-        for block in self:
-            encoder_hidden_states, hidden_states = block(
-                hidden_states, encoder_hidden_states, key_mask, temb, rope, mod_index
-            )
-        return hidden_states
+        """Image rows after every block (the text rows only feed the attention); a step cache, when one is
+        active, may skip the middle blocks (models/step_cache.py)."""
+
+        def run(i: int, streams: Streams) -> Streams:
+            text, image = self[i](streams[0], streams[1], key_mask, temb, rope, mod_index)
+            return image, text
+
+        return run_blocks(len(self), (hidden_states, encoder_hidden_states), run)[0]
 
 
 class TimestepEmbedder(nn.Module):

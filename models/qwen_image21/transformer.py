@@ -40,6 +40,7 @@ from models.qwen_image21.layout import (
     build_layout,
     rope_tables,
 )
+from models.step_cache import run_blocks
 
 TIMESTEP_CHANNELS = 256
 
@@ -419,7 +420,7 @@ class QwenImage21Transformer(nn.Module):
         temb = self.time_text_embed(timestep, x.dtype)
         scale1, gate1, scale2, gate2 = self.modulation(temb).chunk(4, dim=-1)
         mod = Modulation(scale1, TanhGate.of(gate1), scale2, TanhGate.of(gate2))
-        for i, block in enumerate(self.transformer_blocks):
-            x = block(x, mod, plan, kv.layer(i))
+        blocks = self.transformer_blocks
+        (x,) = run_blocks(len(blocks), (x,), lambda i, s: (blocks[i](s[0], mod, plan, kv.layer(i)),))
         target = x[:, plan.output_start :].contiguous()
         return self.proj_out(self.norm_out(target, temb, plan.output_rows))

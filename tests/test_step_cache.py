@@ -1,0 +1,219 @@
+"""The step cache (models/step_cache.py), opt-in and approximate: its rule checked against an independent
+re-computation on a toy block stack, and through the pipeline for every family: off is the exact path, on
+it skips the middle blocks in the steps it reports, fused and unfused FP8 skip the same steps with the same
+bytes, a request keeps its bytes in a batch, and a memory plan that streams blocks refuses it."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from edit_fixtures import build_edit_checkpoint, drawn_image
+from helpers import png_sha256
+from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
+
+from eval.variants import parse_variant
+from models.cache_presets import CACHE_PRESETS, CachePreset, get_cache_preset
+from models.errors import InputError
+from models.memory import Workload
+from models.step_cache import BranchCache, caching, run_blocks
+from pipelines import load_pipeline
+from pipelines.quantize import quantize_checkpoint
+from pipelines.variants import VARIANTS
+
+# Skips whenever it may: the schedule is then warm-up, then `max_cached_in_a_row` skipped, one computed, ...
+ALWAYS = CachePreset("always", threshold=math.inf, warmup_steps=2, max_cached_in_a_row=2)
+# On the tiny FP8 checkpoint below, its threshold lets some steps skip and makes others run
+MIDWAY = CachePreset("midway", threshold=0.3, warmup_steps=2, max_cached_in_a_row=3)
+SMALL = dict(prompt="a red circle on the left", negative_prompt=" ", width=32, height=32, seed=3)
+
+
+def always_schedule(steps: int) -> list[bool]:
+    """Per step, whether ALWAYS runs the middle blocks (written out from its definition)."""
+    computed, in_a_row = [], 0
+    for step in range(steps):
+        compute = step < ALWAYS.warmup_steps or in_a_row >= ALWAYS.max_cached_in_a_row
+        in_a_row = 0 if compute else in_a_row + 1
+        computed.append(compute)
+    return computed
+
+
+def toy_block(i: int, streams: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    image, text = streams
+    return torch.tanh(image * (1 + 0.1 * i) + text.mean(1, keepdim=True)), text + 0.01 * (i + 1)
+
+
+def test_the_rule_decides_per_row_against_an_independent_recomputation() -> None:
+    """Row 0's input barely moves between calls, row 1's jumps: row 0 skips (after the warm-up, at most
+    `max_cached_in_a_row` calls in a row) with the front output plus the middle residual of its last
+    computed call; row 1 always runs every block and equals the plain loop bit for bit."""
+    preset = CachePreset(
+        "t", threshold=0.05, front_blocks=1, back_blocks=1, warmup_steps=2, max_cached_in_a_row=3
+    )
+    cache = BranchCache(preset)
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 5, 4, generator=generator)
+    text = torch.randn(2, 3, 4, generator=generator)
+    blocks = 5
+    residual = [None, None]  # per row: middle residuals (image, text) of its last computed call
+    front_residual = [None, None]
+    in_a_row, skipped = [0, 0], [0, 0]
+    for call in range(10):
+        image = base.clone()
+        image[0] += 1e-4 * call
+        image[1] += torch.randn(5, 4, generator=generator)
+        with caching(cache):
+            got = run_blocks(blocks, (image, text), toy_block)
+        plain = (image, text)
+        for i in range(blocks):
+            plain = toy_block(i, plain)
+        front = toy_block(0, (image, text))
+        middle = front
+        for i in range(1, blocks - 1):
+            middle = toy_block(i, middle)
+        for row in range(2):
+            this_front = (front[0][row] - image[row]).double()
+            if front_residual[row] is None:
+                change = math.inf
+            else:
+                previous = front_residual[row].double()
+                change = float((this_front - previous).abs().mean() / previous.abs().mean())
+            compute = call < 2 or not change < preset.threshold or in_a_row[row] >= 3
+            in_a_row[row] = 0 if compute else in_a_row[row] + 1
+            skipped[row] += not compute
+            if compute:
+                front_residual[row] = front[0][row] - image[row]
+                residual[row] = (middle[0][row] - front[0][row], middle[1][row] - front[1][row])
+                want = (plain[0][row], plain[1][row])
+            else:
+                mid = (front[0][row] + residual[row][0], front[1][row] + residual[row][1])
+                want = toy_block(blocks - 1, (mid[0][None], mid[1][None]))
+                want = (want[0][0], want[1][0])
+            assert torch.equal(got[0][row], want[0]) and torch.equal(got[1][row], want[1]), (call, row)
+    assert cache.skipped == skipped and skipped[0] >= 4 and skipped[1] == 0
+
+
+def test_presets_and_their_names() -> None:
+    assert get_cache_preset(None) is None and get_cache_preset("off") is None
+    assert get_cache_preset("fast") is CACHE_PRESETS["fast"] and get_cache_preset(ALWAYS) is ALWAYS
+    with pytest.raises(InputError, match=r"unknown cache preset 'fastest'.*fast, faster"):
+        get_cache_preset("fastest")
+    with pytest.raises(InputError, match="at least 1"):
+        CachePreset("x", threshold=0.1, warmup_steps=0)
+    spec = parse_variant("fp8-fused+cache:fast:cpu:bf16", VARIANTS)
+    assert (spec.name, spec.cache, spec.device, spec.dtype) == ("fp8-fused", "fast", "cpu", "bf16")
+    assert parse_variant("contract", VARIANTS).cache is None
+    with pytest.raises(InputError, match=r"\+cache:PRESET"):
+        parse_variant("contract+cache:nope", VARIANTS)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return load_pipeline(variant="reference", device="cpu", dtype="fp32")
+
+
+def test_off_is_exact_and_a_cache_skips_the_steps_it_reports(pipe) -> None:
+    steps = 8
+    exact = png_sha256(pipe.generate(**SMALL, num_inference_steps=steps)[0])
+    assert pipe.last_run.cache == ""
+    assert png_sha256(pipe.generate(**SMALL, num_inference_steps=steps, cache="off")[0]) == exact
+    blocks = pipe.transformer.transformer_blocks
+    calls = {0: 0, 1: 0, len(blocks) - 1: 0}
+    hooks = [
+        blocks[i].register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)) for i in calls
+    ]
+    try:
+        cached = pipe.generate(**SMALL, num_inference_steps=steps, cache=ALWAYS)[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    computed = sum(always_schedule(steps))
+    assert calls == {0: 2 * steps, 1: 2 * computed, len(blocks) - 1: 2 * computed}
+    skipped = steps - computed
+    assert pipe.last_run.cache == (
+        f"always: middle blocks skipped in {skipped} of {steps} (positive), "
+        f"{skipped} of {steps} (negative) steps"
+    )
+    again = pipe.generate(**SMALL, num_inference_steps=steps)[0]
+    assert png_sha256(again) == exact != png_sha256(cached)
+    a, b = np.asarray(cached, dtype=np.float64), np.asarray(again, dtype=np.float64)
+    assert 10 * math.log10(255**2 / ((a - b) ** 2).mean()) > 10  # close, not the same
+
+
+def test_a_request_keeps_its_bytes_in_a_batch_with_a_cache(pipe) -> None:
+    """Decisions are per row: each request's PNG is the same alone (padded to 3 rows) and batched."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        requests = [
+            pipe.request(f"a {c} square at the top", negative_prompt=" ", width=32, height=32, seed=s,
+                         num_inference_steps=8, cache="faster")
+            for s, c in enumerate(("red", "blue", "green"))
+        ]  # fmt: skip
+        alone = [png_sha256(pipe.run([r], slots=3)[0].images[0]) for r in requests]
+        together = pipe.run(requests, slots=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert [png_sha256(r.images[0]) for r in together] == alone
+    assert all("faster: middle blocks skipped" in r.info.cache for r in together)
+
+
+def test_a_plan_that_streams_blocks_refuses_the_cache_in_one_line() -> None:
+    streamed = load_pipeline(
+        variant="reference", device="cpu", dtype="fp32", gpu_memory="48MiB", workload=Workload(32, 32)
+    )
+    placement = streamed.memory.plan.placement("transformer")
+    assert placement.streamed or placement.lent
+    with pytest.raises(InputError, match="not built for a memory plan that streams the transformer's blocks"):
+        streamed.generate(**SMALL, num_inference_steps=2, cache="fast")
+    resident = load_pipeline(variant="reference", device="cpu", dtype="fp32", gpu_memory="1GiB")
+    assert resident.memory.plan.resident
+    resident.generate(**SMALL, num_inference_steps=4, cache=ALWAYS)
+    skipped = 4 - sum(always_schedule(4))
+    assert f"skipped in {skipped} of 4" in resident.last_run.cache
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "model"
+    return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
+
+
+@pytest.mark.parametrize("preset", [ALWAYS, MIDWAY], ids=lambda p: p.name)
+def test_fused_and_unfused_fp8_skip_the_same_steps_with_the_same_bytes(fp8_dir, preset) -> None:
+    pipe = load_pipeline(fp8_dir, variant="fp8-fused", device="cpu", dtype="bf16")
+    results = {}
+    for variant in ("fp8-fused", "fp8-unfused"):
+        pipe.set_variant(variant)
+        images = pipe.generate(**SMALL, num_inference_steps=10, cache=preset)
+        results[variant] = (png_sha256(images[0]), pipe.last_run.cache)
+    assert pipe.variant == "fp8-unfused" and results["fp8-fused"] == results["fp8-unfused"]
+    assert "skipped in 0 of" not in results["fp8-fused"][1]
+
+
+def test_edit_2511_runs_a_cache_and_off_stays_exact(tmp_path) -> None:
+    directory = build_edit_checkpoint(tmp_path / "edit", "QwenImageEditPlusPipeline", zero_cond_t=True)
+    pipe = load_pipeline(directory, variant="reference", device="cpu", dtype="fp32")
+    edit = dict(prompt="make it blue", image=drawn_image(64, 48, seed=1), negative_prompt=" ", seed=2)
+    edit |= dict(num_inference_steps=6, width=64, height=48)
+    exact = png_sha256(pipe.generate(**edit)[0])
+    cached = png_sha256(pipe.generate(**edit, cache=ALWAYS)[0])
+    skipped = 6 - sum(always_schedule(6))
+    assert f"skipped in {skipped} of 6 (positive), {skipped} of 6 (negative)" in pipe.last_run.cache
+    assert png_sha256(pipe.generate(**edit, cache="off")[0]) == exact != cached
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["kv-cache", "no-kv-cache"])
+def test_qwen_image_21_runs_a_cache_with_and_without_its_kv_cache(tmp_path, kv_cache: bool) -> None:
+    pipe = load_pipeline(
+        build_qi21_checkpoint(tmp_path / "qi21"), variant="reference", device="cpu", dtype="fp32"
+    )
+    pipe.model.resolution = RESOLUTION
+    pipe.model.use_kv_cache = kv_cache
+    request = dict(prompt="make it snow", image=drawn_image(96, 64, seed=3), negative_prompt="blurry")
+    request |= dict(true_cfg_scale=3.0, num_inference_steps=6, seed=4)
+    exact = png_sha256(pipe.generate(**request)[0])
+    cached = png_sha256(pipe.generate(**request, cache=ALWAYS)[0])
+    skipped = 6 - sum(always_schedule(6))
+    assert f"skipped in {skipped} of 6 (positive), {skipped} of 6 (negative)" in pipe.last_run.cache
+    assert png_sha256(pipe.generate(**request)[0]) == exact != cached
