@@ -5,7 +5,6 @@ unfused FP8 stay byte-identical with a cache, and caching off is still the exact
 import math
 
 import pytest
-import torch
 from helpers import png_sha256
 
 from models.cache_presets import CACHE_PRESETS, CachePreset
