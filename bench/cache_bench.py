@@ -4,10 +4,10 @@ Runs: `off` (the exact path), `never` (the cache with a threshold of 0: every bl
 `off` is the cache's own cost: the graph split, the host read of the decision, the residual copies), the
 presets (`fast`, `faster`), and `always` (threshold infinite, at most `--in-a-row` skipped steps in a row:
 the time of a fixed schedule, whatever the weights). Each configuration runs once for 3 steps to warm up
-(every CUDA graph, both ways of each decision, is captured then) and `--runs` times timed; it reports seconds per image, the steps skipped and PSNR against the
-exact image of the same seed. On random weights the presets' decisions (and the PSNR) mean nothing for
-quality: quality is measured on the trained embedded default (BENCHMARKS.md); the speed of a schedule is
-what this measures.
+(every CUDA graph, both ways of each decision, is captured then) and `--runs` times timed; it reports
+seconds per image, the steps skipped and PSNR against the exact image of the same seed. On random weights
+the presets' decisions (and the PSNR) mean nothing for quality: quality is measured on the trained
+embedded default (BENCHMARKS.md); the speed of a schedule is what this measures.
 
     python bench/cache_bench.py --model DIR [--size 1024] [--steps 50] [--cfg 4] [--image] [--preset P]
 """
