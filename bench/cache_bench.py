@@ -38,12 +38,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def caches(in_a_row: int) -> dict[str, CachePreset | None]:
+def caches(in_a_row: int, warmup: int) -> dict[str, CachePreset | None]:
     return {
         "off": None,
         "never": CachePreset("never", threshold=0.0),
         **CACHE_PRESETS,
-        "always": CachePreset("always", threshold=math.inf, warmup_steps=2, max_cached_in_a_row=in_a_row),
+        "always": CachePreset("always", math.inf, warmup_steps=warmup, max_cached_in_a_row=in_a_row),
     }
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--image", action="store_true", help="edit one drawn input image of --size")
     parser.add_argument("--caches", default="off,never,fast,faster,always")
     parser.add_argument("--in-a-row", type=int, default=3, help="`always`: skipped steps in a row at most")
+    parser.add_argument("--warmup", type=int, default=2, help="`always`: warm-up steps (all blocks run)")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -67,7 +68,7 @@ def main() -> None:
         pixels = np.random.default_rng(0).integers(0, 256, (args.size, args.size, 3), dtype=np.uint8)
         request["image"] = PIL.Image.fromarray(pixels)
     prompt = "a red fox in the snow, detailed fur"
-    known = caches(args.in_a_row)
+    known = caches(args.in_a_row, args.warmup)
     rows, exact = [], {}
     for name in args.caches.split(","):
         cache = known[name]

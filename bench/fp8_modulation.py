@@ -68,7 +68,7 @@ def main() -> None:
                 seed=CALIBRATION_SEED, fp8_modulation=modulation,
             )  # fmt: skip
             fp8 = load_pipeline(out, variant="fp8-fused", device=args.device)
-            images[name] = generate_held_out(fp8, scenes, settings, name)
+            images[name] = generate_held_out(fp8, scenes, settings, name)[0]
             result[name] = {"variant": fp8.variant, "accuracy": score(images[name], scenes)["accuracy"]}
         result["full_size"] = full_size(Path(tmp) / "headers")
     result["fp8_vs_bf16_modulation"] = image_pair_metrics(images["bf16_modulation"], images["fp8_modulation"])

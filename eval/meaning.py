@@ -52,6 +52,7 @@ from eval.scenes import (
     held_out_scenes,
     render,
 )
+from models.cache_presets import get_cache_preset
 from models.errors import InputError, QwenImageError
 
 MAX_COLOUR_DISTANCE = 90.0
@@ -231,10 +232,12 @@ class EvalSettings:
 
 
 def generate_held_out(
-    pipe, scenes: list[Scene], settings: EvalSettings, desc: str
-) -> dict[str, list[np.ndarray]]:
-    """One image per scene and language; scene i uses seed `settings.seed + i` in every language."""
+    pipe, scenes: list[Scene], settings: EvalSettings, desc: str, cache: str | None = None
+) -> tuple[dict[str, list[np.ndarray]], list[str]]:
+    """One image per scene and language; scene i uses seed `settings.seed + i` in every language; `cache`
+    a step-cache preset. Also each run's step-cache line (RunInfo.cache)."""
     images: dict[str, list[np.ndarray]] = {language: [] for language in settings.languages}
+    runs: list[str] = []
     jobs = [(language, i, scene) for language in settings.languages for i, scene in enumerate(scenes)]
     for language, i, scene in tqdm(jobs, desc=desc, file=sys.stderr):
         image = pipe.generate(
@@ -245,9 +248,11 @@ def generate_held_out(
             num_inference_steps=settings.steps,
             true_cfg_scale=settings.true_cfg_scale,
             seed=settings.seed + i,
+            cache=cache,
         )[0]
         images[language].append(np.asarray(image.convert("RGB")))
-    return images
+        runs.append(pipe.last_run.cache)
+    return images, runs
 
 
 def score(images: dict[str, list[np.ndarray]], scenes: list[Scene]) -> dict:
@@ -326,13 +331,35 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     pipe = load_pipeline(args.model, variant=args.variant, device=args.device, dtype=args.dtype)
     start = time.perf_counter()
-    images = generate_held_out(pipe, scenes, settings, f"held-out ({pipe.variant})")
+    images, _ = generate_held_out(pipe, scenes, settings, f"held-out ({pipe.variant})")
     report |= {"model": pipe.model_name, "variant": pipe.variant, "seconds": time.perf_counter() - start}
     report |= score(images, scenes)
     save_images(args.out, pipe.variant, images)
     if args.fp8:
         report["fp8"] = compare_fp8(pipe, args, scenes, settings, images)
+    if args.cache:
+        names = args.cache.split(",")
+        report["cache"] = {n: compare_cache(pipe, n, scenes, settings, images, args.out) for n in names}
     return report
+
+
+def compare_cache(
+    pipe, name: str, scenes: list[Scene], settings: EvalSettings, exact_images, out: Path | None
+) -> dict:
+    """The held-out set again with step-cache preset `name`: its accuracy, the steps it skipped, and its
+    images against the exact ones (same pipeline, prompts and seeds)."""
+    start = time.perf_counter()
+    images, runs = generate_held_out(pipe, scenes, settings, f"held-out (cache {name})", cache=name)
+    seconds = time.perf_counter() - start
+    save_images(out, f"{pipe.variant}-cache-{name}", images)
+    checked = score(images, scenes)
+    return {
+        "preset": name,
+        "seconds": seconds,
+        "skipped_steps": skipped_steps(runs),
+        "accuracy": checked["accuracy"],
+        "versus_exact": image_pair_metrics(exact_images, images),
+    }
 
 
 def compare_fp8(
@@ -351,7 +378,7 @@ def compare_fp8(
         )  # fmt: skip
         fp8 = load_pipeline(Path(tmp) / "fp8", variant="fp8-fused", device=args.device, dtype=args.dtype)
         start = time.perf_counter()
-        images = generate_held_out(fp8, scenes, settings, f"held-out ({fp8.variant})")
+        images, _ = generate_held_out(fp8, scenes, settings, f"held-out ({fp8.variant})")
         seconds = time.perf_counter() - start
         fusion = fp8.fusion_summary()
         variant = fp8.variant
@@ -365,6 +392,13 @@ def compare_fp8(
         "accuracy": checked["accuracy"],
         "versus_bf16": image_pair_metrics(bf16_images, images),
     }
+
+
+def skipped_steps(runs: list[str]) -> dict:
+    """The steps each run's cache skipped (per CFG branch, from RunInfo.cache): min, mean and max."""
+    parts = [part for run in runs for part in run.split("skipped in ")[1].split(", ")]
+    counts = [float(part.split(" of ")[0]) for part in parts]
+    return {"min": min(counts), "mean": float(np.mean(counts)), "max": max(counts)}
 
 
 def save_images(out: Path | None, variant: str, images: dict[str, list[np.ndarray]]) -> None:
@@ -395,6 +429,14 @@ def summary_lines(report: dict) -> list[str]:
             f"fp8 vs bf16: PSNR min/median {p['min']:.2f}/{p['median']:.2f} dB, "
             f"SSIM min/median {s['min']:.4f}/{s['median']:.4f} over {fp8['versus_bf16']['pairs']} pairs"
         )
+    for name, cached in report.get("cache", {}).items():
+        lines += [line(f"cache {name} {lang}", acc) for lang, acc in cached["accuracy"].items()]
+        p, s, k = cached["versus_exact"]["psnr_db"], cached["versus_exact"]["ssim"], cached["skipped_steps"]
+        lines.append(
+            f"cache {name} vs exact: PSNR min/median {p['min']:.2f}/{p['median']:.2f} dB, SSIM min/median "
+            f"{s['min']:.4f}/{s['median']:.4f}; skipped {k['mean']:.1f} of {report['settings']['steps']} "
+            f"steps (mean; {k['min']:g}..{k['max']:g}); {cached['seconds']:.0f} s"
+        )
     return lines
 
 
@@ -422,6 +464,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--fp8", action="store_true", help="also quantize to FP8 and compare with the BF16 images"
     )
     parser.add_argument("--calib-scenes", type=int, default=16, help="training scenes for FP8 calibration")
+    parser.add_argument(
+        "--cache", help="also with these step-cache presets (comma-separated), compared with the exact images"
+    )
     args = parser.parse_args(argv)
     args.argv = argv
     if args.size % 16 or not 16 <= args.size <= 2048:
@@ -431,6 +476,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.languages.split(",")) - set(LANGUAGES)
     if unknown:
         raise InputError(f"unknown language(s) {sorted(unknown)}: choose from {', '.join(LANGUAGES)}")
+    for name in (args.cache or "").split(",") if args.cache else ():
+        if get_cache_preset(name) is None:
+            raise InputError("--cache: name step-cache presets, not 'off'")
     if args.model is not None and not Path(args.model).is_dir():
         raise InputError(f"model directory not found: {args.model}")
     return args

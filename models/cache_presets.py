@@ -1,5 +1,5 @@
 """Step-cache presets as plain data (the rule is models/step_cache.py); torch-free, so a front end checks
-`--cache` before any model loads. Each preset is named for its trade-off; docs/DESIGN.md §11 and
+`--cache` before any model loads. Each preset is named for its trade-off; docs/DESIGN.md §13 and
 BENCHMARKS.md give its measured quality and speed."""
 
 from dataclasses import dataclass
@@ -55,5 +55,5 @@ def get_cache_preset(cache: "str | CachePreset | None") -> CachePreset | None:
     if cache.strip().lower() in ("", "off", "none"):
         return None
     if cache not in CACHE_PRESETS:
-        raise InputError(f"unknown cache preset {cache!r} (known: {', '.join(CACHE_PRESETS)}, or 'off')")
+        raise InputError(f"cache {cache!r} is not a step-cache preset ({', '.join(CACHE_PRESETS)}, or 'off')")
     return CACHE_PRESETS[cache]

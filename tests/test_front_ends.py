@@ -3,6 +3,7 @@ demo's /generate API (through gradio_client) and the HTTP server's JSON each rea
 equal `GenerationRequest` (pipelines/generation_request.py resolves them all), and `generate()` with the
 same arguments makes the same one."""
 
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -11,6 +12,7 @@ from gradio_client import Client
 
 import pipelines.pipeline
 from bench.in_thread import InThread
+from models.cache_presets import CACHE_PRESETS
 from pipelines import load_pipeline
 from ui.app import build_app
 from ui.cli import main
@@ -40,7 +42,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def test_cli_page_and_api_build_the_same_request(runs: list[Any], tmp_path: Any) -> None:
     v = VALUES
     flags = ["--width", "48", "--height", "32", "--steps", "3", "--true-cfg-scale", "3.5", "--seed", "5"]
-    cli = ["generate", PROMPT, "--negative-prompt", NEGATIVE, "--num-images", "2", *flags]
+    cli = ["generate", PROMPT, "--negative-prompt", NEGATIVE, "--num-images", "2", "--cache", "fast", *flags]
     assert main([*cli, "--device", "cpu", "--dtype", "fp32", "-o", str(tmp_path / "cli.png")]) == 0
     pipe = load_pipeline(device="cpu", dtype="fp32")
     runner = Runner(pipe, Limits.for_device("cpu"))
@@ -55,17 +57,18 @@ def test_cli_page_and_api_build_the_same_request(runs: list[Any], tmp_path: Any)
             PROMPT, **page, seed=v["seed"], api_name="/generate"
         )
         body = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "n": 2, "size": "48x32", "seed": v["seed"]}
-        body |= {"num_inference_steps": 3, "true_cfg_scale": 3.5}
+        body |= {"num_inference_steps": 3, "true_cfg_scale": 3.5, "cache": "fast"}
         assert httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120).status_code == 200
     finally:
         server.close()
         demo.close()
         runner.close()
-    pipe.generate(PROMPT, negative_prompt=NEGATIVE, num_images_per_prompt=2, **v)
+    pipe.generate(PROMPT, negative_prompt=NEGATIVE, num_images_per_prompt=2, cache="fast", **v)
     assert len(runs) == 4
     cli_request = runs[0]
     assert cli_request.prompts == (PROMPT,) and cli_request.negative_prompts == (NEGATIVE,)
     assert (cli_request.width, cli_request.num_images_per_prompt, cli_request.true_cfg) == (48, 2, True)
-    assert runs[1] == cli_request, "the page"
+    assert cli_request.cache is CACHE_PRESETS["fast"]
+    assert runs[1] == replace(cli_request, cache=None), "the page (its step cache is a session setting)"
     assert runs[2] == cli_request, "the HTTP API"
     assert runs[3] == cli_request, "generate()"

@@ -238,6 +238,8 @@ BAD = [
         "preset 'turbo' is not one of lightning-8, lightning-4, edit-lightning-8, edit-lightning-4",
     ),
     (b'{"prompt": "x", "lora_scales": {"style": 0.5}}', "lora_scales", "no LoRA named 'style' is loaded"),
+    (b'{"prompt": "x", "cache": "fastest"}', "cache", "cache 'fastest' is not a step-cache preset"),
+    (b'{"prompt": "x", "cache": 2}', "cache", "cache must be text, not 2"),
     (b'{"prompt": "x", "lora_scales": [1]}', "lora_scales", "must be an object"),
     (b'{"prompt": "x", "user": 5}', "user", "user must be text"),
     (b'{"prompt": "x", "negative-prompt": "y"}', "negative-prompt", "unknown parameter 'negative-prompt'"),

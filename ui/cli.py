@@ -356,7 +356,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, size_default: str) -> No
         help="step cache, opt-in and approximate: skip the middle blocks while the first block's output "
         + "barely changes; "
         + "; ".join(p.describe() for p in CACHE_PRESETS.values())
-        + " (default: off, every block runs; docs/DESIGN.md §11 gives the measured difference)",
+        + " (default: off, every block runs; docs/DESIGN.md §13 gives the measured difference)",
     )
     parser.add_argument(
         "--num-images",
