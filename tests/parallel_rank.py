@@ -13,11 +13,13 @@ Ulysses refused).
 """
 
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
+from models.cache_presets import CachePreset
 from models.errors import InputError, ParallelError
 from pipelines import load_pipeline
 from pipelines.parallel import ParallelPlan
@@ -28,6 +30,8 @@ CFG_ON = dict(negative_prompt="blurry", **SIZE)
 # BF16 numerics pinned on both sides of every comparison: the CPU's own default (FP32 on CPUs without
 # native BF16) would tie the bytes to the CPU the suite meets.
 BF16 = dict(dtype="bf16", variant="contract")
+# a step cache that skips whenever it may (2 warm-up steps, then 2 skipped for each 1 run)
+CACHED = dict(CFG_ON, num_inference_steps=6, cache=CachePreset("always", math.inf, max_cached_in_a_row=2))
 GPU_ARGS = dict(negative_prompt=" ", width=256, height=192, num_inference_steps=10, seed=3)
 
 
@@ -89,8 +93,13 @@ def run_two(out: Path, fp8: str) -> dict:
     pipe = load_pipeline(device="cpu", parallel=ParallelPlan(cfg=2), **BF16)
     for name, images in generate_all(pipe).items():
         save(out, f"bf16-cfg2-{name}", images)
+    save(out, "bf16-cfg2-cached", pipe.generate(PROMPTS, **CACHED))
     seen = web_demo_jobs(pipe, out)
     pipe.set_parallel(ParallelPlan(ulysses=2))
+    try:
+        pipe.generate(PROMPTS, **CACHED)
+    except InputError as err:  # on every rank alike, before any collective
+        seen["ulysses_cache"] = str(err)
     for name, images in generate_all(pipe).items():
         save(out, f"bf16-u2-{name}", images)
     seen["no_host_sync"] = sharded_step_has_no_host_sync(pipe)

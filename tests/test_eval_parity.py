@@ -226,3 +226,11 @@ def test_fp8_unfused_vs_fused_is_identical(prompts: Path, tmp_path: Path) -> Non
     assert fused[0] == f"FP8 norm+quant fusion: {paths}/{paths} block paths"
     assert unfused[0] == f"FP8 norm+quant fusion: 0/{paths} block paths"
     assert unfused[1].startswith(f"  unfused ({paths}): fusion switched off (unfused path forced)")
+    # with a step cache (opt-in, approximate) fused and unfused skip the same steps: still the same bytes
+    cached = tmp_path / "cached"
+    result = parity("--model", str(checkpoint), "--prompts", str(prompts), "--a", "fp8-unfused+cache:faster",
+                    "--b", "fp8-fused+cache:faster", "--size", "64x64", "--steps", "8", "--out", str(cached),
+                    "--expect", "identical")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    pairs = load(cached)["pairs"]
+    assert all(p["a"]["cache"] == p["b"]["cache"] and p["a"]["cache"].startswith("faster: ") for p in pairs)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import RANK_SCRIPT, launch, png_sha256
-from parallel_rank import BF16, CFG_ON, PROMPTS, SIZE
+from parallel_rank import BF16, CACHED, CFG_ON, PROMPTS, SIZE
 from PIL import Image
 
 from eval.metrics import abs_diff, psnr
@@ -34,12 +34,16 @@ def bf16_pipe():
 
 
 @pytest.fixture(scope="module")
-def one_process(fp8_dir, bf16_pipe) -> dict[str, list[Image.Image]]:
-    """The images of one process for every comparison."""
+def one_process(fp8_dir, bf16_pipe) -> dict[str, list]:
+    """The images of one process for every comparison (and the cached run's step-cache line)."""
     fp8 = load_pipeline(fp8_dir, device="cpu")
-    return {
+    images = {
         "bf16-cfg": bf16_pipe.generate(PROMPTS, **CFG_ON),
         "bf16-nocfg": bf16_pipe.generate(PROMPTS, **SIZE),
+        "bf16-cached": bf16_pipe.generate(PROMPTS, **CACHED),
+    }
+    return images | {
+        "bf16-cached-run": [bf16_pipe.last_run.cache],
         "fp8-fused-cfg": fp8.generate(PROMPTS, **CFG_ON),
     }
 
@@ -75,6 +79,16 @@ def test_cfg_parallel_is_byte_identical_to_one_process(two_ranks, one_process):
     assert hashes(read(two_ranks, "fp8-fused-cfg2-cfg")) == hashes(one_process["fp8-fused-cfg"])
     # true CFG off under a CFG-2 plan: both CFG ranks run the positive branch, same bytes as one process
     assert hashes(read(two_ranks, "bf16-cfg2-nocfg")) == hashes(one_process["bf16-nocfg"])
+    # with a step cache each CFG rank keeps its branch's cache: the same steps skipped, the same bytes
+    assert hashes(read(two_ranks, "bf16-cfg2-cached")) == hashes(one_process["bf16-cached"])
+    assert one_process["bf16-cached-run"] == [
+        "always: middle blocks skipped in 3 of 6 (positive), 3 of 6 (negative) steps"
+    ]
+
+
+def test_ulysses_refuses_a_step_cache_on_every_rank_in_one_line(two_ranks):
+    seen = json.loads((two_ranks / "seen.json").read_text())
+    assert seen["ulysses_cache"].startswith("a step cache is not built for Ulysses sequence parallelism")
 
 
 def test_ulysses_is_close_to_one_process(two_ranks, one_process):
