@@ -53,6 +53,17 @@ random_edit_checkpoint() {
     fi
 }
 
+# The full-size random FP8 Qwen-Image 2.1 checkpoint: the disk holds one full-size checkpoint, so the others
+# are removed first.
+QI21_CKPT=/tmp/qwen-image-21-random-fp8
+random_qi21_checkpoint() {
+    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT"
+    if [ ! -f "$QI21_CKPT/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --qi21 --out "$QI21_CKPT" 2>&1 \
+            | grep -v Loading | tail -5
+    fi
+}
+
 if stage tests; then
     start=$SECONDS
     timeout ${TESTS_TIMEOUT:-560} python3 -m pytest tests/gpu -q -p no:cacheprovider -rA --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
@@ -90,6 +101,9 @@ if stage cache; then
     random_checkpoint "$CKPT"
     timeout 300 python3 bench/cache_bench.py --model "$CKPT" --steps 50 --out "$OUT/cache_t2i_50.json" 2>&1 \
         | grep '^{' | tee "$OUT/cache_t2i_50.txt"
+    # the schedule `fast` has on the trained embedded default at 50 steps (30 skipped): 5 warm-up, 2 in a row
+    timeout 150 python3 bench/cache_bench.py --model "$CKPT" --steps 50 --caches off,always --in-a-row 2 \
+        --warmup 5 --out "$OUT/cache_t2i_50_schedule_fast.json" 2>&1 | grep '^{'
     for steps in 8 4; do
         timeout 120 python3 bench/cache_bench.py --model "$CKPT" --preset "lightning-$steps" --cfg 1 \
             --caches off,fast,faster,always --in-a-row 2 --out "$OUT/cache_lightning_$steps.json" 2>&1 \
@@ -97,14 +111,8 @@ if stage cache; then
     done
 fi
 if stage cache-qi21; then
-    # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on) and for its edit path
-    # with one 1024x1024 condition image (the disk holds one full-size checkpoint: the others go first).
-    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT"
-    QI21_CKPT=/tmp/qwen-image-21-random-fp8
-    if [ ! -f "$QI21_CKPT/model_index.json" ]; then
-        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --qi21 --out "$QI21_CKPT" 2>&1 \
-            | grep -v Loading | tail -5
-    fi
+    # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on).
+    random_qi21_checkpoint
     timeout 200 python3 bench/cache_bench.py --model "$QI21_CKPT" --steps 40 --cfg 1 \
         --out "$OUT/cache_qi21_40.json" 2>&1 | grep '^{' | tee "$OUT/cache_qi21_40.txt"
 fi
@@ -186,12 +194,7 @@ if stage memory-qi21; then
     # Qwen-Image 2.1's plans (issue 24; about 7 min with the checkpoint to build; the disk holds one full-size
     # checkpoint, so the others are removed first): a random FP8 2.1 checkpoint at the released sizes, then
     # bench/memory_bench.py uncapped and at MEMORY_QI21_BUDGETS (default 24,16) GiB: KV caches included.
-    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT"
-    QI21_CKPT=/tmp/qwen-image-21-random-fp8
-    if [ ! -f "$QI21_CKPT/model_index.json" ]; then
-        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --qi21 --out "$QI21_CKPT" 2>&1 \
-            | grep -v Loading | tail -5
-    fi
+    random_qi21_checkpoint
     timeout 460 python3 bench/memory_bench.py --model "$QI21_CKPT" --budgets "${MEMORY_QI21_BUDGETS:-24,16}" \
         --no-24-extras --out "$OUT/memory_bench_qi21.json" 2>&1 | tee "$OUT/memory_bench_qi21.txt" | tail -30
 fi
