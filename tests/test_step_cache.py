@@ -10,6 +10,7 @@ import pytest
 import torch
 from edit_fixtures import build_edit_checkpoint, drawn_image
 from helpers import png_sha256
+from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
 from eval.variants import parse_variant
@@ -189,6 +190,24 @@ def test_fused_and_unfused_fp8_skip_the_same_steps_with_the_same_bytes(fp8_dir, 
         results[variant] = (png_sha256(images[0]), pipe.last_run.cache)
     assert pipe.variant == "fp8-unfused" and results["fp8-fused"] == results["fp8-unfused"]
     assert "skipped in 0 of" not in results["fp8-fused"][1]
+
+
+@pytest.mark.parametrize("mode", ["branch", "merge"])
+def test_a_lora_runs_with_a_cache_fused_equal_to_unfused(fp8_dir, tmp_path, mode: str) -> None:
+    pipe = load_pipeline(fp8_dir, variant="fp8-fused", device="cpu", dtype="bf16")
+    modules = block_modules(pipe.transformer.config.num_layers)
+    shapes = linear_shapes(pipe.transformer)
+    factors = random_factors(shapes, modules, 8, seed=2, std=0.1, dtype=torch.bfloat16)
+    base = png_sha256(pipe.generate(**SMALL, num_inference_steps=10, cache=MIDWAY)[0])
+    pipe.load_lora(write_lightning(tmp_path / "lora.safetensors", factors, 8.0), scale=0.8)
+    pipe.set_lora_mode(mode)
+    results = {}
+    for variant in ("fp8-fused", "fp8-unfused"):
+        pipe.set_variant(variant)
+        image = pipe.generate(**SMALL, num_inference_steps=10, cache=MIDWAY)[0]
+        results[variant] = (png_sha256(image), pipe.last_run.cache, pipe.last_run.loras)
+    assert results["fp8-fused"] == results["fp8-unfused"] and results["fp8-fused"][0] != base
+    assert results["fp8-fused"][2].startswith(f"LoRA ({mode})")
 
 
 def test_edit_2511_runs_a_cache_and_off_stays_exact(tmp_path) -> None:
