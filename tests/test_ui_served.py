@@ -146,6 +146,15 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Run
         page.locator("#generate").click()
         expect(page.locator("#details")).to_contain_text("3 steps", timeout=60_000)
         assert 200 not in completed
+
+        # The step cache, chosen in its panel, runs and says how many steps it skipped.
+        page.get_by_text("Preset, step cache and LoRA").click()
+        page.locator("#cache input").click()
+        page.get_by_role("option", name=re.compile(r"^fast: ")).click()
+        _fill(page, steps=6)
+        page.locator("#generate").click()
+        skipped = "Step cache: fast: middle blocks skipped in"
+        expect(page.locator("#details")).to_contain_text(skipped, timeout=60_000)
         browser.close()
     assert outside == []  # the page loads nothing from outside 127.0.0.1
 
