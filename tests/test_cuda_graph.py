@@ -22,7 +22,7 @@ def test_graph_cache_keeps_the_most_recent_shapes(monkeypatch):
     for n in (1, 2, 1, 3, 2):
         assert torch.equal(graphed(torch.ones(n), None), torch.full((n,), 2.0))
     assert captures == [1, 2, 3, 2]  # the second 1 replays; 3 evicts 2, then 2 evicts 1
-    assert [key[1][0] for key in graphed.graphs] == [(3,), (2,)]
+    assert [key[2][0] for key in graphed.graphs] == [(3,), (2,)]  # (static, step cache, inputs...)
 
 
 def test_static_arguments_are_part_of_the_key_and_reach_the_step(monkeypatch):

@@ -15,7 +15,7 @@ from pipelines import load_pipeline
 from pipelines.presets import PRESETS, parse_lora_spec
 from ui.app import build_app
 from ui.cli import build_parser, main
-from ui.lora_controls import NO_PRESET, lora_details, preset_settings, run_kwargs
+from ui.lora_controls import NO_CACHE, NO_PRESET, lora_details, preset_settings, run_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +130,10 @@ def test_ui_lora_dir_is_checked_before_the_model_loads(tmp_path, monkeypatch, ca
 
 
 def test_ui_controls_make_generate_arguments():
-    assert run_kwargs([], NO_PRESET, []) == {"preset": None}
-    assert run_kwargs(["a", "b"], "lightning-8", [0.5, 0]) == {
+    assert run_kwargs([], NO_PRESET, NO_CACHE, []) == {"preset": None, "cache": None}
+    assert run_kwargs(["a", "b"], "lightning-8", "fast", [0.5, 0]) == {
         "preset": "lightning-8",
+        "cache": "fast",
         "lora_scales": {"a": 0.5, "b": 0.0},
     }
     assert preset_settings("lightning-4", 30, 4.0) == (4, 1.0)
@@ -140,6 +141,8 @@ def test_ui_controls_make_generate_arguments():
     run = SimpleNamespace(preset="lightning-4", loras="LoRA (branch): fast x1 on 28 layers")
     assert lora_details(run) == "\n**Preset:** lightning-4  \n**LoRA (branch): fast x1 on 28 layers**  "
     assert lora_details(SimpleNamespace(preset="", loras="")) == ""
+    run = SimpleNamespace(preset="", cache="fast: middle blocks skipped in 3 of 8 steps", loras="")
+    assert lora_details(run) == "\n**Step cache:** fast: middle blocks skipped in 3 of 8 steps  "
 
 
 def test_ui_passes_the_lora_scales_and_preset_to_generate():
