@@ -663,14 +663,16 @@ def cache_summary(
     preset: CachePreset | None, caches: list[BranchCache] | None, first_row: int, rows: int, steps: int
 ) -> str:
     """RunInfo's line for a request's rows `first_row`.. of a denoise loop run with step `caches`: the
-    preset and, per CFG branch, the steps whose middle blocks it skipped (mean over the request's rows)."""
+    preset and, per CFG branch this process ran (a CFG-parallel rank runs one), the steps whose middle
+    blocks it skipped (mean over the request's rows)."""
     if preset is None or not caches:
         return ""
     names = ["positive", "negative"] if len(caches) == 2 else [""]
     parts = []
     for name, cache in zip(names, caches, strict=True):
-        skipped = cache.skipped[first_row : first_row + rows] or [0]
-        parts.append(f"{sum(skipped) / len(skipped):g} of {steps}" + (f" ({name})" if name else ""))
+        skipped = cache.skipped[first_row : first_row + rows]
+        if skipped:
+            parts.append(f"{sum(skipped) / len(skipped):g} of {steps}" + (f" ({name})" if name else ""))
     return f"{preset.name}: middle blocks skipped in {', '.join(parts)} steps"
 
 

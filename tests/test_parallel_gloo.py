@@ -86,8 +86,10 @@ def test_cfg_parallel_is_byte_identical_to_one_process(two_ranks, one_process):
     ]
 
 
-def test_ulysses_refuses_a_step_cache_on_every_rank_in_one_line(two_ranks):
+def test_a_cfg_rank_reports_its_branch_and_ulysses_refuses_a_step_cache(two_ranks):
     seen = json.loads((two_ranks / "seen.json").read_text())
+    # rank 0 ran the positive branch only, and says so
+    assert seen["cfg2_cached_run"] == "always: middle blocks skipped in 3 of 6 (positive) steps"
     assert seen["ulysses_cache"].startswith("a step cache is not built for Ulysses sequence parallelism")
 
 
