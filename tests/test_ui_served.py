@@ -32,6 +32,11 @@ CHROMIUM_ARGS = [
 SIZE = 64  # tiny sizes and few steps keep the whole file well under a minute on 2 CPU cores
 
 
+# Every test here uses the module's server, which loads the embedded default with the CPU's default dtype
+# (the README's client call shows the defaults), whichever test builds it first.
+pytestmark = pytest.mark.cpu_dtype
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, list[int], Runner]]:
     """URL of the served app (the CPU's default limits), the step counts of the generations that ran to
@@ -56,7 +61,6 @@ def server() -> Iterator[tuple[str, list[int], Runner]]:
         demo.close()
 
 
-@pytest.mark.cpu_dtype
 def test_readme_client_call(server: tuple[str, list[int], Runner]) -> None:
     client = Client(server[0], verbose=False, analytics_enabled=False)
     images, seed, details = client.predict(
