@@ -65,6 +65,7 @@ class BranchCache:
         self.skipped: list[int] = []
 
     def run(self, count: int, streams: Streams, run: RunBlock) -> Streams:
+        """Blocks 0..count-1 over `streams`, the middle ones skipped in the rows the rule lets skip."""
         p = self.preset
         if p.front_blocks + p.back_blocks >= count:
             raise InputError(
