@@ -23,14 +23,9 @@ import numpy as np
 import PIL.Image
 import torch
 
+from eval import metrics
 from models.cache_presets import CACHE_PRESETS, CachePreset
 from pipelines import load_pipeline
-
-
-def psnr(a: PIL.Image.Image, b: PIL.Image.Image) -> float:
-    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    mse = ((x - y) ** 2).mean()
-    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
 
 
 def sync() -> None:
@@ -84,7 +79,7 @@ def main() -> None:
             if name == "off":
                 exact[run] = image
             elif run in exact:
-                quality.append(psnr(exact[run], image))
+                quality.append(metrics.psnr(np.asarray(exact[run]), np.asarray(image)))
         row = {
             "cache": name,
             "describe": "" if cache is None else cache.describe(),

@@ -476,7 +476,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.languages.split(",")) - set(LANGUAGES)
     if unknown:
         raise InputError(f"unknown language(s) {sorted(unknown)}: choose from {', '.join(LANGUAGES)}")
-    for name in (args.cache or "").split(",") if args.cache else ():
+    for name in args.cache.split(",") if args.cache else ():
         if get_cache_preset(name) is None:
             raise InputError("--cache: name step-cache presets, not 'off'")
     if args.model is not None and not Path(args.model).is_dir():
