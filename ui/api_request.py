@@ -132,10 +132,7 @@ def _job_of(
         raise FieldError("response_format", f"response_format {response_format!r} must be b64_json or url")
     if values.get("output_format") not in (None, "png"):
         raise FieldError("output_format", "output_format must be png: this server writes PNG images")
-    for name in IGNORED:
-        if values.get(name) is not None and not isinstance(values[name], str):
-            raise FieldError(name, f"{name} must be text")
-    for name in ("preset", "cache"):
+    for name in (*IGNORED, "preset", "cache"):
         if values.get(name) is not None and not isinstance(values[name], str):
             raise FieldError(name, f"{name} must be text, not {values[name]!r}")
     preset = values.get("preset")
