@@ -36,6 +36,7 @@ class CachePreset:
         )
 
 
+CACHE_OFF = "off"  # the name every front end gives "no cache" (every block runs)
 CACHE_PRESETS: dict[str, CachePreset] = {
     p.name: p
     for p in (
@@ -52,7 +53,7 @@ def get_cache_preset(cache: "str | CachePreset | None") -> CachePreset | None:
         return cache
     if not isinstance(cache, str):
         raise InputError(f"cache must be a preset name ({', '.join(CACHE_PRESETS)}) or 'off'")
-    if cache.strip().lower() in ("", "off", "none"):
+    if cache.strip().lower() in ("", CACHE_OFF, "none"):
         return None
     if cache not in CACHE_PRESETS:
         raise InputError(f"cache {cache!r} is not a step-cache preset ({', '.join(CACHE_PRESETS)}, or 'off')")

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from models.cache_presets import CACHE_PRESETS
+from models.cache_presets import CACHE_OFF, CACHE_PRESETS
 from models.errors import ParallelError, QwenImageError
 from models.family import DEFAULT_SEQUENCE_LENGTH, DEFAULT_TRUE_CFG_SCALE, MAX_SEQUENCE_LENGTH
 from pipelines.launch_env import is_leader_process
@@ -352,7 +352,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, size_default: str) -> No
     parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
     parser.add_argument(
         "--cache",
-        choices=["off", *CACHE_PRESETS],
+        choices=[CACHE_OFF, *CACHE_PRESETS],
         help="step cache, opt-in and approximate: skip the middle blocks while the first block's output "
         + "barely changes; "
         + "; ".join(p.describe() for p in CACHE_PRESETS.values())

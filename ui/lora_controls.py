@@ -12,11 +12,11 @@ from typing import Any
 
 import gradio as gr
 
-from models.cache_presets import CACHE_PRESETS
+from models.cache_presets import CACHE_OFF, CACHE_PRESETS
 from pipelines.presets import PRESETS, presets_for
 
 NO_PRESET = "none"
-NO_CACHE = "off"
+NO_CACHE = CACHE_OFF
 
 
 def load_lora_files(pipe: Any, files: Sequence[Path]) -> None:
