@@ -24,6 +24,7 @@ means one process: the GPU tests measure memory and time on a device they must h
 
 import importlib.util
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, as torch loads libgomp (imported below)
 
@@ -135,3 +136,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if in_ci():
         pytest.fail(f"CI=true: this test must run, but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default quantized to FP8 (calibrated on two prompts, 2 steps at 32x32), shared by the
+    FP8 tests of a worker; a module with another calibration defines its own `fp8_dir`."""
+    from pipelines.quantize import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("fp8") / "model"
+    return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")

@@ -15,16 +15,9 @@ from models.loading import load_transformer
 from models.qwen_image.components import build_transformer
 from models.qwen_image.model import QUANTIZATION
 from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
 from ui.cli import main
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp8") / "model"
-    return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
 
 
 @pytest.mark.cpu_dtype

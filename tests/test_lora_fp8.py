@@ -26,12 +26,6 @@ ARGS = dict(negative_prompt="blurry", width=48, height=32, num_inference_steps=2
 
 
 @pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp8") / "model"
-    return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def lightning(tmp_path_factory):
     """A Lightning-layout LoRA (bf16, rank 16, alpha 2) on every block linear of the embedded model."""
     pipe = load_pipeline(device="cpu")

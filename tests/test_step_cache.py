@@ -20,7 +20,6 @@ from models.errors import InputError
 from models.memory import Workload
 from models.step_cache import BranchCache, caching, run_blocks
 from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
 from pipelines.variants import VARIANTS
 
 # Skips whenever it may: the schedule is then warm-up, then `max_cached_in_a_row` skipped, one computed, ...
@@ -172,12 +171,6 @@ def test_a_plan_that_streams_blocks_refuses_the_cache_in_one_line() -> None:
     resident.generate(**SMALL, num_inference_steps=4, cache=ALWAYS)
     skipped = 4 - sum(always_schedule(4))
     assert f"skipped in {skipped} of 4" in resident.last_run.cache
-
-
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp8") / "model"
-    return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
 
 
 @pytest.mark.parametrize("preset", [ALWAYS, MIDWAY], ids=lambda p: p.name)
