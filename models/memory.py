@@ -137,7 +137,8 @@ class Workload:
     x images per prompt), prompts per text-encoder call, text tokens per prompt, true CFG (two
     transformer calls per step, and a captured graph for each branch), the input images a request
     carries (edits, condition images: each at the size its family gives it) and the images decoded at
-    once (`decode_images`, None: all of them; a batch of requests decodes each request alone)."""
+    once (`decode_images`, None: all of them; a batch of requests decodes each request alone), and
+    whether its steps run through a step cache (whose buffers stay on the device like a graph's pool)."""
 
     width: int
     height: int
@@ -147,6 +148,7 @@ class Workload:
     true_cfg: bool = True
     input_images: int = 0
     decode_images: int | None = None
+    step_cache: bool = False
 
     @property
     def decoded(self) -> int:
@@ -158,7 +160,9 @@ class Workload:
         cfg = "true CFG" if self.true_cfg else "CFG off"
         plural = "s" if self.input_images > 1 else ""
         inputs = f"{self.input_images} input image{plural}, " if self.input_images else ""
-        return f"{self.width}x{self.height}, {images}, {inputs}{cfg}, up to {self.text_tokens} text tokens"
+        cache = ", step cache" if self.step_cache else ""
+        tokens = f"up to {self.text_tokens} text tokens"
+        return f"{self.width}x{self.height}, {images}, {inputs}{cfg}{cache}, {tokens}"
 
 
 class ActivationModel(Protocol):
@@ -180,6 +184,10 @@ class ActivationModel(Protocol):
     def held(self, workload: Workload) -> int:
         """Buffers the steps keep from one request to the next (a KV cache per CFG branch), like the
         captured graphs' pools: on the device in every phase."""
+
+    def step_cache(self, workload: Workload) -> int:
+        """A step cache's buffers for one CFG branch (models/step_cache.py), kept like `held`, with the
+        temporaries its decision adds to a call."""
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,17 @@ The decision is a host read of a [rows] tensor, which a CUDA-graph capture canno
 is in progress (`branch_points`) the decision is a branch point, where the capture ends a graph, captures
 both ways (the middle blocks, or the residual), and each replay reads the metric and replays one way.
 Both ways write the same output buffers, which the back blocks read.
+
+Under a memory plan that brings blocks in from host memory at every call, the cache's `BlockSchedule` (the
+transformer's placement, models/streaming.py) is told which blocks a call leaves out, so the copies stay
+in order and none is made for a skipped block that was not already under way; at a branch point it ends
+the graph before the decision with its copies joined and begins each way, and the back blocks, afresh.
 """
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Protocol
 
 import torch
 
@@ -29,9 +35,24 @@ RunBlock = Callable[[int, Streams], Streams]  # block i over the streams
 Decide = Callable[[], bool]  # True: some row runs the middle blocks
 BranchPoint = Callable[[Decide, Callable[[], None], Callable[[], None]], None]
 
+
+class BlockSchedule(Protocol):
+    """What moves a call's blocks in and out (a memory plan's placement), told what a cache changes."""
+
+    def skip_blocks(self, start: int, stop: int) -> None:
+        """Blocks `start`..`stop`-1 do not run in this call."""
+
+    def cut(self) -> None:
+        """A CUDA graph ends in the middle of a call."""
+
+    def resume(self) -> None:
+        """The next CUDA graph of the call begins."""
+
+
 _ACTIVE: ContextVar["BranchCache | None"] = ContextVar("step_cache", default=None)
 _BRANCH: ContextVar[BranchPoint | None] = ContextVar("step_cache_branch", default=None)
 _WARMING_UP: ContextVar[bool] = ContextVar("step_cache_warm_up", default=False)
+_OWNER: ContextVar[object | None] = ContextVar("step_cache_owner", default=None)
 
 
 class _Buffers:
@@ -49,9 +70,9 @@ class _Buffers:
 class BranchCache:
     """One CFG branch's cache: per-shape buffers, and per row the skip counts of the current loop."""
 
-    def __init__(self, preset: CachePreset) -> None:
-        self.preset = preset
-        self.buffers: dict[tuple, _Buffers] = {}
+    def __init__(self, preset: CachePreset, schedule: BlockSchedule | None = None) -> None:
+        self.preset, self.schedule = preset, schedule
+        self.buffers: dict[tuple, _Buffers] = {}  # per owner (a captured graph, None: eager) and shape
         self.reset()
 
     def reset(self) -> None:
@@ -64,6 +85,10 @@ class BranchCache:
         self.in_a_row: list[int] = []
         self.skipped: list[int] = []
 
+    def forget(self, owner: object | None) -> None:
+        """Let go of the buffers `owner` (a captured graph that is dropped; None: eager calls) made."""
+        self.buffers = {key: buf for key, buf in self.buffers.items() if key[0] != owner}
+
     def run(self, count: int, streams: Streams, run: RunBlock) -> Streams:
         """Blocks 0..count-1 over `streams`, the middle ones skipped in the rows the rule lets skip."""
         p = self.preset
@@ -74,10 +99,13 @@ class BranchCache:
         before = streams[0]
         for i in range(p.front_blocks):
             streams = run(i, streams)
-        key = tuple((s.shape, s.dtype, s.device) for s in streams)
+        owner = _OWNER.get()
+        key = (owner, *((s.shape, s.dtype, s.device) for s in streams))
         if key not in self.buffers:
             if streams[0].is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("a step cache's buffers are made in the warm-up call, not in a capture")
+            if owner is None:  # eager calls hold no addresses: only the current shape's buffers stay
+                self.forget(None)
             self.buffers[key] = _Buffers(streams)
         buf, front = self.buffers[key], streams
         front_residual = front[0] - before
@@ -97,18 +125,41 @@ class BranchCache:
                 buf.front_residual.copy_(torch.where(keep, front_residual, buf.front_residual))
 
         def reuse() -> None:
+            if self.schedule is not None:
+                self.schedule.skip_blocks(p.front_blocks, count - p.back_blocks)
             for f, res, dst in zip(front, buf.middle_residuals, buf.outputs, strict=True):
                 dst.copy_(f + res)
 
         branch = _BRANCH.get()
         if branch is None:
             (middle if self.decide(buf) else reuse)()
-        else:
+        elif self.schedule is None:
             branch(lambda: self.decide(buf), middle, reuse)
+        else:
+            self._scheduled_branch(branch, lambda: self.decide(buf), middle, reuse)
         streams = tuple(buf.outputs)
         for i in range(count - p.back_blocks, count):
             streams = run(i, streams)
         return streams
+
+    def _scheduled_branch(
+        self, branch: BranchPoint, decide: Decide, middle: Callable[[], None], reuse: Callable[[], None]
+    ) -> None:
+        """`branch` with the schedule cut before the decision and resumed in each way and after both."""
+        schedule = self.schedule
+
+        def resumed(way: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                schedule.resume()
+                way()
+                schedule.cut()
+
+            return run
+
+        schedule.cut()
+        branch(decide, resumed(middle), resumed(reuse))
+        if self.preset.back_blocks:
+            schedule.resume()
 
     def decide(self, buf: _Buffers) -> bool:
         """Which rows run the middle blocks this call (into `buf.compute_rows`); True if any does."""
@@ -171,6 +222,17 @@ def branch_points(branch: BranchPoint) -> Iterator[None]:
         yield
     finally:
         _BRANCH.reset(token)
+
+
+@contextmanager
+def owned_by(owner: object) -> Iterator[None]:
+    """The buffers a cache makes inside belong to `owner` (a captured graph: its key), which lets go of
+    them with `BranchCache.forget` when it goes; each graph has its own, whatever their shapes."""
+    token = _OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
 
 
 @contextmanager

@@ -24,6 +24,7 @@ on a machine without a GPU (the CI tests prove the schedule and the bytes with i
 import mmap
 import weakref
 from abc import ABC, abstractmethod
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -321,6 +322,7 @@ class PlacedWeights:
         self._lent_loaded = False
         self._lent_event = link.event()
         self._borrower: PlacedWeights | None = None
+        self._calls = False  # whether a call has a schedule (hooks): blocks streamed or lent
 
     @torch.no_grad()
     def place(
@@ -367,7 +369,7 @@ class PlacedWeights:
         self._lend_buffer_for(lend_bytes)
         self._loaded = [self.link.event() for _ in range(self.slots)]
         self._freed = [self.link.event() for _ in range(self.slots)]
-        calls = bool(self._groups or self._lent)
+        self._calls = calls = bool(self._groups or self._lent)
         if calls:  # a call is one pass over the blocks, whichever method of the root makes it
             self._hooks.append(self.blocks[0].register_forward_pre_hook(lambda *_: self._begin_call()))
         for j, block in enumerate(streamed_blocks):
@@ -487,6 +489,40 @@ class PlacedWeights:
 
     def _end_call(self) -> None:
         self.link.join()
+
+    # A step cache (models/step_cache.py) may leave a call's middle blocks out: `skip_blocks` keeps the
+    # schedule whole without them, and `cut` / `resume` let a CUDA-graph capture end and begin again at the
+    # cache's decision (a graph must join every copy it forked, and may only wait for events it recorded).
+    def skip_blocks(self, start: int, stop: int) -> None:
+        """Blocks `start`..`stop`-1 do not run in this call: the copies of the streamed ones among them not
+        issued yet are never issued (copies already running finish unread), the streamed blocks after them
+        get theirs, and the call ends here if the last block was among them."""
+        if not self._calls:
+            return
+        if self._groups:
+            ran = bisect_left(self.streamed, start)  # streamed blocks before the skipped ones: they ran
+            after = bisect_left(self.streamed, stop)  # the first streamed block after them
+            for freed in self._freed:  # no block runs in its slot any more: copies into it may start
+                self.link.after_compute(freed)
+            for j in range(max(after, ran + self.slots), min(after + self.slots, len(self._groups))):
+                self._issue(j)  # what the skipped blocks' ends would have issued
+        if stop == len(self.blocks):
+            self._end_call()
+
+    def cut(self) -> None:
+        """A captured graph ends mid-call: compute waits for the copies issued so far."""
+        if self._calls:
+            self.link.join()
+
+    def resume(self) -> None:
+        """The next graph of the call begins: copies wait for the compute before it, and the slots' events
+        are recorded again in it (the copies they marked are done: `cut` joined them)."""
+        if not self._calls:
+            return
+        self.link.fork()
+        for loaded, freed in zip(self._loaded, self._freed, strict=True):
+            self.link.after_copies(loaded)
+            self.link.after_compute(freed)
 
     @property
     def phase_bytes(self) -> int:

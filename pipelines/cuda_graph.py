@@ -24,7 +24,7 @@ import torch.distributed as dist
 from models.env import env_flag
 from models.errors import InputError
 from models.sequence_parallel import Collective, cut_at_collectives
-from models.step_cache import BranchCache, branch_points, caching, warming_up
+from models.step_cache import BranchCache, branch_points, caching, owned_by, warming_up
 
 GRAPHS_ENV = "QWEN_IMAGE_CUDA_GRAPHS"
 COLLECTIVES_ENV = "QWEN_IMAGE_GRAPH_COLLECTIVES"
@@ -163,13 +163,15 @@ class GraphedStep:
             self.graphs.move_to_end(key)
         else:
             while len(self.graphs) >= self.max_graphs:
-                self.graphs.popitem(last=False)
-            self.graphs[key] = _Captured(self._with(cache, static), inputs, self.cut_collectives)
+                dropped, _ = self.graphs.popitem(last=False)
+                if dropped[1] is not None:  # its step cache: the buffers the graph made go with it
+                    dropped[1].forget(dropped)
+            self.graphs[key] = _Captured(self._with(cache, static, key), inputs, self.cut_collectives)
         return self.graphs[key](inputs)
 
-    def _with(self, cache: BranchCache | None, static: tuple) -> Callable[..., torch.Tensor]:
+    def _with(self, cache: BranchCache | None, static: tuple, key: tuple) -> Callable[..., torch.Tensor]:
         def step(*tensors: torch.Tensor | None) -> torch.Tensor:
-            with caching(cache):
+            with caching(cache), owned_by(key):
                 return self.step(*tensors, *static)
 
         return step

@@ -64,6 +64,7 @@ class GenerationRequest:
             self.true_cfg,
             len(self.images),
             decode_images=self.rows,
+            step_cache=self.cache is not None,
         )
 
     @property

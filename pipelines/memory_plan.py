@@ -254,7 +254,9 @@ def phase_peaks(
     the steps keep, reserve excluded."""
     act = profile.activations
     step = act.step(workload)
-    pools = ((2 if workload.true_cfg else 1) * step if graphs else 0) + act.held(workload)
+    branches = 2 if workload.true_cfg else 1
+    cache = branches * act.step_cache(workload) if workload.step_cache else 0
+    pools = (branches * step if graphs else 0) + act.held(workload) + cache
     always = sum(p.always() for p in placements)
     extra = {p.part.phase: p.during() - p.always() for p in placements}
     lent = sum(p.lent_bytes for p in placements)  # the offloaded component's buffer, while it runs

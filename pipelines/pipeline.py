@@ -464,18 +464,10 @@ class Pipeline:
         return results
 
     def _check_cache(self) -> None:
-        """InputError where a step cache is not built: blocks split over ranks (Ulysses) or brought in
-        from host memory (a memory plan that streams the transformer's blocks expects every block to run)."""
+        """InputError where a step cache is not built: blocks split over ranks (Ulysses)."""
         if self.ranks is not None and self.ranks.plan.ulysses > 1:
             summary = self.parallel_summary()
             raise InputError(f"a step cache is not built for Ulysses sequence parallelism ({summary})")
-        if self.memory is not None:
-            denoiser = self.memory.plan.placement(self.memory.profile.part(DENOISE).name)
-            if denoiser.streamed or denoiser.lent:
-                raise InputError(
-                    "a step cache is not built for a memory plan that streams the transformer's blocks; give "
-                    "a --gpu-memory budget that keeps them on the GPU (`qwen-image info` shows the plan)"
-                )
 
     def _seed(self, request: GenerationRequest) -> int | list[int]:
         """The request's seed (a list: one per prompt); drawn when it has none, the same on every rank."""
@@ -600,10 +592,12 @@ class Pipeline:
         return step
 
     def _step_caches(self, preset: CachePreset | None, branches: int) -> list[BranchCache] | None:
-        """One step cache per CFG branch for `preset`, kept across requests (graphs hold their buffers)."""
+        """One step cache per CFG branch for `preset`, kept across requests (graphs hold their buffers), told
+        which blocks it skips by the transformer's placement under a memory plan (streamed blocks)."""
         if preset is None:
             return None
-        return [self._caches.setdefault((preset, b), BranchCache(preset)) for b in range(branches)]
+        schedule = None if self.memory is None else self.memory.placed[self.memory.profile.part(DENOISE).name]
+        return [self._caches.setdefault((preset, b), BranchCache(preset, schedule)) for b in range(branches)]
 
 
 class _StageTimer:

@@ -67,12 +67,13 @@ class LateLink(HostLink):
         self.queue.append(event)
 
     def compute_waits(self, event: object) -> None:
-        if not any(item is event for item in self.queue):
+        """Waits for the event's latest record, as CUDA does (an earlier one may still be queued when a
+        block that would have waited for it did not run)."""
+        latest = max((i for i, item in enumerate(self.queue) if item is event), default=None)
+        if latest is None:
             return  # recorded and passed already
-        while self.queue:
-            item = self.queue.pop(0)
-            if item is event:
-                return
+        done, self.queue = self.queue[: latest + 1], self.queue[latest + 1 :]
+        for item in done:
             if callable(item):
                 item()
 

@@ -23,6 +23,7 @@ from bench.activation_memory import (
     text_encoder_peak,
 )
 from bench.header_checkpoint import qi21_header_checkpoint
+from models.cache_presets import CachePreset
 from models.errors import InputError
 from models.families import inspect_checkpoint
 from models.family import DEFAULT_SEQUENCE_LENGTH
@@ -136,6 +137,20 @@ def test_a_request_under_a_streaming_placement_gives_the_resident_bytes(tiny, te
         each.model.resolution, each.model.use_kv_cache = RESOLUTION, cache
     assert pipe.memory.plan.placement("transformer").streamed
     assert png_sha256(pipe.generate(**request)[0]) == png_sha256(resident.generate(**request)[0])
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["kv-cache", "no-kv-cache"])
+def test_a_step_cache_under_a_streaming_placement_gives_the_resident_bytes(tiny, kv_cache):
+    """Every block streamed, copies as late as they may run: the steps a step cache skips leave their
+    blocks' copies out and the image is the resident pipeline's with the same steps skipped."""
+    always = CachePreset("always", threshold=math.inf, warmup_steps=2, max_cached_in_a_row=2)
+    request = dict(prompt=PROMPT, width=64, height=32, cache=always, **(CFG | dict(num_inference_steps=6)))
+    resident = load_pipeline(tiny, variant="reference", device="cpu", dtype="fp32")
+    pipe = placed_pipeline(tiny, "reference", ("offload", 0), 0, LateLink(), precision=FP32)
+    for each in (resident, pipe):
+        each.model.resolution, each.model.use_kv_cache = RESOLUTION, kv_cache
+    assert png_sha256(pipe.generate(**request)[0]) == png_sha256(resident.generate(**request)[0])
+    assert pipe.last_run.cache == resident.last_run.cache and "skipped in 0 of" not in pipe.last_run.cache
 
 
 def test_a_planned_pipeline_keeps_one_cache_per_branch(tiny):

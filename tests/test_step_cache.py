@@ -1,9 +1,11 @@
 """The step cache (models/step_cache.py), opt-in and approximate: its rule checked against an independent
 re-computation on a toy block stack, and through the pipeline for every family: off is the exact path, on
 it skips the middle blocks in the steps it reports, fused and unfused FP8 skip the same steps with the same
-bytes, a request keeps its bytes in a batch, and a memory plan that streams blocks refuses it."""
+bytes, a request keeps its bytes in a batch, and a memory plan that streams blocks gives the resident
+bytes with the skipped blocks' copies left out."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,15 +13,17 @@ import torch
 from edit_fixtures import build_edit_checkpoint, drawn_image
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
+from memory_fixtures import FP32, LateLink, placed_pipeline
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
 from eval import metrics
 from eval.variants import parse_variant
 from models.cache_presets import CACHE_PRESETS, CachePreset, get_cache_preset
 from models.errors import InputError
-from models.memory import Workload
+from models.memory import DENOISE, Workload
 from models.step_cache import BranchCache, caching, run_blocks
 from pipelines import load_pipeline
+from pipelines.memory_plan import with_workload
 from pipelines.variants import VARIANTS
 
 # Skips whenever it may: the schedule is then warm-up, then `max_cached_in_a_row` skipped, one computed, ...
@@ -158,19 +162,91 @@ def test_a_request_keeps_its_bytes_in_a_batch_with_a_cache(pipe) -> None:
     assert all("faster: middle blocks skipped" in r.info.cache for r in together)
 
 
-def test_a_plan_that_streams_blocks_refuses_the_cache_in_one_line() -> None:
-    streamed = load_pipeline(
-        variant="reference", device="cpu", dtype="fp32", gpu_memory="48MiB", workload=Workload(32, 32)
-    )
-    placement = streamed.memory.plan.placement("transformer")
-    assert placement.streamed or placement.lent
-    with pytest.raises(InputError, match="not built for a memory plan that streams the transformer's blocks"):
-        streamed.generate(**SMALL, num_inference_steps=2, cache="fast")
-    resident = load_pipeline(variant="reference", device="cpu", dtype="fp32", gpu_memory="1GiB")
-    assert resident.memory.plan.resident
-    resident.generate(**SMALL, num_inference_steps=4, cache=ALWAYS)
-    skipped = 4 - sum(always_schedule(4))
-    assert f"skipped in {skipped} of 4" in resident.last_run.cache
+class CountingLink(LateLink):
+    """`LateLink`, counting the bytes each transformer call copies in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copied = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copied += src.numel() * src.element_size()
+        super().copy(dst, src)
+
+
+# Like ALWAYS, with the last block always run: the streamed blocks after the skipped ones still come in
+ALWAYS_BACK = CachePreset(
+    "always-back", threshold=math.inf, back_blocks=1, warmup_steps=2, max_cached_in_a_row=2
+)
+
+
+@pytest.mark.parametrize(
+    ("preset", "text", "blocks", "lend"),
+    [
+        (ALWAYS, ("offload", 0), 0, False),  # every block streamed
+        (ALWAYS_BACK, ("offload", 0), 0, False),
+        (MIDWAY, ("offload", 1), 2, False),  # the rule deciding from the data, 4 of 6 blocks streamed
+        (ALWAYS_BACK, ("offload", 1), 4, True),  # resident blocks lending to the text encoder
+    ],
+    ids=["all-streamed", "all-streamed-back-block", "midway", "lent"],
+)
+def test_a_plan_that_streams_blocks_gives_the_resident_bytes_with_a_cache(pipe, preset, text, blocks, lend):
+    """Copies running as late as a side stream may run them: a skipped block's copy is never waited for,
+    the blocks after it still wait for theirs, and the image is the resident pipeline's with the same
+    steps skipped."""
+    request = dict(SMALL, num_inference_steps=8, cache=preset)
+    placed = placed_pipeline(None, "reference", text, blocks, LateLink(), precision=FP32, lend=lend)
+    assert png_sha256(placed.generate(**request)[0]) == png_sha256(pipe.generate(**request)[0])
+    assert placed.last_run.cache == pipe.last_run.cache and "skipped in 0 of" not in placed.last_run.cache
+
+
+def test_a_skipped_call_copies_only_the_blocks_already_under_way(pipe):
+    """Every block streamed through two slots: a computed call copies all six blocks, a skipped one (F1B0)
+    only the three issued before its decision (the first two as it begins, the third as block 0 ends)."""
+    link = CountingLink()
+    placed = placed_pipeline(None, "reference", ("offload", 0), 0, link, precision=FP32)
+    dit = placed.memory.placed["transformer"]
+    assert dit.slots == 2 and len(dit.streamed) == len(dit.blocks) == 6
+    block_bytes = [g.nbytes for g in dit._groups]
+    cache = BranchCache(ALWAYS, dit)
+    per_call = []
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, 4, 64, generator=gen), torch.randn(1, 3, 32, generator=gen), None)
+    with torch.no_grad(), caching(cache):
+        for _ in range(3):
+            link.copied = 0
+            placed.transformer(*args, torch.full((1,), 0.5), (1, 2, 2))
+            per_call.append(link.copied)
+    assert per_call[:2] == [sum(block_bytes)] * 2  # the warm-up calls run every block
+    assert per_call[2] < sum(block_bytes) and cache.skipped == [1]
+
+
+def test_eager_calls_keep_one_shape_of_buffers(pipe) -> None:
+    """Requests of other sizes and prompt lengths do not pile up buffers: eager calls hold no addresses,
+    so each branch keeps the current shape's only (captured graphs let go of theirs when dropped)."""
+    for prompt, width in (("a red circle", 32), ("a blue square at the bottom right", 48)):
+        pipe.generate(**(SMALL | dict(prompt=prompt, width=width)), num_inference_steps=3, cache=ALWAYS)
+        shapes = [tuple(b.outputs[0].shape) for b in pipe._caches[(ALWAYS, 0)].buffers.values()]
+        assert len(shapes) == 1 and shapes[0][1] == width // 16 * 2
+
+
+def test_the_memory_plan_counts_the_cache_buffers() -> None:
+    """A request with a cache has its buffers counted in the plan's peaks, for each CFG branch, and the
+    estimate holds what the cache keeps."""
+    planned = load_pipeline(variant="reference", device="cpu", dtype="fp32", gpu_memory="1GiB")
+    planned.generate(**SMALL, num_inference_steps=4, cache=ALWAYS)
+    caches = [planned._caches[(ALWAYS, b)] for b in range(2)]
+    (buf,) = caches[0].buffers.values()
+    kept = [buf.front_residual, *buf.middle_residuals, *buf.outputs, buf.metric, buf.compute_rows]
+    held = sum(t.numel() * t.element_size() for t in kept)
+    activations = planned.memory.profile.activations
+    workload = Workload(SMALL["width"], SMALL["height"], text_tokens=buf.outputs[1].shape[1], step_cache=True)
+    assert held <= activations.step_cache(workload) < 2 * held
+    plan, profile = planned.memory.plan, planned.memory.profile
+    with_cache = with_workload(plan, profile, workload).peaks[DENOISE]
+    without = with_workload(plan, profile, replace(workload, step_cache=False)).peaks[DENOISE]
+    assert with_cache - without == 2 * activations.step_cache(workload)
+    assert "step cache" in workload.describe()
 
 
 @pytest.mark.parametrize("preset", [ALWAYS, MIDWAY], ids=lambda p: p.name)

@@ -52,9 +52,18 @@ class QwenImageActivations:
         tokens = workload.prompts * (MAX_SEQUENCE_LENGTH + TEMPLATE_TOKENS)  # the tokenizer's cap
         return self.text_bytes(tokens)
 
-    def step(self, workload: Workload) -> int:
+    def stream_tokens(self, workload: Workload) -> tuple[int, int]:
+        """Tokens of one sample's image and text streams."""
         image_tokens = (workload.width // (2 * self.vae_scale)) * (workload.height // (2 * self.vae_scale))
-        return self.step_bytes(workload.images * (image_tokens + workload.text_tokens))
+        return image_tokens, workload.text_tokens
+
+    def step(self, workload: Workload) -> int:
+        return self.step_bytes(workload.images * sum(self.stream_tokens(workload)))
+
+    def step_cache(self, workload: Workload) -> int:
+        """Three image-stream and two text-stream tensors kept, two image-stream temporaries."""
+        image, text = self.stream_tokens(workload)
+        return workload.images * (5 * image + 2 * text) * self.width * self.dtype_bytes
 
     def step_bytes(self, tokens: int) -> int:
         """One transformer call over `tokens` joint tokens (all samples)."""

@@ -108,6 +108,12 @@ class Activations21:
         per_branch = self.layers * 2 * workload.images * self.sequence(workload) * self.width
         return branches * per_branch * self.dtype_bytes
 
+    def step_cache(self, workload: Workload) -> int:
+        """The one stream's tensors, three kept and two temporaries, for the captured steps' rows and (with
+        the KV cache) the full pass's, which keeps its own."""
+        rows = self.sequence(workload) + (self.target(workload) if self.kv_cache else 0)
+        return workload.images * 5 * rows * self.width * self.dtype_bytes
+
     def decode(self, workload: Workload, tiled: bool) -> int:
         """Decoding the outputs, or encoding one condition image, always whole (the larger)."""
         pixels = workload.width * workload.height

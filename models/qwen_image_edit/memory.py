@@ -53,9 +53,11 @@ class EditActivations(QwenImageActivations):
         tokens = workload.prompts * workload.input_images * self.vision_tokens()
         return super().encode(workload) + self.text_bytes(tokens) + round(vision * self.dtype_bytes / 2)
 
-    def step(self, workload: Workload) -> int:
-        inputs = workload.images * workload.input_images * (self.input_tokens() + self.vision_tokens())
-        return super().step(workload) + self.step_bytes(inputs)
+    def stream_tokens(self, workload: Workload) -> tuple[int, int]:
+        """The input images' latents join the image stream, their vision tokens the text stream."""
+        image, text = super().stream_tokens(workload)
+        inputs = workload.input_images
+        return image + inputs * self.input_tokens(), text + inputs * self.vision_tokens()
 
     def decode(self, workload: Workload, tiled: bool) -> int:
         """Decoding the outputs, or encoding an input image, always whole (the larger); Edit encodes its
