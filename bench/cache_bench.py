@@ -10,7 +10,8 @@ the presets' decisions (and the PSNR) mean nothing for quality: quality is measu
 embedded default (BENCHMARKS.md); the speed of a schedule is what this measures.
 
 With `--gpu-memory` the pipeline is placed for that budget (transformer blocks streamed from host memory
-where it is small): a skipped step also leaves out the copies of its skipped blocks.
+where it is small; planned for a request with a step cache): a skipped step also leaves out the copies of
+its skipped blocks.
 
     python bench/cache_bench.py --model DIR [--size 1024] [--steps 50] [--cfg 4] [--image] [--preset P]
         [--gpu-memory 16GiB]
@@ -29,6 +30,7 @@ import torch
 
 from eval import metrics
 from models.cache_presets import CACHE_PRESETS, CachePreset
+from models.memory import Workload
 from pipelines import load_pipeline
 
 
@@ -61,7 +63,11 @@ def main() -> None:
     parser.add_argument("--gpu-memory", help="a GPU-memory budget to place the pipeline for (e.g. 16GiB)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    pipe = load_pipeline(args.model or None, gpu_memory=args.gpu_memory)
+    planned = dict(
+        gpu_memory=args.gpu_memory,
+        workload=Workload(args.size, args.size, input_images=int(args.image), step_cache=True),
+    )
+    pipe = load_pipeline(args.model or None, **(planned if args.gpu_memory else {}))
     request = dict(width=args.size, height=args.size, num_inference_steps=args.steps, preset=args.preset)
     request |= dict(negative_prompt=" ", true_cfg_scale=args.cfg)
     if args.image:

@@ -117,7 +117,7 @@ if stage cache-memory; then
     CKPT=/tmp/qwen-image-random-fp8
     random_checkpoint "$CKPT"
     for budget in ${CACHE_BUDGETS:-24 16}; do
-        timeout 240 python3 bench/cache_bench.py --model "$CKPT" --steps 50 --gpu-memory "${budget}GiB" \
+        timeout 500 python3 bench/cache_bench.py --model "$CKPT" --steps 50 --gpu-memory "${budget}GiB" \
             --caches off,always --in-a-row 2 --warmup 5 --out "$OUT/cache_t2i_50_${budget}gib.json" 2>&1 \
             | grep '^{' | tee "$OUT/cache_t2i_50_${budget}gib.txt"
     done

@@ -352,13 +352,13 @@ def cmd_ui(args: argparse.Namespace) -> None:
 
 def ui_workload(spec: CheckpointSpec) -> Workload:
     """The request the demo's memory plan holds: its largest aspect preset (or the model's default size),
-    one image, true CFG, the input images of `default_workload`; a larger request is refused with the
-    reason when it would not fit."""
+    one image, true CFG, the input images of `default_workload`, a step cache's buffers (the demo and the
+    server offer one); a larger request is refused with the reason when it would not fit."""
     from ui.generation import ASPECT_RATIOS
 
     sizes = [*ASPECT_RATIOS.values(), (spec.defaults.width, spec.defaults.height)]
     width, height = max(sizes, key=lambda size: size[0] * size[1])
-    return Workload(width, height, input_images=default_workload(spec).input_images)
+    return Workload(width, height, input_images=default_workload(spec).input_images, step_cache=True)
 
 
 def limit_overrides(args: argparse.Namespace) -> dict[str, Any]:
