@@ -89,6 +89,7 @@ class CheckpointSpec:
     fp8: bool  # the transformer is a ModelOpt FP8 export
     max_images: int = 0  # input images a request may carry (0: text to image only)
     images_required: bool = False  # the model cannot generate without an input image
+    starts_from_image: bool = False  # img2img and inpainting: a request may start from an image (+ mask)
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
 
 
@@ -125,6 +126,16 @@ class Conditioning:
         masks = [p.mask for p in parts]
         mask = None if all(m is None for m in masks) else torch.cat(masks)
         return Conditioning(torch.cat([p.embeds for p in parts]), mask)
+
+
+@dataclass(frozen=True)
+class ImageStart:
+    """Where img2img and inpainting start, for a request's rows: the start image's packed latents and the
+    noise [B, tokens, C], and the mask packed like them (1: repaint, 0: keep; None: all of it may change)."""
+
+    latents: torch.Tensor
+    noise: torch.Tensor
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -207,6 +218,14 @@ class FamilyModel(ABC):
     @abstractmethod
     def initial_latents(self, canvas: Any, batch: int, seed: int) -> torch.Tensor:
         """Seeded starting noise for `batch` images, packed, as diffusers draws it."""
+
+    def image_start(
+        self, image: PIL.Image.Image, mask: PIL.Image.Image | None, canvas: Any, batch: int, seed: int
+    ) -> ImageStart:
+        """For a family whose spec `starts_from_image`: `image` (and `mask`) at the canvas's size, its
+        latents and the noise for `batch` images drawn from one seeded generator as the family's diffusers
+        img2img and inpainting pipelines draw them."""
+        raise NotImplementedError(f"{type(self).__name__} does not start from an image")
 
     @abstractmethod
     def step_call(

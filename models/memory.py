@@ -138,7 +138,8 @@ class Workload:
     transformer calls per step, and a captured graph for each branch), the input images a request
     carries (edits, condition images: each at the size its family gives it) and the images decoded at
     once (`decode_images`, None: all of them; a batch of requests decodes each request alone), and
-    whether its steps run through a step cache (whose buffers stay on the device like a graph's pool)."""
+    whether its steps run through a step cache (whose buffers stay on the device like a graph's pool) and
+    whether it starts from an image (img2img, inpainting: encoded at the output size)."""
 
     width: int
     height: int
@@ -149,6 +150,7 @@ class Workload:
     input_images: int = 0
     decode_images: int | None = None
     step_cache: bool = False
+    start_image: bool = False
 
     @property
     def decoded(self) -> int:

@@ -6,6 +6,7 @@ A new generation option is added here: a field of `GenerationRequest`, its defau
 `resolve_request`; then its use in `Pipeline.run`, and the front ends that expose it pass it on by name.
 """
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -15,10 +16,25 @@ from models.cache_presets import CachePreset, get_cache_preset
 from models.errors import InputError
 from models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec
 from models.memory import Workload
-from pipelines.limits import as_prompt_list, check_generation_args, check_images
+from pipelines.limits import as_prompt_list, check_generation_args, check_images, check_pixels
 from pipelines.presets import check_lora_scale, get_preset
 
 SizeSuggestion = Callable[[list[PIL.Image.Image]], tuple[int, int] | None]
+DEFAULT_STRENGTH = 0.6  # diffusers' img2img and inpainting default
+
+
+@dataclass(frozen=True)
+class StartImage:
+    """img2img and inpainting: the image a request starts from, the share of the schedule that reworks it
+    (`strength`: 1 starts from pure noise), and the mask of what may change (white: repaint; None: all)."""
+
+    image: PIL.Image.Image
+    strength: float = DEFAULT_STRENGTH
+    mask: PIL.Image.Image | None = None
+
+    def first_step(self, steps: int) -> int:
+        """The index of the first of `steps` steps that runs (diffusers' `get_timesteps`)."""
+        return int(max(steps - min(steps * self.strength, steps), 0))
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,13 @@ class GenerationRequest:
     preset: str | None = None  # its scheduler samples the steps
     lora_scales: tuple[tuple[str, float], ...] = ()
     cache: CachePreset | None = None  # a step cache (opt-in, approximate); None: every block runs
+    start: StartImage | None = None  # img2img / inpainting; None: from noise
+
+    @property
+    def steps_run(self) -> int:
+        """Denoising steps it runs: with a start image, the last `strength` share of the schedule."""
+        steps = self.num_inference_steps
+        return steps if self.start is None else steps - self.start.first_step(steps)
 
     @property
     def true_cfg(self) -> bool:
@@ -65,13 +88,15 @@ class GenerationRequest:
             len(self.images),
             decode_images=self.rows,
             step_cache=self.cache is not None,
+            start_image=self.start is not None,
         )
 
     @property
     def batch_key(self) -> tuple | None:
         """What requests sharing denoising steps must agree on (all but prompt, negative prompt and seed);
-        None for one that runs alone: input images, several prompts, or a seed drawn when it runs."""
-        if self.images or len(self.prompts) != 1 or not isinstance(self.seed, int):
+        None for one that runs alone: input images, a start image, several prompts, or a seed drawn when it
+        runs."""
+        if self.images or self.start or len(self.prompts) != 1 or not isinstance(self.seed, int):
             return None
         return (
             self.width,
@@ -104,15 +129,23 @@ def resolve_request(
     suggest_size: SizeSuggestion | None = None,
     loras: Collection[str] | None = None,
     cache: str | CachePreset | None = None,
+    init_image: PIL.Image.Image | None = None,
+    strength: float | None = None,
+    mask_image: PIL.Image.Image | None = None,
 ) -> GenerationRequest:
     """The request for `spec`'s checkpoint from raw values (docs/API.md, `Pipeline.generate`): each side not
     given is what the input images suggest (`suggest_size`, the loaded model's; without it, or without
     images, the checkpoint's default size), the negative prompt defaults to the checkpoint's, steps and CFG
-    scale to the preset's or the checkpoint's; `cache` names a step-cache preset (or is "off"). InputError
-    names the first bad value; `loras`, when given, are the LoRA names `lora_scales` may set."""
+    scale to the preset's or the checkpoint's; `cache` names a step-cache preset (or is "off"); `init_image`
+    starts from an image (img2img; its size is the default, down to the checkpoint's default area), with
+    `mask_image` only its white part (inpainting). InputError names the first bad value; `loras`, when
+    given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
     images = check_images(image, spec.max_images, spec.images_required, spec.name)
+    start = check_start(spec, init_image, strength, mask_image)
     suggested = suggest_size(images) if images and suggest_size is not None else None
+    if start is not None:
+        suggested = start_size(start.image, spec)
     size = suggested or (spec.defaults.width, spec.defaults.height)
     width, height = size[0] if width is None else width, size[1] if height is None else height
     negative = spec.defaults.negative_prompt if negative_prompt is None else negative_prompt
@@ -134,6 +167,8 @@ def resolve_request(
         seed,
         spec.size_multiple,
     )
+    if start is not None and start.first_step(steps) >= steps:
+        raise InputError(f"strength {start.strength} leaves none of the {steps} steps to run: raise either")
     if negatives is not None and len(negatives) == 1:
         negatives = negatives * len(prompts)
     return GenerationRequest(
@@ -150,7 +185,48 @@ def resolve_request(
         preset=preset,
         lora_scales=checked_lora_scales(lora_scales, loras),
         cache=get_cache_preset(cache),
+        start=start,
     )
+
+
+def check_start(spec: CheckpointSpec, image: object, strength: object, mask: object) -> StartImage | None:
+    """The request's start image (None without one), checked: InputError for a strength or mask without an
+    image, a model that does not start from images, a non-image, a strength outside (0, 1], or a mask of
+    another size than the image."""
+    if image is None:
+        for value, name in ((strength, "strength"), (mask, "mask_image")):
+            if value is not None:
+                raise InputError(f"{name} needs the image it applies to (init_image)")
+        return None
+    if not spec.starts_from_image:
+        raise InputError(
+            f"{spec.name} does not start from an image: img2img and inpainting run on Qwen-Image "
+            "text-to-image checkpoints"
+        )
+    for value, name in ((image, "init_image"), (mask, "mask_image")):
+        if value is not None and not isinstance(value, PIL.Image.Image):
+            raise InputError(f"{name} is a {type(value).__name__}, not a PIL image")
+        if value is not None:
+            check_pixels(value.width, value.height, name)
+    if strength is None:
+        strength = DEFAULT_STRENGTH
+    if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
+        raise InputError(f"strength must be a number in (0, 1], got {strength!r}")
+    if mask is not None and mask.size != image.size:
+        raise InputError(
+            f"mask_image is {mask.width}x{mask.height} but init_image is {image.width}x{image.height}: "
+            "give a mask of the image's size"
+        )
+    return StartImage(image, float(strength), mask)
+
+
+def start_size(image: PIL.Image.Image, spec: CheckpointSpec) -> tuple[int, int]:
+    """A start image's size rounded down to the checkpoint's size multiple, scaled down (same aspect) to
+    the checkpoint's default area when larger."""
+    width, height = image.size
+    scale = min(1.0, math.sqrt(spec.defaults.width * spec.defaults.height / (width * height)))
+    multiple = spec.size_multiple
+    return tuple(max(multiple, int(side * scale) // multiple * multiple) for side in (width, height))
 
 
 def checked_lora_scales(

@@ -31,14 +31,21 @@ from models.lora_files import LoraFile
 from models.memory import DENOISE, ENCODE, Workload
 from models.step_cache import BranchCache, caching
 from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
-from pipelines.generation_request import GenerationRequest, resolve_request
+from pipelines.generation_request import GenerationRequest, StartImage, resolve_request
 from pipelines.load_options import LoadOptions
 from pipelines.lora import LoadedLora, LoraSet
 from pipelines.memory import GpuMemory, in_phase, plan_for
 from pipelines.memory_plan import MemoryPlan
 from pipelines.parallel import ParallelPlan, Ranks, check_supported, join_ranks, resolve_plan
 from pipelines.presets import get_preset
-from pipelines.sampling import Step, branch_velocities, euler_loop, flow_timesteps
+from pipelines.sampling import (
+    Step,
+    branch_velocities,
+    euler_loop,
+    flow_timesteps,
+    inpaint_blend,
+    strength_timesteps,
+)
 from pipelines.variants import AUTO, Variant, get_variant, resolve_variant, variants_for
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -384,8 +391,13 @@ class Pipeline:
         image: PIL.Image.Image | list[PIL.Image.Image] | None = None,
         output_type: str = "pil",
         cache: str | CachePreset | None = None,
+        init_image: PIL.Image.Image | None = None,
+        strength: float | None = None,
+        mask_image: PIL.Image.Image | None = None,
     ) -> list[PIL.Image.Image] | torch.Tensor:
-        """Generate (or, with input `image`s, edit) images; see docs/API.md. `seed` may give one seed per
+        """Generate (or, with input `image`s, edit) images; see docs/API.md. `init_image` starts from an
+        image (img2img, `strength` of the schedule reworking it), `mask_image` repaints only its white part
+        (inpainting). `seed` may give one seed per
         prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
         of the run land in `self.last_run`. `output_type="latent"` returns the final packed latents and skips
         decoding (as diffusers' pipelines do). One request through `run`."""
@@ -403,6 +415,9 @@ class Pipeline:
             lora_scales=lora_scales,
             image=image,
             cache=cache,
+            init_image=init_image,
+            strength=strength,
+            mask_image=mask_image,
         )
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
@@ -513,7 +528,7 @@ class Pipeline:
         steps, scale = first.num_inference_steps, first.true_cfg_scale
         caches = self._step_caches(first.cache, len(branches))
         latents = self.denoise(
-            branches, canvas, steps, scale, batch_seeds, on_step, progress, scheduler, caches
+            branches, canvas, steps, scale, batch_seeds, on_step, progress, scheduler, caches, first.start
         )
         timer.lap("denoising")
         shared = dict(timer.timings)
@@ -535,7 +550,7 @@ class Pipeline:
                 preset=request.preset or "",
                 loras=self.lora.summary(),
                 shared_by=len(group),
-                cache=cache_summary(first.cache, caches, position * first.rows, first.rows, steps),
+                cache=cache_summary(first.cache, caches, position * first.rows, first.rows, first.steps_run),
             )
             done.append((index, Generated(out, info)))
         return done
@@ -551,17 +566,30 @@ class Pipeline:
         progress: bool = False,
         scheduler: FlowMatchEulerDiscreteScheduler | None = None,
         caches: list[BranchCache] | None = None,
+        start: StartImage | None = None,
     ) -> torch.Tensor:
         """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
         (true CFG); `canvas` is the model's geometry of the request (`model.canvas`); `seed` a list gives
         each prompt's rows their own seed; `scheduler` defaults to the checkpoint's; `caches`, one per
-        branch, a step cache (reset here). Returns the final packed latents."""
+        branch, a step cache (reset here); `start` an image to start from, noised to the first step that
+        runs (img2img), its unmasked part kept (inpainting). Returns the final packed latents."""
         scheduler = self.model.scheduler if scheduler is None else scheduler
         batch = branches[0].embeds.shape[0]
         seeds = seed if isinstance(seed, list) else [seed]
         rows = batch // len(seeds)
-        latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
-        timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
+        after_step = None
+        if start is None:
+            latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
+            timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
+        else:
+            parts = [self.model.image_start(start.image, start.mask, canvas, rows, s) for s in seeds]
+            image_latents, noise = torch.cat([p.latents for p in parts]), torch.cat([p.noise for p in parts])
+            flow_timesteps(scheduler, self.model.sigmas(steps), noise.shape[1], self.device)
+            timesteps = strength_timesteps(scheduler, start.first_step(steps))
+            latents = scheduler.scale_noise(image_latents, timesteps[:1].repeat(batch), noise)
+            if start.mask is not None:
+                mask = torch.cat([p.mask for p in parts])
+                after_step = inpaint_blend(scheduler, timesteps, image_latents, noise, mask)
         for cache in caches or ():
             cache.reset()
         step = self._step(canvas, branches, caches)
@@ -573,7 +601,7 @@ class Pipeline:
                 return velocities[0]
             return self.model.combine_cfg(*velocities, true_cfg_scale)
 
-        return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress)
+        return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress, after_step)
 
     def _step(
         self, canvas: object, branches: list[Conditioning], caches: list[BranchCache] | None = None

@@ -40,6 +40,32 @@ def flow_timesteps(
     return timesteps
 
 
+def strength_timesteps(scheduler: FlowMatchEulerDiscreteScheduler, first_step: int) -> torch.Tensor:
+    """The scheduler's timesteps from `first_step` on, where img2img starts (diffusers' `get_timesteps`,
+    which sets the scheduler's begin index there)."""
+    scheduler.set_begin_index(first_step * scheduler.order)
+    return scheduler.timesteps[first_step * scheduler.order :]
+
+
+def inpaint_blend(
+    scheduler: FlowMatchEulerDiscreteScheduler,
+    timesteps: torch.Tensor,
+    image_latents: torch.Tensor,
+    noise: torch.Tensor,
+    mask: torch.Tensor,
+) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """After step i: the kept part (mask 0) back to the start image, noised to the next timestep (diffusers'
+    `QwenImageInpaintPipeline`)."""
+
+    def blend(i: int, latents: torch.Tensor) -> torch.Tensor:
+        kept = image_latents
+        if i < len(timesteps) - 1:
+            kept = scheduler.scale_noise(kept, torch.tensor([timesteps[i + 1]]), noise)
+        return (1 - mask) * kept + mask * latents
+
+    return blend
+
+
 def branch_velocities(
     step: Step,
     latents: torch.Tensor,
@@ -64,12 +90,16 @@ def euler_loop(
     velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     on_step: Callable[[int, int], None] | None = None,
     progress: bool = False,
+    after_step: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Integrate `velocity(latents, sigma)` over the scheduler's timesteps; `on_step(i, n)` after each."""
+    """Integrate `velocity(latents, sigma)` over the scheduler's timesteps; `after_step(i, latents)` changes
+    the latents after each step (inpainting), `on_step(i, n)` reports it."""
     batch = latents.shape[0]
     for i, t in enumerate(tqdm(timesteps, desc="denoising", disable=not progress, leave=False)):
         sigma = t.expand(batch).to(latents.dtype) / 1000
         latents = scheduler.step(velocity(latents, sigma), t, latents, return_dict=False)[0]
+        if after_step is not None:
+            latents = after_step(i, latents)
         if on_step is not None:
             on_step(i + 1, len(timesteps))
     return latents

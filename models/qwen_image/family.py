@@ -43,6 +43,7 @@ class QwenImageFamily(ModelFamily):
             size_multiple=multiple,
             defaults=defaults,
             fp8=is_fp8_transformer(directory / "transformer"),
+            starts_from_image=True,
         )
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
@@ -59,6 +60,7 @@ class QwenImageFamily(ModelFamily):
             size_multiple=2 * model.vae_scale_factor,
             defaults=defaults,
             fp8=model.transformer.is_fp8,
+            starts_from_image=True,
         )
 
     def meta_transformer(self, spec: CheckpointSpec):

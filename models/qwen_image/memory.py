@@ -34,6 +34,7 @@ STEP_BYTES_PER_WIDTH = 32  # per joint token: measured 27.7
 DECODE_BYTES_PER_BASE = 41  # per output pixel: measured 36 (num_res_blocks 2)
 TILE_BYTES_PER_BASE = 2.8e6  # per image decoded in tiles: measured 2.4e6
 TILE_BYTES_PER_PIXEL = 12  # the tiles' blended output: measured 10
+ENCODE_BYTES_PER_BASE = 23  # per input pixel: measured 20.2
 TEMPLATE_TOKENS = DROP_TOKENS + 8  # the prompt template's system part and its end
 SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 
@@ -82,12 +83,14 @@ class QwenImageActivations:
         return 0
 
     def decode(self, workload: Workload, tiled: bool) -> int:
+        """Decoding the outputs, or encoding a start image at the output size, always whole (the larger)."""
         pixels = workload.width * workload.height
         if tiled:
             per_image = TILE_BYTES_PER_BASE * self.vae_base + TILE_BYTES_PER_PIXEL * pixels
         else:
             per_image = DECODE_BYTES_PER_BASE * self.vae_base * pixels
-        return round(workload.decoded * per_image * self.dtype_bytes / 2)
+        start = ENCODE_BYTES_PER_BASE * self.vae_base * pixels if workload.start_image else 0
+        return round(max(workload.decoded * per_image, start) * self.dtype_bytes / 2)
 
 
 def memory_profile(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> MemoryProfile:

@@ -2,7 +2,8 @@
 
 Each hook follows diffusers' `QwenImagePipeline` op for op (prompt encoding, seeded noise drawn before
 2x2 packing, the transformer call, true CFG rescaled to the conditional norm, VAE decoding with the
-config's latent statistics), so the `reference` variant's pixels equal diffusers' on the same weights.
+config's latent statistics), so the `reference` variant's pixels equal diffusers' on the same weights; an
+img2img or inpainting start follows `QwenImageImg2ImgPipeline` / `QwenImageInpaintPipeline`.
 """
 
 from dataclasses import dataclass
@@ -10,13 +11,16 @@ from pathlib import Path
 
 import PIL.Image
 import torch
+import torch.nn.functional as F
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
 from models.family import (
     Conditioning,
     FamilyModel,
     GenerationDefaults,
+    ImageStart,
     QuantRecipe,
     StepCall,
     parameter_summary,
@@ -56,7 +60,17 @@ def initial_noise(
     batch: int, channels: int, canvas: LatentCanvas, seed: int, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """Packed Gaussian latents [B, H/2*W/2, 4C] drawn as diffusers draws them (seeded CPU generator)."""
-    generator = torch.Generator("cpu").manual_seed(seed)
+    return draw_noise(batch, channels, canvas, torch.Generator("cpu").manual_seed(seed), device, dtype)
+
+
+def draw_noise(
+    batch: int,
+    channels: int,
+    canvas: LatentCanvas,
+    generator: torch.Generator,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     shape = (batch, 1, channels, canvas.height, canvas.width)
     noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
     return pack_latents(noise[:, 0])
@@ -81,6 +95,12 @@ class QwenImageModel(FamilyModel):
         self.device, self.dtype = device, dtype
         self.vae_scale_factor = components.vae_scale_factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=2 * self.vae_scale_factor)
+        self.mask_processor = VaeImageProcessor(
+            vae_scale_factor=2 * self.vae_scale_factor,
+            do_normalize=False,
+            do_binarize=True,
+            do_convert_grayscale=True,
+        )
 
     @classmethod
     def load(
@@ -105,6 +125,35 @@ class QwenImageModel(FamilyModel):
     def initial_latents(self, canvas: LatentCanvas, batch: int, seed: int) -> torch.Tensor:
         channels = self.components.latent_channels
         return initial_noise(batch, channels, canvas, seed, self.device, self.dtype)
+
+    def image_start(
+        self,
+        image: PIL.Image.Image,
+        mask: PIL.Image.Image | None,
+        canvas: LatentCanvas,
+        batch: int,
+        seed: int,
+    ) -> ImageStart:
+        """The image resized to the canvas and VAE-encoded (its latent distribution sampled), then the
+        noise, from one generator; the mask in grey levels, binarized at 0.5, resized to the latent grid."""
+        generator = torch.Generator("cpu").manual_seed(seed)
+        vae, channels = self.components.vae, self.components.latent_channels
+        height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
+        pixels = self.image_processor.preprocess(image.convert("RGB"), height=height, width=width)
+        pixels = pixels.to(torch.float32).unsqueeze(2).to(device=self.device, dtype=self.dtype)
+        sampled = retrieve_latents(vae.encode(pixels.to(vae.dtype)), generator=generator)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(sampled.device, sampled.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(sampled.device, sampled.dtype)
+        latents = ((sampled - mean) * inv_std).to(self.dtype)
+        latents = pack_latents(torch.cat([latents[:, :, 0]] * batch))
+        noise = draw_noise(batch, channels, canvas, generator, self.device, self.dtype)
+        if mask is None:
+            return ImageStart(latents, noise, None)
+        grid = self.mask_processor.preprocess(mask, height=height, width=width)
+        grid = F.interpolate(grid, size=(canvas.height, canvas.width))
+        grid = grid.to(device=self.device, dtype=self.dtype)
+        return ImageStart(latents, noise, pack_latents(grid.repeat(batch, channels, 1, 1)))
 
     def step_call(
         self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: LatentCanvas

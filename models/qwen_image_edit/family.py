@@ -26,7 +26,7 @@ class QwenImageEditFamily(QwenImageFamily):
         spec = super().inspect(directory, name)
         check_processor_fits(directory)
         kind = EDIT_KINDS[read_model_index(directory)["_class_name"]]
-        return replace(spec, max_images=kind.max_images, images_required=True)
+        return replace(spec, max_images=kind.max_images, images_required=True, starts_from_image=False)
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
         from models.qwen_image_edit.model import QwenImageEditModel
@@ -41,7 +41,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
         spec = super().spec_for(model, name, defaults)
-        return replace(spec, max_images=model.kind.max_images, images_required=True)
+        return replace(spec, max_images=model.kind.max_images, images_required=True, starts_from_image=False)
 
 
 FAMILY = QwenImageEditFamily()

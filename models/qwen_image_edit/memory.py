@@ -18,6 +18,7 @@ from pathlib import Path
 from models.checkpoint import read_json
 from models.memory import MemoryProfile, Workload
 from models.qwen_image.memory import (
+    ENCODE_BYTES_PER_BASE,
     QwenImageActivations,
     activation_fields,
     component_parts,
@@ -25,7 +26,6 @@ from models.qwen_image.memory import (
 from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind
 
 VISION_BYTES_PER_WIDTH = 40  # per patch: measured 34.5
-ENCODE_BYTES_PER_BASE = 23  # per input pixel: measured 20.2
 AREA_SLACK = 1.1  # sides rounded to multiples of 32 give a little more than the nominal area
 
 
