@@ -58,7 +58,7 @@ class RunInfo:
     seed: int | list[int]
     width: int
     height: int
-    num_inference_steps: int
+    num_inference_steps: int  # the steps that ran (img2img: the `strength` share of those asked for)
     variant: str
     fusion_summary: str
     timings: dict[str, float] = field(default_factory=dict)
@@ -543,7 +543,7 @@ class Pipeline:
                 seeds[index],
                 request.width,
                 request.height,
-                request.num_inference_steps,
+                request.steps_run,
                 self.variant,
                 self.fusion_summary(),
                 own | {"total": sum(own.values())},

@@ -66,7 +66,8 @@ def test_start_image_matches_diffusers_pixel_for_pixel(pipes, masked, prompt, ne
     image = photo(71, 53)
     mask = ellipse_mask(71, 53) if masked else None
     scale = 1.0 if negative is None else 4.0
-    kwargs = dict(width=width, height=height, num_inference_steps=STEPS, true_cfg_scale=scale, strength=strength)
+    kwargs = dict(width=width, height=height, num_inference_steps=STEPS, true_cfg_scale=scale)
+    kwargs["strength"] = strength
     got = ours.generate(
         prompt,
         negative_prompt=negative,

@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers import rss_bytes, wait_for
 from PIL import Image
+from test_img2img_oracle import ellipse_mask, photo
 
 from bench.in_thread import InThread
 from models.errors import InputError
@@ -301,14 +302,59 @@ def test_routes_methods_and_body_bounds(served: tuple[str, Runner]) -> None:
     assert streamed.status_code == 413
 
 
-def test_edit_on_a_text_to_image_model_is_a_clear_400(served: tuple[str, Runner]) -> None:
+def _png_of(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_openai_client_inpaints_what_generate_makes(served: tuple[str, Runner], embedded: Any) -> None:
+    """A text-to-image model reworks the one image of an edit (img2img) where its mask says: OpenAI's rule
+    for a mask with alpha (transparent: edited) or diffusers' for a grey one (white: repainted)."""
     url, _ = served
-    picture = io.BytesIO()
-    Image.new("RGB", (32, 32), "red").save(picture, format="PNG")
-    with pytest.raises(
-        openai.BadRequestError, match=r"the loaded model \(embedded-default\) cannot edit images"
-    ) as err:
-        _client(url).images.edit(image=("in.png", picture.getvalue(), "image/png"), prompt="make it blue")
+    picture = photo(71, 53)
+    white = ellipse_mask(71, 53).point(lambda v: 255 if v >= 128 else 0)
+    transparent = Image.new("RGBA", white.size, (0, 0, 0, 255))
+    transparent.putalpha(white.point(lambda v: 255 - v))
+    extra = {"seed": 3, "num_inference_steps": 4, "strength": 0.8, "negative_prompt": "blurry"}
+    values = dict(prompt=PROMPTS[0], size="64x48", extra_body=extra)
+    expected = embedded.generate(
+        PROMPTS[0], width=64, height=48, seed=3, num_inference_steps=4, strength=0.8,
+        negative_prompt="blurry", init_image=picture, mask_image=white,
+    )  # fmt: skip
+    for mask in (transparent, white):
+        response = _client(url).images.edit(
+            image=("in.png", _png_of(picture), "image/png"),
+            mask=("m.png", _png_of(mask), "image/png"),
+            **values,
+        )
+        assert _png(response.data[0]) == png_bytes(expected[0])
+    plain = _client(url).images.edit(image=("in.png", _png_of(picture), "image/png"), **values)
+    assert _png(plain.data[0]) != _png(response.data[0])  # without the mask all of it changes
+    files = [("image", ("in.png", _png_of(picture), "image/png"))]
+    cases = [
+        (files * 2, {}, "image", "2 input images, but embedded-default takes at most 1"),
+        (files, {"strength": "2"}, "strength", "strength must be a number in (0, 1]"),
+        ([*files, ("mask", ("m.png", _png_of(white.resize((70, 53))), "image/png"))], {}, "mask", "70x53"),
+    ]
+    for parts, data, param, message in cases:
+        response = httpx.post(f"{url}/v1/images/edits", files=parts, data={"prompt": "x"} | data)
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (400, param) and message in error["message"], error
+
+
+def test_a_model_that_neither_edits_nor_starts_from_images_answers_a_clear_400() -> None:
+    pipe = FakePipe()
+    pipe.spec = SimpleNamespace(**(vars(FakePipe.spec) | {"max_images": 0, "starts_from_image": False}))
+    server, runner = _serve(pipe, Limits.for_device("cpu"))
+    try:
+        with pytest.raises(
+            openai.BadRequestError, match=r"the loaded model \(Fake-Edit\) cannot edit"
+        ) as err:
+            _client(server.url).images.edit(image=("in.png", _upload((32, 32)), "image/png"), prompt="x")
+    finally:
+        server.close()
+        runner.close()
     assert err.value.code == "model_cannot_edit"
 
 
@@ -372,7 +418,7 @@ def test_edit_errors(fake: tuple[FakePipe, str, Runner]) -> None:
             [png, ("mask", ("m.png", _upload((16, 16)), "image/png"))],
             {"prompt": "x"},
             "mask",
-            "mask is not supported",
+            "mask is not supported by Fake-Edit: it edits whole images",
         ),
         ([png], {"prompt": ""}, "prompt", "prompt is empty"),
     ]

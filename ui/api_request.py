@@ -26,6 +26,7 @@ from ui.generation import (
 from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
 from ui.runner import Job
 
+Start = tuple[PIL.Image.Image, PIL.Image.Image | None]  # img2img's image and inpainting's mask
 MAX_INPUT_IMAGES = 16  # files one edit request may carry (the model's own bound is checked too)
 RESPONSE_FORMATS = ("b64_json", "url")
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -46,12 +47,14 @@ FIELDS = (
     "cache",
     *IGNORED,
 )
-EDIT_FIELDS = (*FIELDS, "image", "image[]")
+EDIT_FIELDS = (*FIELDS, "image", "image[]", "mask", "strength")
 # The pipeline's argument names and the API parameters they come from (an error names the parameter).
-API_FIELDS = {name: name for name in FIELDS} | {
+API_FIELDS = {name: name for name in EDIT_FIELDS} | {
     "width": "size",
     "height": "size",
     "num_images_per_prompt": "n",
+    "init_image": "image",
+    "mask_image": "mask",
 }
 
 
@@ -81,18 +84,24 @@ def model_id(pipe: Any) -> str:
 
 
 def read_job(
-    values: Mapping[str, Any], pipe: Any, limits: Limits, variant: str, images: list | None = None
+    values: Mapping[str, Any],
+    pipe: Any,
+    limits: Limits,
+    variant: str,
+    images: list | None = None,
+    start: Start | None = None,
 ) -> tuple[Job, str]:
     """Parse every value of an Images API request into its Job on `variant` (the request fully resolved:
     size, steps, CFG scale, negative prompt, seed and every loaded LoRA's scale, so no earlier request's
     state reaches it) and its response format; ApiError (400) names the first bad one. Multipart values
-    arrive as text; a number field's text is read as a number."""
-    allowed = EDIT_FIELDS if images is not None else FIELDS
-    unknown = sorted(set(values) - set(allowed))
+    arrive as text; a number field's text is read as a number. An edit brings input `images` (an edit
+    model's) or the image to `start` from and its mask (a text-to-image model's img2img and inpainting)."""
+    edit = images is not None or start is not None
+    unknown = sorted(set(values) - set(EDIT_FIELDS if edit else FIELDS))
     if unknown:
         raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     try:
-        return _job_of(values, pipe, limits, variant, images, text_numbers=images is not None)
+        return _job_of(values, pipe, limits, variant, images, start, text_numbers=edit)
     except FieldError as err:
         raise ApiError(400, str(err), err.field, "invalid_value") from None
 
@@ -103,6 +112,7 @@ def _job_of(
     limits: Limits,
     variant: str,
     images: list | None,
+    start: Start | None,
     text_numbers: bool,
 ) -> tuple[Job, str]:
     def number(name: str, whole: bool) -> Any:
@@ -152,6 +162,9 @@ def _job_of(
         cache=values.get("cache"),
         lora_scales=_lora_scales(values.get("lora_scales"), getattr(pipe, "loras", {}), text_numbers),
         image=images or None,
+        init_image=None if start is None else start[0],
+        mask_image=None if start is None else start[1],
+        strength=number("strength", whole=False),
     )
     job = Job(None, variant, request)
     check_work(job, limits)
@@ -185,19 +198,28 @@ def _lora_scales(value: Any, loaded: Mapping[str, Any], text: bool) -> dict[str,
     return off | value
 
 
-def read_image(data: bytes, index: int) -> PIL.Image.Image:
-    """An uploaded file as a loaded PIL image; ApiError (400) when it is not an image PIL reads or has more
-    than MAX_INPUT_PIXELS pixels (checked from its header, before its pixels are decoded)."""
+def openai_mask(mask: PIL.Image.Image) -> PIL.Image.Image:
+    """An Images API mask as the pipeline reads one (white: repaint): with an alpha channel, OpenAI's rule
+    (the fully transparent pixels are edited); without one, diffusers' (white pixels are repainted)."""
+    if "A" not in mask.getbands():
+        return mask
+    return mask.getchannel("A").point(lambda alpha: 255 if alpha == 0 else 0)
+
+
+def read_image(data: bytes, name: str, param: str = "image") -> PIL.Image.Image:
+    """An uploaded file (`name` in messages, for the API parameter `param`) as a loaded PIL image; ApiError
+    (400) when it is not an image PIL reads or has more than MAX_INPUT_PIXELS pixels (checked from its
+    header, before its pixels are decoded)."""
     try:
         image = PIL.Image.open(io.BytesIO(data))
         if image.width * image.height > MAX_INPUT_PIXELS:
             raise ApiError(
                 400,
-                f"image {index} is {image.width}x{image.height}: at most {MAX_INPUT_PIXELS / 1e6:.1f} MP",
-                "image",
+                f"{name} is {image.width}x{image.height}: at most {MAX_INPUT_PIXELS / 1e6:.1f} MP",
+                param,
                 "image_too_large",
             )
         image.load()
     except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as err:
-        raise ApiError(400, f"image {index} is not an image this server reads ({err})", "image") from None
+        raise ApiError(400, f"{name} is not an image this server reads ({err})", param) from None
     return image

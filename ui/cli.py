@@ -95,6 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(`qwen-image info` says how many a model takes)",
     )
     gen.add_argument(
+        "--init-image",
+        metavar="FILE",
+        help="start from this image (img2img; Qwen-Image checkpoints): noised to --strength, then denoised "
+        "by the prompt; without --width/--height the output takes its size (scaled down to the model's "
+        "default area when larger)",
+    )
+    gen.add_argument(
+        "--strength",
+        type=float,
+        help="img2img: how much of the schedule reworks --init-image, in (0, 1]; 1 starts from pure noise "
+        "(default: 0.6, as diffusers)",
+    )
+    gen.add_argument(
+        "--mask",
+        metavar="FILE",
+        help="inpainting: repaint only the white part of --init-image (grey levels binarized at 0.5; the "
+        "image's size)",
+    )
+    gen.add_argument(
         "--max-sequence-length",
         type=int,
         default=DEFAULT_SEQUENCE_LENGTH,

@@ -15,7 +15,7 @@ from models.families import inspect_checkpoint
 from models.family import CheckpointSpec
 from models.memory import Workload
 from pipelines.generation_request import resolve_request
-from pipelines.images import open_input_image, read_input_images
+from pipelines.images import MAX_INPUT_BYTES, open_input_image, read_input_images
 from pipelines.launch_env import is_leader_process, launched_world_size
 from pipelines.limits import check_size, check_steps
 from pipelines.load_options import LoadOptions
@@ -102,7 +102,8 @@ def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int,
 
 
 def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> dict[str, Any]:
-    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`)."""
+    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`), with `generate`'s
+    start image and mask read from their files."""
     names = (
         "negative_prompt",
         "width",
@@ -115,7 +116,11 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
         "preset",
         "cache",
     )
-    return {name: getattr(args, name) for name in names} | {"image": images or None}
+    values = {name: getattr(args, name) for name in names} | {"image": images or None}
+    start, mask = getattr(args, "init_image", None), getattr(args, "mask", None)
+    values["init_image"] = None if start is None else open_input_image(start, MAX_INPUT_BYTES)
+    values["mask_image"] = None if mask is None else open_input_image(mask, MAX_INPUT_BYTES)
+    return values | {"strength": getattr(args, "strength", None)}
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:

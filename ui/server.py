@@ -31,7 +31,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from models.errors import QwenImageError
 from pipelines.load_options import LoadOptions
 from ui.access import ApiKeys
-from ui.api_request import EDIT_FIELDS, MAX_INPUT_IMAGES, ApiError, model_id, read_image, read_job
+from ui.api_request import (
+    EDIT_FIELDS,
+    MAX_INPUT_IMAGES,
+    ApiError,
+    model_id,
+    openai_mask,
+    read_image,
+    read_job,
+)
 from ui.image_cache import ImageCache, png_bytes
 from ui.limits import Limits
 from ui.metrics import HttpCounters, prometheus_text
@@ -198,9 +206,12 @@ def build_server(
 
     @app.post("/v1/images/edits")
     async def edits(request: Request) -> dict[str, Any]:
+        """An edit model edits its input images; a text-to-image model that starts from images reworks
+        the one image it is given (img2img, `strength`), only where the `mask` says (inpainting)."""
         authorize(request)
         takes = getattr(pipe.spec, "max_images", 0)
-        if takes == 0:
+        starts = takes == 0 and getattr(pipe.spec, "starts_from_image", False)
+        if takes == 0 and not starts:
             message = f"the loaded model ({model_id(pipe)}) cannot edit images: it generates from text only"
             raise ApiError(400, message, "image", "model_cannot_edit")
         form = await request.form(
@@ -209,22 +220,30 @@ def build_server(
             max_part_size=int(limits.max_body_mb * mb),
         )
         try:
-            if "mask" in form:
-                raise ApiError(400, "mask is not supported: this server edits whole images", "mask")
+            if "mask" in form and not starts:
+                message = f"mask is not supported by {model_id(pipe)}: it edits whole images"
+                raise ApiError(400, message, "mask")
             files = [item for name in ("image", "image[]") for item in form.getlist(name)]
             if not files or any(isinstance(item, str) for item in files):
                 raise ApiError(400, "give one or more input images as files named image or image[]", "image")
-            if len(files) > takes:
+            most = 1 if starts else takes
+            if len(files) > most:
                 raise ApiError(
-                    400, f"{len(files)} input images, but {model_id(pipe)} takes at most {takes}", "image"
+                    400, f"{len(files)} input images, but {model_id(pipe)} takes at most {most}", "image"
                 )
-            images = [read_image(await item.read(), i) for i, item in enumerate(files, 1)]
-            values = {name: form.get(name) for name in form if name not in ("image", "image[]")}
+            images = [read_image(await item.read(), f"image {i}") for i, item in enumerate(files, 1)]
+            mask = form.get("mask")
+            if mask is not None and isinstance(mask, str):
+                raise ApiError(400, "mask must be an image file", "mask")
+            mask = None if mask is None else openai_mask(read_image(await mask.read(), "mask", "mask"))
+            values = {name: form.get(name) for name in form if name not in ("image", "image[]", "mask")}
             for name, value in values.items():
                 if not isinstance(value, str):
                     raise ApiError(400, f"{name} must be a form field, not a file", name)
         finally:
             await form.close()
+        if starts:
+            return await answer(request, *read_job(values, pipe, limits, variant, start=(images[0], mask)))
         return await answer(request, *read_job(values, pipe, limits, variant, images))
 
     @app.get("/v1/models")
