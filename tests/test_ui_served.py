@@ -107,7 +107,7 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Run
         expect(page.locator("#width input")).to_have_value("1664")
         expect(page.locator("#height input")).to_have_value("928")
         _fill(page, width=SIZE, height=SIZE)
-        expect(page.get_by_role("radio", name="custom")).to_be_checked()
+        expect(page.locator("#generate_form").get_by_role("radio", name="custom")).to_be_checked()
 
         # A generation: the image appears and the details show the seed that was used.
         _fill(page, prompt="A red apple on a wooden table", steps=4)
@@ -152,7 +152,7 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Run
         assert 200 not in completed
 
         # The step cache, chosen in its panel, runs and says how many steps it skipped.
-        page.get_by_text("Preset, step cache and LoRA").click()
+        page.locator("#generate_form").get_by_text("Preset, step cache and LoRA").click()
         page.locator("#cache input").click()
         page.get_by_role("option", name=re.compile(r"^fast: ")).click()
         _fill(page, steps=6)

@@ -152,7 +152,7 @@ def build_app(pipe: Pipeline, limits: Limits | None = None, runner: Runner | Non
             edit_tab(
                 pipe, variants, Handlers(validate, generate, stop, LORA_KWARGS), None if generates else "stop"
             )
-        with gr.Row(visible=generates):  # a model that needs input images only edits
+        with gr.Row(visible=generates, elem_id="generate_form"):  # a model that needs input images only edits
             with gr.Column(scale=5):
                 prompt = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt")
                 negative = gr.Textbox("", label="Negative prompt (true CFG)", lines=1, elem_id="negative")
@@ -252,9 +252,11 @@ async def _run(
 
 
 def takes_images(pipe: Pipeline) -> tuple[bool, bool]:
-    """(edits, generates): whether the model takes input images, and whether it runs without them."""
+    """(edits, generates): whether the model takes input images (or starts from one), and whether it runs
+    without them."""
     spec = getattr(pipe, "spec", None)  # a pipeline without a spec (tests' fakes) generates from text
-    return (spec is not None and spec.max_images > 0), (spec is None or not spec.images_required)
+    edits = spec is not None and (spec.max_images > 0 or getattr(spec, "starts_from_image", False))
+    return edits, (spec is None or not spec.images_required)
 
 
 def _pending_requests(demo: gr.Blocks, session: str | None) -> int:

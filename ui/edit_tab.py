@@ -1,5 +1,7 @@
 """The demo's Edit tab, shown when the loaded model edits images: one image input per image the model takes
-(Picture 1, 2, ...), the instruction, and generate's settings; its event is the API's "/edit".
+(Picture 1, 2, ...), the instruction, and generate's settings; its event is the API's "/edit". For a
+text-to-image model that starts from images it is the "Image to image" tab: the start image, an optional
+mask (white: repainted) and the strength, through the same "/edit" event.
 
 Uploads are bounded (ui/uploads.py: images only, byte and pixel caps, stated on the tab); each request's
 images are files this server received, opened and checked again before it queues (ui/generation.py's
@@ -14,7 +16,14 @@ from typing import Any
 import gradio as gr
 
 from ui.controls import settings_controls, settings_fields
-from ui.generation import CUSTOM, EDIT_INPUT_NAMES, FROM_IMAGES, image_input_names
+from ui.generation import (
+    CUSTOM,
+    DEFAULT_STRENGTH,
+    EDIT_INPUT_NAMES,
+    FROM_IMAGES,
+    image_input_names,
+    starts_from_image,
+)
 from ui.uploads import upload_caps
 
 
@@ -31,37 +40,62 @@ class Handlers:
 def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str | None) -> None:
     """The Edit tab and its events (call inside the Blocks layout); `stop_api` names the Stop button's API
     endpoint (None: private, when another form already offers "/stop")."""
-    count = pipe.spec.max_images
-    label = (lambda i: "Input image") if count == 1 else (lambda i: f"Picture {i}")
-    with gr.Tabs(), gr.Tab("Edit", id="edit"), gr.Row():
+    starts = starts_from_image(pipe)
+    count = max(pipe.spec.max_images, 1)
+    names = {1: "Start image" if starts else "Input image"} if count == 1 else {}
+    start_inputs = {}
+    with gr.Tabs(), gr.Tab("Image to image" if starts else "Edit", id="edit"), gr.Row():
         with gr.Column(scale=5):
             with gr.Row():
                 images = [
                     gr.Image(
                         type="filepath",
                         sources=["upload", "clipboard"],
-                        label=label(i),
+                        label=names.get(i, f"Picture {i}"),
                         height=220,
                         elem_id=f"edit_image_{i}",
                     )
                     for i in range(1, count + 1)
                 ]
-            gr.Markdown(
-                f"Uploads: {upload_caps()}. The model sees each input image at about 1024×1024: in the "
-                "cost limit it counts as that many more pixels per step.",
-                elem_id="edit_caps",
+                if starts:
+                    start_inputs["mask"] = gr.Image(
+                        type="filepath",
+                        sources=["upload", "clipboard"],
+                        label="Mask (optional): its white part is repainted, the rest kept",
+                        height=220,
+                        elem_id="edit_mask",
+                    )
+            cost = (
+                "The output takes the start image's size, scaled down to the model's default area."
+                if starts
+                else "The model sees each input image at about 1024×1024: in the cost limit it counts as "
+                "that many more pixels per step."
             )
-            prompt = gr.Textbox("", label="Instruction", lines=2, elem_id="edit_prompt")
+            gr.Markdown(f"Uploads: {upload_caps()}. {cost}", elem_id="edit_caps")
+            prompt = gr.Textbox(
+                "", label="Prompt" if starts else "Instruction", lines=2, elem_id="edit_prompt"
+            )
             negative = gr.Textbox("", label="Negative prompt (true CFG)", lines=1, elem_id="edit_negative")
+            if starts:
+                start_inputs["strength"] = gr.Slider(
+                    0.05,
+                    1.0,
+                    DEFAULT_STRENGTH,
+                    step=0.05,
+                    label="Strength: the share of the steps that rework the image (1: from noise)",
+                    elem_id="edit_strength",
+                )
             with gr.Row():
-                edit_btn = gr.Button("Edit", variant="primary", elem_id="edit")
+                edit_btn = gr.Button("Generate" if starts else "Edit", variant="primary", elem_id="edit")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="edit_stop")
             which = "first" if count == 1 else "last"
+            choice = (
+                "from the start image"
+                if starts
+                else f"from the images (about 1024×1024, the {which} image's aspect)"
+            )
             size = gr.Radio(
-                [
-                    (f"from the images (about 1024×1024, the {which} image's aspect)", FROM_IMAGES),
-                    ("custom", CUSTOM),
-                ],
+                [(choice, FROM_IMAGES), ("custom", CUSTOM)],
                 value=FROM_IMAGES,
                 label="Output size",
                 elem_id="edit_size",
@@ -69,7 +103,11 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
             settings = settings_controls(pipe, variants, prefix="edit_")
         with gr.Column(scale=6):
             gallery = gr.Gallery(
-                label="Edited", format="png", buttons=["download", "fullscreen"], columns=2, height="auto"
+                label="Images" if starts else "Edited",
+                format="png",
+                buttons=["download", "fullscreen"],
+                columns=2,
+                height="auto",
             )
             details = gr.Markdown("Run details appear here.", label="Details", elem_id="edit_details")
 
@@ -82,6 +120,7 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
     inputs = (
         dict(zip(EDIT_INPUT_NAMES, fields, strict=True))
         | dict(zip(image_input_names(count), images, strict=True))
+        | start_inputs
         | {handlers.lora_key: settings.lora_kwargs}
     )
     run = gr.on(

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from PIL import Image
 
 from models.errors import InputError
-from pipelines.generation_request import GenerationRequest
+from pipelines.generation_request import DEFAULT_STRENGTH, GenerationRequest
 from pipelines.images import MAX_INPUT_BYTES, open_input_image
 from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
 from ui.runner import Job
@@ -52,7 +52,12 @@ INPUT_NAMES = (
     "num_images",
     "variant",
 )
-DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {"num_images_per_prompt": "num_images"}
+DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {
+    "num_images_per_prompt": "num_images",
+    "init_image": "image_1",
+    "mask_image": "mask",
+    "strength": "strength",
+}
 
 
 class Pipeline(Protocol):
@@ -102,7 +107,7 @@ def job_from_inputs(
     presets = aspect_ratios(pipe.size_multiple)
     if aspect in presets:
         width, height = presets[aspect]
-    elif aspect == FROM_IMAGES and extra and extra.get("image"):
+    elif aspect == FROM_IMAGES and extra and (extra.get("image") or extra.get("init_image")):
         width = height = None  # the size the input images suggest (the pipeline's)
     elif aspect == CUSTOM:
         width, height = whole_field("width", values["width"]), whole_field("height", values["height"])
@@ -155,8 +160,15 @@ EDIT_INPUT_NAMES = tuple("size" if name == "aspect" else name for name in INPUT_
 
 
 def image_input_names(max_images: int) -> tuple[str, ...]:
-    """The edit form's image inputs: one per image the model takes (Picture 1, 2, ...)."""
-    return tuple(f"image_{i}" for i in range(1, max_images + 1))
+    """The edit form's image inputs: one per image the model takes (Picture 1, 2, ...; a model that starts
+    from an image: that one)."""
+    return tuple(f"image_{i}" for i in range(1, max(max_images, 1) + 1))
+
+
+def starts_from_image(pipe: Any) -> bool:
+    """Whether the model reworks a start image (img2img, inpainting) rather than editing input images."""
+    spec = getattr(pipe, "spec", None)
+    return spec is not None and spec.max_images == 0 and getattr(spec, "starts_from_image", False)
 
 
 def job_from_edit_inputs(
@@ -173,12 +185,22 @@ def job_from_edit_inputs(
     names = image_input_names(pipe.spec.max_images)
     images = [_uploaded_image(name, values[name], uploaded) for name in names if values[name] is not None]
     if not images:
-        raise FieldError(names[0], "give an input image to edit")
+        raise FieldError(
+            names[0], f"give an input image to {'start from' if starts_from_image(pipe) else 'edit'}"
+        )
     size = values["size"]
     if size not in (FROM_IMAGES, CUSTOM):
         raise FieldError("size", f"size {size!r} must be {FROM_IMAGES!r} or {CUSTOM!r}")
     form = {**values, "aspect": size}
-    return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images})
+    if not starts_from_image(pipe):
+        return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images})
+    mask = values.get("mask")
+    start = {
+        "init_image": images[0],
+        "mask_image": None if mask is None else _uploaded_image("mask", mask, uploaded),
+        "strength": number_field("strength", values.get("strength", DEFAULT_STRENGTH)),
+    }
+    return job_from_inputs(session, form, pipe, {**(extra or {}), **start})
 
 
 def _uploaded_image(name: str, value: Any, uploaded: Container[str]) -> Image.Image:
