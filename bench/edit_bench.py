@@ -73,10 +73,10 @@ def ours_per_step(pipe: Pipeline, steps: int, **kwargs) -> list[float]:
                                                 on_step=lambda i, n: tick(), **kwargs))  # fmt: skip
 
 
-def diffusers_pipeline(pipe: Pipeline):
-    """diffusers' QwenImageEditPlusPipeline around our text encoder, processor and VAE, with its own
-    transformer in BF16 holding our weights (FP8 linears dequantized: `weight * weight_scale`)."""
-    from diffusers import QwenImageEditPlusPipeline, QwenImageTransformer2DModel
+def diffusers_transformer(pipe: Pipeline):
+    """diffusers' own transformer in BF16 holding our weights (FP8 linears dequantized: `weight *
+    weight_scale`), eager, as diffusers runs it."""
+    from diffusers import QwenImageTransformer2DModel
 
     ours = pipe.transformer
     accepted = inspect.signature(QwenImageTransformer2DModel.__init__).parameters
@@ -91,10 +91,18 @@ def diffusers_pipeline(pipe: Pipeline):
     theirs.pos_embed = type(theirs.pos_embed)(
         theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True
     )
+    return theirs.eval()
+
+
+def diffusers_pipeline(pipe: Pipeline):
+    """diffusers' QwenImageEditPlusPipeline around our text encoder, processor and VAE, with its own
+    transformer (`diffusers_transformer`)."""
+    from diffusers import QwenImageEditPlusPipeline
+
     c = pipe.components
     diffusers = QwenImageEditPlusPipeline(
         scheduler=copy.deepcopy(c.scheduler), vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
-        processor=c.processor, transformer=theirs.eval(),
+        processor=c.processor, transformer=diffusers_transformer(pipe),
     )  # fmt: skip
     diffusers.set_progress_bar_config(disable=True)
     return diffusers

