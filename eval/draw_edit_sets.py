@@ -4,8 +4,10 @@ each scene's description, so an instruction names what its image shows.
 
     python -m eval.draw_edit_sets [--out DIR]     (default: pipelines/edit_sets, the committed files)
 
-`edit` has one image per request (Edit and Plus checkpoints), `edit-plus` two or three (Plus). The files
-are deterministic: tests/test_edit_sets.py draws them again and compares.
+`edit` has one image per request (Edit and Plus checkpoints), `edit-plus` two or three (Plus). `img2img`
+starts from `edit`'s images with their own captions (a rework at strength 0.6); `inpaint` masks each
+image's first group of shapes (its boxes, with a margin) and asks for it in another colour (strength 0.9).
+The files are deterministic: tests/test_edit_sets.py draws them again and compares.
 """
 
 import argparse
@@ -13,7 +15,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageDraw
 
 from eval.scenes import (
     BACKGROUNDS,
@@ -22,7 +25,10 @@ from eval.scenes import (
     POSITION_EN,
     SHAPE_NAMES,
     Description,
+    Scene,
+    caption_en,
     draw_scene,
+    pixel_box,
     render,
 )
 from pipelines.requests import EDIT_SET_SUFFIX, EDIT_SETS_DIR
@@ -91,16 +97,58 @@ def draw(index: int, size: tuple[int, int]) -> tuple[Image.Image, Description]:
     return image, scene.description
 
 
+MASK_MARGIN = 0.04  # of each side, around the masked shapes' boxes
+
+
+def first_group_mask(scene: Scene, size: tuple[int, int]) -> Image.Image:
+    """White over the boxes (with a margin) of the objects of the scene's first group, at `size`."""
+    first = scene.description.groups[0]
+    mask = Image.new("L", size, 0)
+    pen = ImageDraw.Draw(mask)
+    for placed in scene.objects:
+        if (placed.shape, placed.colour, placed.position) != (first.shape, first.colour, first.position):
+            continue
+        x0, y0, x1, y1 = placed.box
+        box = (x0 - MASK_MARGIN, y0 - MASK_MARGIN, x1 + MASK_MARGIN, y1 + MASK_MARGIN)
+        left, top, right, bottom = pixel_box(tuple(min(1.0, max(0.0, v)) for v in box), DRAW_SIDE)
+        sx, sy = size[0] / DRAW_SIDE, size[1] / DRAW_SIDE
+        pen.rectangle((round(left * sx), round(top * sy), round(right * sx), round(bottom * sy)), fill=255)
+    return mask
+
+
+def start_entries(out: Path, index: int, size: tuple[int, int], name: str) -> tuple[dict, dict]:
+    """The `img2img` and `inpaint` requests starting from edit image `name` (scene `index` at `size`); the
+    inpaint mask is drawn into `out/masks`."""
+    scene = draw_scene(SEED, index)
+    d = scene.description
+    caption = caption_en(d, np.random.default_rng(index))
+    mask_name = f"masks/mask-{index:02d}.png"
+    first_group_mask(scene, size).save(out / mask_name)
+    shape = SHAPE_NAMES[d.groups[0].shape][0].en
+    colour = _other_colour(d)
+    article = "an" if colour[0] in "aeiou" else "a"
+    repaint = f"{article} {colour} {shape} {_where(d)}, {d.background.colours[0]} background"
+    return (
+        {"prompt": caption, "init_image": name, "strength": 0.6},
+        {"prompt": repaint, "init_image": name, "mask": mask_name, "strength": 0.9},
+    )
+
+
 def write_sets(out: Path) -> dict[str, Path]:
-    """Draw every image into `out/images` and write `edit.jsonl` and `edit-plus.jsonl`; returns the sets."""
-    (out / "images").mkdir(parents=True, exist_ok=True)
+    """Draw every image into `out/images` (masks into `out/masks`) and write each set's `.jsonl`; returns
+    the sets."""
+    for folder in ("images", "masks"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
     index = 0
-    sets: dict[str, list[dict]] = {"edit": [], "edit-plus": []}
+    sets: dict[str, list[dict]] = {"edit": [], "edit-plus": [], "img2img": [], "inpaint": []}
     for size, instruction in SINGLE:
         image, description = draw(index, size)
         name = f"images/scene-{index:02d}.png"
         image.save(out / name)
         sets["edit"].append({"prompt": instruction(description), "images": [name]})
+        img2img, inpaint = start_entries(out, index, size, name)
+        sets["img2img"].append(img2img)
+        sets["inpaint"].append(inpaint)
         index += 1
     for sizes, instruction in MULTI:
         names, descriptions = [], []

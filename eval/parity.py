@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         default="smoke",
         metavar="FILE|SET",
-        help="prompt file, or an edit set (.jsonl: image + instruction pairs), or a built-in set: smoke, "
-        "diverse; edit, edit-plus (drawn images and instructions, for Edit checkpoints)",
+        help="prompt file, or an edit set (.jsonl: image + instruction pairs, or start images and masks), "
+        "or a built-in set: smoke, diverse; edit, edit-plus (drawn images and instructions, for Edit "
+        "checkpoints); img2img, inpaint (drawn start images and masks, for Qwen-Image text-to-image ones)",
     )
     parser.add_argument("--a", required=True, metavar="VARIANT", help="variant of side a (grammar below)")
     parser.add_argument("--b", required=True, metavar="VARIANT", help="variant of side b (grammar below)")
@@ -178,9 +179,9 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
         spec = inspect_checkpoint(model)
         if width is not None:
             check_size(width, height, spec.size_multiple)
-        check_requests(prompts, spec.max_images, spec.images_required, spec.name)
+        check_requests(prompts, spec.max_images, spec.images_required, spec.name, spec.starts_from_image)
     for request in prompts:
-        for path in request.images:
+        for path in request.files:
             open_input_image(path)
     expect = parse_expect(args.expect) if args.expect is not None else None
 

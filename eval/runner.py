@@ -31,13 +31,16 @@ class WorkerCrash(RuntimeError):
 @dataclass(frozen=True)
 class Job:
     """One prompt x seed pair; `index` is its place in the whole run (all ranks); `images` the input image
-    files of an edit request."""
+    files of an edit request; `init_image`, `mask` and `strength` those of an img2img or inpainting one."""
 
     index: int
     prompt_index: int
     prompt: str
     seed: int
     images: tuple[str, ...] = ()
+    init_image: str | None = None
+    mask: str | None = None
+    strength: float | None = None
 
     @property
     def id(self) -> str:
@@ -58,10 +61,16 @@ class Settings:
 def make_jobs(prompts: list[str] | list[Request], seeds: list[int]) -> list[Job]:
     requests = as_requests(prompts)
     pairs = [(p, s) for p in range(len(requests)) for s in seeds]
-    return [
-        Job(i, p, requests[p].prompt, s, tuple(map(str, requests[p].images)))
-        for i, (p, s) in enumerate(pairs)
-    ]
+    return [_job(i, requests[p], p, s) for i, (p, s) in enumerate(pairs)]
+
+
+def _job(index: int, request: Request, prompt_index: int, seed: int) -> Job:
+    def path(value: Path | None) -> str | None:
+        return None if value is None else str(value)
+
+    images = tuple(map(str, request.images))
+    start = (path(request.init_image), path(request.mask), request.strength)
+    return Job(index, prompt_index, request.prompt, seed, images, *start)
 
 
 def shard(jobs: list[Job], rank: int, world: int) -> list[Job]:
@@ -140,6 +149,9 @@ def generate(worker: Worker, job: Job, settings: Settings, out_dir: Path) -> dic
         "negative_prompt": settings.negative_prompt,
         "true_cfg_scale": settings.true_cfg_scale,
         "images": list(job.images),
+        "init_image": job.init_image,
+        "mask": job.mask,
+        "strength": job.strength,
         "png": str(out_dir / image_name(job, worker.slot)),
     }
     return worker.request(request)
@@ -173,6 +185,8 @@ def pair_record(
         "prompt_index": job.prompt_index,
         "prompt": job.prompt,
         "images": list(job.images),
+        "init_image": job.init_image,
+        "mask": job.mask,
         "seed": job.seed,
         "width": reply["width"],
         "height": reply["height"],

@@ -76,6 +76,7 @@ def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
 
     start = time.perf_counter()
     inputs = [open_input_image(path) for path in request.get("images", [])]
+    init, mask = request.get("init_image"), request.get("mask")
     images = pipe.generate(
         request["prompt"],
         negative_prompt=request.get("negative_prompt"),
@@ -86,6 +87,9 @@ def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
         seed=request["seed"],
         image=inputs or None,
         cache=cache,
+        init_image=None if init is None else open_input_image(init),
+        mask_image=None if mask is None else open_input_image(mask),
+        strength=request.get("strength"),
     )
     images[0].save(request["png"], format="PNG")
     run = pipe.last_run

@@ -60,7 +60,8 @@ def calibrate(
     seed: int,
     preset: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Max |input| seen by each linear over all requests (prompts, or edits of their images) and denoising
+    """Max |input| seen by each linear over all requests (prompts, edits of their images, or img2img and
+    inpainting from their start images) and denoising
     steps (device tensors, no syncs); true CFG runs unless a preset turns it off."""
     graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # hooks must run on every step, not a replay
     try:
@@ -75,6 +76,9 @@ def calibrate(
                     seed=seed + i,
                     preset=preset,
                     image=[open_input_image(path) for path in request.images] or None,
+                    init_image=None if request.init_image is None else open_input_image(request.init_image),
+                    mask_image=None if request.mask is None else open_input_image(request.mask),
+                    strength=request.strength,
                     output_type="latent",  # calibration needs the transformer's inputs, not pictures
                 )
     finally:
@@ -140,7 +144,7 @@ def quantize_checkpoint(
     spec = inspect_checkpoint(model)
     get_preset(preset, spec.family.name)
     requests = default_calibration(spec) if prompts is None else as_requests(prompts)
-    check_requests(requests, spec.max_images, spec.images_required, spec.name)
+    check_requests(requests, spec.max_images, spec.images_required, spec.name, spec.starts_from_image)
     # the contract variant is defined in BF16: calibration runs it, and its VAE, in BF16 on every device
     pipe = load_pipeline(model, variant="contract", device=device, dtype="bf16")
     for lora_file, scale in loras:

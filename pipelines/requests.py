@@ -3,8 +3,11 @@ calibrates on them and `eval.parity` compares over them. Torch-free.
 
 A prompt file (`.txt`) holds one prompt per line. An edit set (`.jsonl`) holds one JSON object per line,
 `{"prompt": "make the sky red", "images": ["photo.png"]}`, image paths relative to the file (blank lines
-skipped). The built-in edit sets (`edit`: one image each; `edit-plus`: two or three) sit in
-`pipelines/edit_sets/` with input images the project draws itself (`python -m eval.draw_edit_sets`).
+skipped); a line may instead start from an image (img2img) and repaint only a mask's white part
+(inpainting): `{"prompt": "a red fox", "init_image": "photo.png", "mask": "mask.png", "strength": 0.8}`
+(mask and strength optional). The built-in sets (`edit`: one image each; `edit-plus`: two or three;
+`img2img` and `inpaint`: start images and masks) sit in `pipelines/edit_sets/` with images the project
+draws itself (`python -m eval.draw_edit_sets`).
 """
 
 import json
@@ -18,15 +21,24 @@ from pipelines.prompts import read_prompt_file
 
 EDIT_SET_SUFFIX = ".jsonl"
 EDIT_SETS_DIR = Path(__file__).parent / "edit_sets"
-BUILTIN_EDIT_SETS = ("edit", "edit-plus")
+BUILTIN_EDIT_SETS = ("edit", "edit-plus", "img2img", "inpaint")
 
 
 @dataclass(frozen=True)
 class Request:
-    """A prompt and the image files it edits (empty: text to image)."""
+    """A prompt and the image files it edits (empty: text to image), or the image it starts from (img2img),
+    the mask of what it repaints (inpainting) and the strength (None: the default)."""
 
     prompt: str
     images: tuple[Path, ...] = ()
+    init_image: Path | None = None
+    mask: Path | None = None
+    strength: float | None = None
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Every image file it reads."""
+        return tuple(p for p in (*self.images, self.init_image, self.mask) if p is not None)
 
 
 def parse_edit_set(text: str, base: Path, where: str) -> list[Request]:
@@ -41,19 +53,35 @@ def parse_edit_set(text: str, base: Path, where: str) -> list[Request]:
         except json.JSONDecodeError as err:
             raise InputError(f"{where} line {number} is not JSON: {err.msg}") from None
         prompt = entry.get("prompt") if isinstance(entry, dict) else None
-        images = entry.get("images") if isinstance(entry, dict) else None
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError(f'{where} line {number} needs a non-empty "prompt" string')
-        if not isinstance(images, list) or not images or not all(isinstance(i, str) for i in images):
-            raise InputError(f'{where} line {number} needs "images": a non-empty list of file names')
-        paths = tuple(base / name for name in images)
-        missing = [str(path) for path in paths if not path.is_file()]
-        if missing:
-            raise InputError(f"{where} line {number}: image {missing[0]} does not exist")
-        requests.append(Request(prompt, paths))
+        requests.append(_request(entry, base, f"{where} line {number}"))
     if not requests:
         raise InputError(f"no requests in {where}")
     return requests
+
+
+def _request(entry: dict, base: Path, where: str) -> Request:
+    """One edit-set line's request: input images, or a start image with its mask and strength."""
+    start = entry.get("init_image")
+    images = entry.get("images", [] if start is not None else None)
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images) or not (images or start):
+        raise InputError(f'{where} needs "images": a non-empty list of file names (or an "init_image")')
+    names = {"init_image": start, "mask": entry.get("mask")}
+    if names["mask"] is not None and start is None:
+        raise InputError(f'{where}: "mask" needs the "init_image" it masks')
+    for key, name in names.items():
+        if name is not None and not isinstance(name, str):
+            raise InputError(f'{where}: "{key}" must be a file name')
+    strength = entry.get("strength")
+    if strength is not None and (isinstance(strength, bool) or not isinstance(strength, int | float)):
+        raise InputError(f'{where}: "strength" must be a number')
+    paths = tuple(base / name for name in images)
+    start_paths = {key: None if name is None else base / name for key, name in names.items()}
+    missing = [str(p) for p in (*paths, *start_paths.values()) if p is not None and not p.is_file()]
+    if missing:
+        raise InputError(f"{where}: image {missing[0]} does not exist")
+    return Request(entry["prompt"], paths, start_paths["init_image"], start_paths["mask"], strength)
 
 
 def read_edit_set(path: Path) -> list[Request]:
@@ -84,10 +112,15 @@ def as_requests(items: Sequence[str | Request]) -> list[Request]:
     return [item if isinstance(item, Request) else Request(item) for item in items]
 
 
-def check_requests(requests: Sequence[Request], max_images: int, required: bool, model: str) -> None:
-    """InputError naming the first request whose image count the model cannot take (before it loads)."""
+def check_requests(
+    requests: Sequence[Request], max_images: int, required: bool, model: str, starts: bool = False
+) -> None:
+    """InputError naming the first request whose images the model cannot take (before it loads): their
+    count, or a start image for a model that does not start from images (`starts`)."""
     for number, request in enumerate(requests, 1):
         try:
+            if request.init_image is not None and not starts:
+                raise InputError(f"{model} does not start from an image (img2img, inpainting)")
             check_image_count(len(request.images), max_images, required, model)
         except InputError as err:
             raise InputError(f"request {number} ({request.prompt[:40]!r}): {err}") from None

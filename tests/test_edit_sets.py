@@ -27,8 +27,8 @@ def test_committed_sets_are_what_the_script_draws(tmp_path: Path) -> None:
     assert sorted(written) == sorted(BUILTIN_EDIT_SETS)
     for name, path in written.items():
         assert path.read_text("utf-8") == (EDIT_SETS_DIR / path.name).read_text("utf-8"), name
-    drawn = sorted((tmp_path / "images").iterdir())
-    committed = sorted((EDIT_SETS_DIR / "images").iterdir())
+    drawn = sorted([*(tmp_path / "images").iterdir(), *(tmp_path / "masks").iterdir()])
+    committed = sorted([*(EDIT_SETS_DIR / "images").iterdir(), *(EDIT_SETS_DIR / "masks").iterdir()])
     assert [p.name for p in drawn] == [p.name for p in committed]
     for new, old in zip(drawn, committed, strict=True):
         assert np.array_equal(np.asarray(PIL.Image.open(new)), np.asarray(PIL.Image.open(old))), new.name
@@ -55,6 +55,21 @@ def test_requests_a_model_cannot_take_are_refused_naming_the_request() -> None:
         check_requests([Request("a fox")], 3, True, "text2img")
     with pytest.raises(InputError, match="generates from text only"):
         check_requests(builtin_edit_set("edit"), 0, False, "t2i")
+    with pytest.raises(InputError, match=r"request 1 .*: edit does not start from an image"):
+        check_requests(builtin_edit_set("inpaint"), 1, True, "edit")
+
+
+def test_start_sets_rework_and_inpaint_the_edit_images() -> None:
+    """img2img starts from each edit image at 0.6; inpaint masks a part of it (its first group of shapes)
+    at 0.9; each mask has its image's size."""
+    edit, img2img, inpaint = (builtin_edit_set(name) for name in ("edit", "img2img", "inpaint"))
+    assert [r.init_image for r in img2img] == [r.init_image for r in inpaint] == [r.images[0] for r in edit]
+    assert {r.strength for r in img2img} == {0.6} and {r.strength for r in inpaint} == {0.9}
+    for request in inpaint:
+        mask = np.asarray(PIL.Image.open(request.mask))
+        assert PIL.Image.open(request.init_image).size == mask.shape[::-1]
+        assert 0.02 < (mask > 127).mean() < 0.3
+    check_requests(img2img + inpaint, 0, False, "qwen-image", starts=True)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +82,10 @@ def test_requests_a_model_cannot_take_are_refused_naming_the_request() -> None:
             json.dumps({"prompt": "x", "images": ["missing.png"]}),
             "line 2: image .*missing.png does not exist",
         ),
+        (json.dumps({"prompt": "x", "mask": "a.png", "images": ["a.png"]}), '"mask" needs the "init_image"'),
+        (json.dumps({"prompt": "x", "init_image": "a.png", "strength": "hi"}), '"strength" must be a number'),
+        (json.dumps({"prompt": "x", "init_image": 3}), '"init_image" must be a file name'),
+        (json.dumps({"prompt": "x", "init_image": "a.png", "mask": "m.png"}), "image .*m.png does not exist"),
     ],
 )
 def test_malformed_edit_sets_are_refused_in_one_line(tmp_path: Path, line: str, message: str) -> None:

@@ -286,9 +286,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     get_preset(args.preset, spec.family.name)
     prompts = None if args.calib_prompts is None else read_requests(Path(args.calib_prompts))
     if prompts is not None:
-        check_requests(prompts, spec.max_images, spec.images_required, spec.name)
+        check_requests(prompts, spec.max_images, spec.images_required, spec.name, spec.starts_from_image)
         for request in prompts:
-            for path in request.images:
+            for path in request.files:
                 open_input_image(path)
     ignore = None if args.keep_bf16 is None else tuple(filter(None, args.keep_bf16.split(",")))
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
