@@ -173,3 +173,26 @@ def rss_bytes() -> int:
     """Resident set size of this process (server threads and clients included) from /proc."""
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def diffusers_twin(ours: object, pipeline_class: type) -> object:
+    """diffusers' `pipeline_class` (a Qwen-Image pipeline) around our text encoder, tokenizer and VAE and a
+    copy of our scheduler, with diffusers' own transformer holding our transformer's weights: the oracle
+    reference-mode tests compare with."""
+    import copy
+
+    from diffusers import QwenImageTransformer2DModel
+
+    c = ours.components
+    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
+    transformer = QwenImageTransformer2DModel(**config).to(ours.device, ours.dtype).eval()
+    transformer.load_state_dict(c.transformer.state_dict(), strict=True)
+    theirs = pipeline_class(
+        scheduler=copy.deepcopy(c.scheduler),
+        vae=c.vae,
+        text_encoder=c.text_encoder,
+        tokenizer=c.tokenizer,
+        transformer=transformer,
+    )
+    theirs.set_progress_bar_config(disable=True)
+    return theirs

@@ -3,13 +3,12 @@ QwenImageInpaintPipeline on the same weights: identical pixels, for several stre
 two prompts and several images per prompt, on an image and a mask the project did not draw for itself (odd
 sizes, resized to the request)."""
 
-import copy
-
 import numpy as np
 import PIL.Image
 import pytest
 import torch
-from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline, QwenImageTransformer2DModel
+from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline
+from helpers import diffusers_twin
 
 from pipelines import load_pipeline
 
@@ -19,18 +18,8 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def pipes():
     ours = load_pipeline(variant="reference", device="cpu", dtype="fp32")
-    c = ours.components
-    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
-    transformer = QwenImageTransformer2DModel(**config).to(ours.dtype).eval()
-    transformer.load_state_dict(c.transformer.state_dict(), strict=True)
-    parts = dict(vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer, transformer=transformer)
-    theirs = {
-        cls.__name__: cls(scheduler=copy.deepcopy(c.scheduler), **parts)
-        for cls in (QwenImageImg2ImgPipeline, QwenImageInpaintPipeline)
-    }
-    for pipe in theirs.values():
-        pipe.set_progress_bar_config(disable=True)
-    return ours, theirs
+    classes = (QwenImageImg2ImgPipeline, QwenImageInpaintPipeline)
+    return ours, {cls.__name__: diffusers_twin(ours, cls) for cls in classes}
 
 
 def photo(width: int, height: int) -> PIL.Image.Image:

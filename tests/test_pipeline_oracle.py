@@ -1,12 +1,10 @@
 """The whole pipeline in reference mode against diffusers' QwenImagePipeline: identical pixels."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
-from diffusers import QwenImageTransformer2DModel
+from helpers import diffusers_twin
 
 from pipelines import load_pipeline
 
@@ -14,19 +12,7 @@ from pipelines import load_pipeline
 @pytest.fixture(scope="module")
 def pipes():
     ours = load_pipeline(variant="reference", device="cpu")
-    c = ours.components
-    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
-    transformer = QwenImageTransformer2DModel(**config).to(ours.dtype).eval()
-    transformer.load_state_dict(c.transformer.state_dict(), strict=True)
-    theirs = DiffusersQwenImagePipeline(
-        scheduler=copy.deepcopy(c.scheduler),
-        vae=c.vae,
-        text_encoder=c.text_encoder,
-        tokenizer=c.tokenizer,
-        transformer=transformer,
-    )
-    theirs.set_progress_bar_config(disable=True)
-    return ours, theirs
+    return ours, diffusers_twin(ours, DiffusersQwenImagePipeline)
 
 
 @pytest.mark.cpu_dtype

@@ -2,13 +2,11 @@
 equals the eager one, and reference mode (FP32 on CUDA) equals diffusers' QwenImageImg2ImgPipeline and
 QwenImageInpaintPipeline on the same weights."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline, QwenImageTransformer2DModel
-from helpers import png_sha256
+from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline
+from helpers import diffusers_twin, png_sha256
 from test_img2img_oracle import ellipse_mask, photo
 
 from pipelines import load_pipeline
@@ -47,19 +45,7 @@ def test_fused_equals_unfused_and_graphs_equal_eager(fp8_dir, masked):
 @pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])
 def test_reference_mode_matches_diffusers_on_cuda(masked):
     ours = load_pipeline(variant="reference", device="cuda", dtype="fp32")
-    c = ours.components
-    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
-    transformer = QwenImageTransformer2DModel(**config).to("cuda", ours.dtype).eval()
-    transformer.load_state_dict(c.transformer.state_dict(), strict=True)
-    cls = QwenImageInpaintPipeline if masked else QwenImageImg2ImgPipeline
-    theirs = cls(
-        scheduler=copy.deepcopy(c.scheduler),
-        vae=c.vae,
-        text_encoder=c.text_encoder,
-        tokenizer=c.tokenizer,
-        transformer=transformer,
-    )
-    theirs.set_progress_bar_config(disable=True)
+    theirs = diffusers_twin(ours, QwenImageInpaintPipeline if masked else QwenImageImg2ImgPipeline)
     args = dict(ARGS, true_cfg_scale=4.0)
     seed = args.pop("seed")
     got = ours.generate(PROMPTS, seed=seed, init_image=IMAGE, mask_image=MASK if masked else None, **args)
