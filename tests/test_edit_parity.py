@@ -90,7 +90,8 @@ def test_sets_the_model_cannot_run_are_refused_before_workers_start(checkpoints,
         (
             None,
             "nonsense",
-        ): "prompt file not found: nonsense (built-in sets: diverse, smoke, edit, edit-plus, img2img, inpaint)",
+        ): "prompt file not found: nonsense (built-in sets: diverse, smoke, edit, edit-plus, img2img, "
+        "inpaint)",
     }
     for (model, prompts), message in cases.items():
         args = ["--prompts", prompts, "--a", "reference", "--b", "reference"]
