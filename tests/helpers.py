@@ -175,10 +175,12 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def diffusers_twin(ours: object, pipeline_class: type) -> object:
-    """diffusers' `pipeline_class` (a Qwen-Image pipeline) around our text encoder, tokenizer and VAE and a
-    copy of our scheduler, with diffusers' own transformer holding our transformer's weights: the oracle
-    reference-mode tests compare with."""
+def diffusers_twin(
+    ours: object, pipeline_class: type, state: dict[str, torch.Tensor] | None = None, scheduler: object = None
+) -> object:
+    """diffusers' `pipeline_class` (a Qwen-Image pipeline) around our text encoder, tokenizer and VAE and
+    `scheduler` (default: a copy of ours), with diffusers' own transformer holding `state` (default: our
+    transformer's weights): what the oracle reference-mode tests compare with."""
     import copy
 
     from diffusers import QwenImageTransformer2DModel
@@ -186,9 +188,9 @@ def diffusers_twin(ours: object, pipeline_class: type) -> object:
     c = ours.components
     config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
     transformer = QwenImageTransformer2DModel(**config).to(ours.device, ours.dtype).eval()
-    transformer.load_state_dict(c.transformer.state_dict(), strict=True)
+    transformer.load_state_dict(c.transformer.state_dict() if state is None else state, strict=True)
     theirs = pipeline_class(
-        scheduler=copy.deepcopy(c.scheduler),
+        scheduler=scheduler or copy.deepcopy(c.scheduler),
         vae=c.vae,
         text_encoder=c.text_encoder,
         tokenizer=c.tokenizer,

@@ -7,13 +7,11 @@ out as that tool does; the key layouts follow the files in the wild (e.g. the Li
 ModelTC/Qwen-Image-Lightning's generate_with_diffusers.py reads them).
 """
 
-import copy
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
-from diffusers import QwenImageTransformer2DModel
 from safetensors.torch import save_file
 from torch import nn
 
@@ -135,22 +133,3 @@ def shared_pipeline(pipe, variant: str) -> Iterator:
     pipe.unload_lora()
     pipe.set_lora_mode("branch")
     pipe.set_variant(variant)
-
-
-def diffusers_pipeline(
-    ours, base_state: dict[str, torch.Tensor], scheduler=None
-) -> DiffusersQwenImagePipeline:
-    """diffusers' pipeline around our components, with its own transformer holding `base_state`."""
-    c = ours.components
-    config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
-    transformer = QwenImageTransformer2DModel(**config).to(ours.dtype).eval()
-    transformer.load_state_dict(base_state, strict=True)
-    theirs = DiffusersQwenImagePipeline(
-        scheduler=scheduler or copy.deepcopy(c.scheduler),
-        vae=c.vae,
-        text_encoder=c.text_encoder,
-        tokenizer=c.tokenizer,
-        transformer=transformer,
-    )
-    theirs.set_progress_bar_config(disable=True)
-    return theirs

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
+from helpers import diffusers_twin
 from lora_files import (
     block_modules,
-    diffusers_pipeline,
     linear_shapes,
     metadata_config,
     random_factors,
@@ -48,7 +49,7 @@ def _ours(pipe, **kwargs) -> np.ndarray:
 
 
 def _diffusers(ours, scheduler=None):
-    return diffusers_pipeline(ours, ours.base_state, scheduler)
+    return diffusers_twin(ours, DiffusersQwenImagePipeline, ours.base_state, scheduler)
 
 
 def _theirs(theirs, **kwargs) -> np.ndarray:

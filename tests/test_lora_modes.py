@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
+from helpers import diffusers_twin
 from lora_files import (
     block_modules,
-    diffusers_pipeline,
     linear_shapes,
     random_factors,
     shared_pipeline,
@@ -222,7 +223,7 @@ def test_our_merge_is_never_further_from_the_exact_sum_than_diffusers_fuse_lora(
     fp32 and rounds once, so each merged weight is the nearest bf16 to the fp32 sum."""
     pipe.load_lora(two_loras[0], scale=0.7, name="style")
     pipe.load_lora(two_loras[1], scale=1.3, name="fast")
-    theirs = diffusers_pipeline(pipe, pipe.base_state)
+    theirs = diffusers_twin(pipe, DiffusersQwenImagePipeline, pipe.base_state)
     theirs.load_lora_weights(str(two_loras[0]), adapter_name="style")
     theirs.load_lora_weights(str(two_loras[1]), adapter_name="fast")
     theirs.set_adapters(["style", "fast"], [0.7, 1.3])
