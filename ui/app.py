@@ -34,6 +34,7 @@ from ui.generation import (
     job_from_inputs,
     preset_for,
     seed_note,
+    starts_from_image,
 )
 from ui.limits import Limits
 from ui.lora_controls import load_lora_files, lora_details
@@ -255,7 +256,7 @@ def takes_images(pipe: Pipeline) -> tuple[bool, bool]:
     """(edits, generates): whether the model takes input images (or starts from one), and whether it runs
     without them."""
     spec = getattr(pipe, "spec", None)  # a pipeline without a spec (tests' fakes) generates from text
-    edits = spec is not None and (spec.max_images > 0 or getattr(spec, "starts_from_image", False))
+    edits = spec is not None and (spec.max_images > 0 or starts_from_image(pipe))
     return edits, (spec is None or not spec.images_required)
 
 

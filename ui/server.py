@@ -40,6 +40,7 @@ from ui.api_request import (
     read_image,
     read_job,
 )
+from ui.generation import starts_from_image
 from ui.image_cache import ImageCache, png_bytes
 from ui.limits import Limits
 from ui.metrics import HttpCounters, prometheus_text
@@ -210,7 +211,7 @@ def build_server(
         the one image it is given (img2img, `strength`), only where the `mask` says (inpainting)."""
         authorize(request)
         takes = getattr(pipe.spec, "max_images", 0)
-        starts = takes == 0 and getattr(pipe.spec, "starts_from_image", False)
+        starts = starts_from_image(pipe)
         if takes == 0 and not starts:
             message = f"the loaded model ({model_id(pipe)}) cannot edit images: it generates from text only"
             raise ApiError(400, message, "image", "model_cannot_edit")
