@@ -234,7 +234,7 @@ def build_server(
                 )
             images = [read_image(await item.read(), f"image {i}") for i, item in enumerate(files, 1)]
             mask = form.get("mask")
-            if mask is not None and isinstance(mask, str):
+            if isinstance(mask, str):
                 raise ApiError(400, "mask must be an image file", "mask")
             mask = None if mask is None else openai_mask(read_image(await mask.read(), "mask", "mask"))
             values = {name: form.get(name) for name in form if name not in ("image", "image[]", "mask")}
