@@ -7,6 +7,7 @@ each scene's description, so an instruction names what its image shows.
 `edit` has one image per request (Edit and Plus checkpoints), `edit-plus` two or three (Plus). `img2img`
 starts from `edit`'s images with their own captions (a rework at strength 0.6); `inpaint` masks each
 image's first group of shapes (its boxes, with a margin) and asks for it in another colour (strength 0.9).
+`control` guides a ControlNet checkpoint with each image's canny edges (made when it runs) and its caption.
 The files are deterministic: tests/test_edit_sets.py draws them again and compares.
 """
 
@@ -140,7 +141,7 @@ def write_sets(out: Path) -> dict[str, Path]:
     for folder in ("images", "masks"):
         (out / folder).mkdir(parents=True, exist_ok=True)
     index = 0
-    sets: dict[str, list[dict]] = {"edit": [], "edit-plus": [], "img2img": [], "inpaint": []}
+    sets: dict[str, list[dict]] = {"edit": [], "edit-plus": [], "img2img": [], "inpaint": [], "control": []}
     for size, instruction in SINGLE:
         image, description = draw(index, size)
         name = f"images/scene-{index:02d}.png"
@@ -149,6 +150,7 @@ def write_sets(out: Path) -> dict[str, Path]:
         img2img, inpaint = start_entries(out, index, size, name)
         sets["img2img"].append(img2img)
         sets["inpaint"].append(inpaint)
+        sets["control"].append({"prompt": img2img["prompt"], "control": [name], "control_mode": "canny"})
         index += 1
     for sizes, instruction in MULTI:
         names, descriptions = [], []

@@ -179,7 +179,14 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
         spec = inspect_checkpoint(model)
         if width is not None:
             check_size(width, height, spec.size_multiple)
-        check_requests(prompts, spec.max_images, spec.images_required, spec.name, spec.starts_from_image)
+        check_requests(
+            prompts,
+            spec.max_images,
+            spec.images_required,
+            spec.name,
+            spec.starts_from_image,
+            spec.takes_control,
+        )
     for request in prompts:
         for path in request.files:
             open_input_image(path)

@@ -31,7 +31,8 @@ class WorkerCrash(RuntimeError):
 @dataclass(frozen=True)
 class Job:
     """One prompt x seed pair; `index` is its place in the whole run (all ranks); `images` the input image
-    files of an edit request; `init_image`, `mask` and `strength` those of an img2img or inpainting one."""
+    files of an edit request; `init_image`, `mask` and `strength` those of an img2img or inpainting one;
+    `control`, `control_mode` and `control_scale` those of a ControlNet one."""
 
     index: int
     prompt_index: int
@@ -41,6 +42,9 @@ class Job:
     init_image: str | None = None
     mask: str | None = None
     strength: float | None = None
+    control: tuple[str, ...] = ()
+    control_mode: str | None = None
+    control_scale: float | None = None
 
     @property
     def id(self) -> str:
@@ -70,7 +74,8 @@ def _job(index: int, request: Request, prompt_index: int, seed: int) -> Job:
 
     images = tuple(map(str, request.images))
     start = (path(request.init_image), path(request.mask), request.strength)
-    return Job(index, prompt_index, request.prompt, seed, images, *start)
+    control = (tuple(map(str, request.control)), request.control_mode, request.control_scale)
+    return Job(index, prompt_index, request.prompt, seed, images, *start, *control)
 
 
 def shard(jobs: list[Job], rank: int, world: int) -> list[Job]:
@@ -152,6 +157,9 @@ def generate(worker: Worker, job: Job, settings: Settings, out_dir: Path) -> dic
         "init_image": job.init_image,
         "mask": job.mask,
         "strength": job.strength,
+        "control": list(job.control),
+        "control_mode": job.control_mode,
+        "control_scale": job.control_scale,
         "png": str(out_dir / image_name(job, worker.slot)),
     }
     return worker.request(request)
@@ -187,6 +195,7 @@ def pair_record(
         "images": list(job.images),
         "init_image": job.init_image,
         "mask": job.mask,
+        "control": list(job.control),
         "seed": job.seed,
         "width": reply["width"],
         "height": reply["height"],

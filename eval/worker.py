@@ -4,10 +4,12 @@ Protocol: one ASCII JSON object per line (so no locale matters); stdout carries 
 everything else the pipeline prints goes to stderr.
   first reply   {"event": "ready", "variant", "device", "dtype", "model_name", "fusion_summary",
                  "load_seconds", "width", "height", "steps"}    (width/height/steps: pipe.defaults;
-                                                                 width/height null for a model that edits)
+                                                                 width/height null for a model that edits
+                                                                 or takes control maps)
   request       {"id", "prompt", "seed", "width", "height", "steps", "negative_prompt",
-                 "true_cfg_scale", "images", "png"}             (null width/height/steps: defaults;
-                                                                 images: input image files, may be [])
+                 "true_cfg_scale", "images", "init_image", "mask", "strength", "control", "control_mode",
+                 "control_scale", "png"}                        (null width/height/steps: defaults;
+                                                                 images, control: image files, may be [])
   reply         {"event": "done", "id", "seconds", "seed", "width", "height", "steps", "timings"}
   on error      {"event": "error", "id" (absent at load), "error": one line, "user_error": bool}
 The worker exits when stdin closes, or after a load error.
@@ -56,6 +58,7 @@ def load(args: argparse.Namespace) -> tuple[object, dict]:
 
     start = time.perf_counter()
     pipe = load_pipeline(model=args.model, variant=args.variant, device=args.device, dtype=args.dtype)
+    sized_by_images = pipe.spec.images_required or pipe.spec.takes_control
     info = {
         "event": "ready",
         "variant": pipe.variant,
@@ -64,19 +67,27 @@ def load(args: argparse.Namespace) -> tuple[object, dict]:
         "model_name": pipe.model_name,
         "fusion_summary": pipe.fusion_summary(),
         "load_seconds": time.perf_counter() - start,
-        "width": None if pipe.spec.images_required else pipe.defaults.width,  # edits: the images decide
-        "height": None if pipe.spec.images_required else pipe.defaults.height,
+        "width": None if sized_by_images else pipe.defaults.width,  # edits, control maps: the images decide
+        "height": None if sized_by_images else pipe.defaults.height,
         "steps": pipe.defaults.num_inference_steps,
     }
     return pipe, info
 
 
 def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
-    from pipelines.images import open_input_image
+    from pipelines.requests import Request
 
     start = time.perf_counter()
-    inputs = [open_input_image(path) for path in request.get("images", [])]
-    init, mask = request.get("init_image"), request.get("mask")
+    inputs = Request(
+        request["prompt"],
+        tuple(request.get("images", [])),
+        request.get("init_image"),
+        request.get("mask"),
+        request.get("strength"),
+        tuple(request.get("control", [])),
+        request.get("control_mode"),
+        request.get("control_scale"),
+    ).generation_inputs()
     images = pipe.generate(
         request["prompt"],
         negative_prompt=request.get("negative_prompt"),
@@ -85,11 +96,8 @@ def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
         num_inference_steps=request.get("steps"),
         true_cfg_scale=request.get("true_cfg_scale", 4.0),
         seed=request["seed"],
-        image=inputs or None,
         cache=cache,
-        init_image=None if init is None else open_input_image(init),
-        mask_image=None if mask is None else open_input_image(mask),
-        strength=request.get("strength"),
+        **inputs,
     )
     images[0].save(request["png"], format="PNG")
     run = pipe.last_run

@@ -15,6 +15,7 @@ from models.family import CheckpointSpec, ModelFamily
 
 FAMILY_MODULES = (
     "models.qwen_image.family",
+    "models.qwen_image.controlnet_family",
     "models.qwen_image_edit.family",
     "models.qwen_image21.family",
 )

@@ -90,6 +90,7 @@ class CheckpointSpec:
     max_images: int = 0  # input images a request may carry (0: text to image only)
     images_required: bool = False  # the model cannot generate without an input image
     starts_from_image: bool = False  # img2img and inpainting: a request may start from an image (+ mask)
+    takes_control: bool = False  # it holds a ControlNet: a request may carry control images
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
 
 
@@ -136,6 +137,26 @@ class ImageStart:
     latents: torch.Tensor
     noise: torch.Tensor
     mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ControlStart:
+    """Where a ControlNet request starts, for its rows: each control image's packed latents [B, tokens, C]
+    and the noise."""
+
+    latents: tuple[torch.Tensor, ...]
+    noise: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepControl:
+    """A ControlNet's part of one step: each control image's packed latents, its conditioning scale at this
+    step (an FP32 device scalar, 0 outside its guidance range), and the positive branch's conditioning,
+    which the ControlNet reads in every CFG branch (as diffusers' ControlNet pipelines do)."""
+
+    latents: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...]
+    positive: Conditioning
 
 
 @dataclass(frozen=True)
@@ -227,11 +248,20 @@ class FamilyModel(ABC):
         img2img and inpainting pipelines draw them."""
         raise NotImplementedError(f"{type(self).__name__} does not start from an image")
 
+    def control_start(
+        self, images: list[PIL.Image.Image], canvas: Any, batch: int, seed: int
+    ) -> ControlStart:
+        """For a family whose spec `takes_control`: the control `images` at the canvas's size, their latents
+        and the noise for `batch` images, drawn from one seeded generator as the family's diffusers
+        ControlNet pipeline draws them."""
+        raise NotImplementedError(f"{type(self).__name__} holds no ControlNet")
+
     @abstractmethod
     def step_call(
         self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: Any
     ) -> StepCall:
-        """The tensors and static arguments of one transformer step for one branch."""
+        """The tensors and static arguments of one transformer step for one branch (a family that
+        `takes_control` also takes `control: StepControl | None`, given only for a request with control)."""
 
     @abstractmethod
     def run_step(self, *args: Any) -> torch.Tensor:
@@ -249,6 +279,12 @@ class FamilyModel(ABC):
         """Tokens of the longest of `prompts`, for a family that keeps every token of a prompt (a memory
         plan's request check counts them); None where prompts are cut to `max_sequence_length`."""
         return None
+
+    def denoise_parts(self) -> dict[str, nn.Module]:
+        """The modules that run in each denoising step, by checkpoint folder: the transformer (and e.g. a
+        ControlNet). `quantize` calibrates them and writes each in FP8; a variant sets their numerics and
+        fusion gates."""
+        return {"transformer": self.transformer}
 
     def keep_step_buffers(self, count: int) -> None:  # noqa: B027 (optional hook: most keep nothing)
         """Keep the buffers the steps reuse across requests (e.g. a KV cache per CFG branch and request

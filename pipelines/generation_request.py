@@ -16,6 +16,7 @@ from models.cache_presets import CachePreset, get_cache_preset
 from models.errors import InputError
 from models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec
 from models.memory import Workload
+from pipelines.control import Control, check_control
 from pipelines.limits import as_prompt_list, check_generation_args, check_images, check_pixels
 from pipelines.presets import check_lora_scale, get_preset
 
@@ -58,6 +59,7 @@ class GenerationRequest:
     lora_scales: tuple[tuple[str, float], ...] = ()
     cache: CachePreset | None = None  # a step cache (opt-in, approximate); None: every block runs
     start: StartImage | None = None  # img2img / inpainting; None: from noise
+    control: Control | None = None  # ControlNet control images; None: none
 
     @property
     def steps_run(self) -> int:
@@ -94,9 +96,10 @@ class GenerationRequest:
     @property
     def batch_key(self) -> tuple | None:
         """What requests sharing denoising steps must agree on (all but prompt, negative prompt and seed);
-        None for one that runs alone: input images, a start image, several prompts, or a seed drawn when it
-        runs."""
-        if self.images or self.start or len(self.prompts) != 1 or not isinstance(self.seed, int):
+        None for one that runs alone: input images, a start image, control images, several prompts, or a
+        seed drawn when it runs."""
+        alone = self.images or self.start or self.control
+        if alone or len(self.prompts) != 1 or not isinstance(self.seed, int):
             return None
         return (
             self.width,
@@ -132,20 +135,39 @@ def resolve_request(
     init_image: PIL.Image.Image | None = None,
     strength: float | None = None,
     mask_image: PIL.Image.Image | None = None,
+    control_image: PIL.Image.Image | Sequence[PIL.Image.Image] | None = None,
+    controlnet_conditioning_scale: float | Sequence[float] | None = None,
+    control_guidance_start: float = 0.0,
+    control_guidance_end: float = 1.0,
+    control_mode: str | None = None,
 ) -> GenerationRequest:
     """The request for `spec`'s checkpoint from raw values (docs/API.md, `Pipeline.generate`): each side not
     given is what the input images suggest (`suggest_size`, the loaded model's; without it, or without
     images, the checkpoint's default size), the negative prompt defaults to the checkpoint's, steps and CFG
     scale to the preset's or the checkpoint's; `cache` names a step-cache preset (or is "off"); `init_image`
     starts from an image (img2img; its size is the default, down to the checkpoint's default area), with
-    `mask_image` only its white part (inpainting). InputError names the first bad value; `loras`, when
-    given, are the LoRA names `lora_scales` may set."""
+    `mask_image` only its white part (inpainting); `control_image`s guide a ControlNet checkpoint
+    (pipelines/control.py; the first one's size is the default). InputError names the first bad value;
+    `loras`, when given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
     images = check_images(image, spec.max_images, spec.images_required, spec.name)
     start = check_start(spec, init_image, strength, mask_image)
+    control = check_control(
+        spec,
+        control_image,
+        controlnet_conditioning_scale,
+        control_guidance_start,
+        control_guidance_end,
+        control_mode,
+    )
+    if control is not None and start is not None:
+        raise InputError("control_image does not combine with init_image: give one of them")
+    cache = get_cache_preset(cache)
+    if control is not None and cache is not None:
+        raise InputError("cache: a step cache is not built for ControlNet requests yet: leave it out")
     suggested = suggest_size(images) if images and suggest_size is not None else None
-    if start is not None:
-        suggested = start_size(start.image, spec)
+    if start is not None or control is not None:
+        suggested = start_size(start.image if control is None else control.images[0], spec)
     size = suggested or (spec.defaults.width, spec.defaults.height)
     width, height = size[0] if width is None else width, size[1] if height is None else height
     negative = spec.defaults.negative_prompt if negative_prompt is None else negative_prompt
@@ -167,6 +189,8 @@ def resolve_request(
         seed,
         spec.size_multiple,
     )
+    if control is not None:
+        control.check_aspect(width, height, spec.size_multiple)
     if start is not None and start.first_step(steps) >= steps:
         raise InputError(f"strength {start.strength} leaves none of the {steps} steps to run: raise either")
     if negatives is not None and len(negatives) == 1:
@@ -184,8 +208,9 @@ def resolve_request(
         images=tuple(images),
         preset=preset,
         lora_scales=checked_lora_scales(lora_scales, loras),
-        cache=get_cache_preset(cache),
+        cache=cache,
         start=start,
+        control=control,
     )
 
 
@@ -221,8 +246,8 @@ def check_start(spec: CheckpointSpec, image: object, strength: object, mask: obj
 
 
 def start_size(image: PIL.Image.Image, spec: CheckpointSpec) -> tuple[int, int]:
-    """A start image's size rounded down to the checkpoint's size multiple, scaled down (same aspect) to
-    the checkpoint's default area when larger."""
+    """A start (or control) image's size rounded down to the checkpoint's size multiple, scaled down (same
+    aspect) to the checkpoint's default area when larger."""
     width, height = image.size
     scale = min(1.0, math.sqrt(spec.defaults.width * spec.defaults.height / (width * height)))
     multiple = spec.size_multiple

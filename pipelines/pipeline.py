@@ -10,6 +10,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,13 @@ from models.family import (
     CheckpointSpec,
     Conditioning,
     FamilyModel,
+    StepControl,
 )
 from models.lora import MergeReport
 from models.lora_files import LoraFile
 from models.memory import DENOISE, ENCODE, Workload
 from models.step_cache import BranchCache, caching
+from pipelines.control import Control
 from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
 from pipelines.generation_request import GenerationRequest, StartImage, resolve_request
 from pipelines.load_options import LoadOptions
@@ -274,10 +277,14 @@ class Pipeline:
         FP8 fusion gate, and drop the captured CUDA graphs."""
         variant = self._variant
         self.lora.sync()
-        self.transformer.set_numerics(variant.numerics)
+        parts = self.model.denoise_parts().values()  # the transformer first, then e.g. a ControlNet
+        for part in parts:
+            part.set_numerics(variant.numerics)
         if variant.fp8_weights:
-            report = self.transformer.post_load_weights(fuse=variant.fused)
-            self._variant = get_variant("fp8-fused" if report.fused else "fp8-unfused")  # e.g. FP8_FUSION=0
+            reports = [part.post_load_weights(fuse=variant.fused) for part in parts]
+            self._variant = get_variant(
+                "fp8-fused" if reports[0].fused else "fp8-unfused"
+            )  # e.g. FP8_FUSION=0
         self._drop_graphs()
         if self.memory is not None:
             self.memory.refresh()
@@ -347,7 +354,13 @@ class Pipeline:
         """The fusion report: fused FP8 producer paths and why the others are not."""
         if not self.spec.fp8:
             return "FP8 norm+quant fusion: off (BF16 weights)"
-        return self.transformer.fusion_report.summary()
+        parts = self.model.denoise_parts()
+        others = [
+            f"{folder}: {part.fusion_report.summary()}"
+            for folder, part in parts.items()
+            if folder != "transformer"
+        ]
+        return "\n".join([self.transformer.fusion_report.summary(), *others])
 
     def default_size(self, images: list[PIL.Image.Image] | None = None) -> tuple[int, int]:
         """(width, height) of a request that gives none: what its input images suggest (Edit: the
@@ -394,10 +407,17 @@ class Pipeline:
         init_image: PIL.Image.Image | None = None,
         strength: float | None = None,
         mask_image: PIL.Image.Image | None = None,
+        control_image: PIL.Image.Image | list[PIL.Image.Image] | None = None,
+        controlnet_conditioning_scale: float | list[float] | None = None,
+        control_guidance_start: float = 0.0,
+        control_guidance_end: float = 1.0,
+        control_mode: str | None = None,
     ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `init_image` starts from an
         image (img2img, `strength` of the schedule reworking it), `mask_image` repaints only its white part
-        (inpainting). `seed` may give one seed per
+        (inpainting). `control_image`s guide a ControlNet checkpoint (each scaled by
+        `controlnet_conditioning_scale`, over the `control_guidance_start`..`end` share of the steps;
+        `control_mode="canny"` makes the edge map from a photo). `seed` may give one seed per
         prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
         of the run land in `self.last_run`. `output_type="latent"` returns the final packed latents and skips
         decoding (as diffusers' pipelines do). One request through `run`."""
@@ -418,6 +438,11 @@ class Pipeline:
             init_image=init_image,
             strength=strength,
             mask_image=mask_image,
+            control_image=control_image,
+            controlnet_conditioning_scale=controlnet_conditioning_scale,
+            control_guidance_start=control_guidance_start,
+            control_guidance_end=control_guidance_end,
+            control_mode=control_mode,
         )
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
@@ -455,6 +480,8 @@ class Pipeline:
             self._limit_graphs(self.memory.request(first.workload(slots * first.rows, tokens)))
         if first.cache is not None:
             self._check_cache()
+        if first.control is not None:
+            self._check_control()
         if first.lora_scales:
             self.set_lora_scales(dict(first.lora_scales))
         preset = get_preset(first.preset, self.spec.family.name)
@@ -477,6 +504,12 @@ class Pipeline:
         if self.memory is not None:
             self.memory.prefetch()  # the text encoder comes back while the caller looks at the images
         return results
+
+    def _check_control(self) -> None:
+        """InputError where ControlNet residuals are not built: blocks split over ranks (Ulysses)."""
+        if self.ranks is not None and self.ranks.plan.ulysses > 1:
+            summary = self.parallel_summary()
+            raise InputError(f"ControlNet is not built for Ulysses sequence parallelism ({summary})")
 
     def _check_cache(self) -> None:
         """InputError where a step cache is not built: blocks split over ranks (Ulysses)."""
@@ -528,7 +561,17 @@ class Pipeline:
         steps, scale = first.num_inference_steps, first.true_cfg_scale
         caches = self._step_caches(first.cache, len(branches))
         latents = self.denoise(
-            branches, canvas, steps, scale, batch_seeds, on_step, progress, scheduler, caches, first.start
+            branches,
+            canvas,
+            steps,
+            scale,
+            batch_seeds,
+            on_step,
+            progress,
+            scheduler,
+            caches,
+            first.start,
+            first.control,
         )
         timer.lap("denoising")
         shared = dict(timer.timings)
@@ -567,18 +610,26 @@ class Pipeline:
         scheduler: FlowMatchEulerDiscreteScheduler | None = None,
         caches: list[BranchCache] | None = None,
         start: StartImage | None = None,
+        control: Control | None = None,
     ) -> torch.Tensor:
         """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
         (true CFG); `canvas` is the model's geometry of the request (`model.canvas`); `seed` a list gives
         each prompt's rows their own seed; `scheduler` defaults to the checkpoint's; `caches`, one per
         branch, a step cache (reset here); `start` an image to start from, noised to the first step that
-        runs (img2img), its unmasked part kept (inpainting). Returns the final packed latents."""
+        runs (img2img), its unmasked part kept (inpainting); `control` the control images of a ControlNet
+        checkpoint. Returns the final packed latents."""
         scheduler = self.model.scheduler if scheduler is None else scheduler
         batch = branches[0].embeds.shape[0]
         seeds = seed if isinstance(seed, list) else [seed]
         rows = batch // len(seeds)
-        after_step = None
-        if start is None:
+        after_step, step_controls = None, None
+        if control is not None:
+            parts = [self.model.control_start(list(control.images), canvas, rows, s) for s in seeds]
+            latents = torch.cat([p.noise for p in parts])
+            timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
+            images = tuple(torch.cat(each) for each in zip(*(p.latents for p in parts), strict=True))
+            step_controls = _step_controls(control, len(timesteps), images, branches[0], self.device)
+        elif start is None:
             latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
             timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
         else:
@@ -593,10 +644,12 @@ class Pipeline:
         for cache in caches or ():
             cache.reset()
         step = self._step(canvas, branches, caches)
+        controls = iter(step_controls or ())
 
         def velocity(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             cfg = None if self.ranks is None else self.ranks.cfg
-            velocities = branch_velocities(step, latents, sigma, branches, cfg)
+            now = step if step_controls is None else partial(step, control=next(controls))
+            velocities = branch_velocities(now, latents, sigma, branches, cfg)
             if len(velocities) == 1:
                 return velocities[0]
             return self.model.combine_cfg(*velocities, true_cfg_scale)
@@ -609,8 +662,14 @@ class Pipeline:
         """The transformer call for one request's geometry: CUDA-graph replays on CUDA, eager elsewhere;
         with `caches`, each branch's calls through its step cache."""
 
-        def step(latents: torch.Tensor, branch: Conditioning, sigma: torch.Tensor) -> torch.Tensor:
-            call = self.model.step_call(latents, sigma, branch, canvas)
+        def step(
+            latents: torch.Tensor,
+            branch: Conditioning,
+            sigma: torch.Tensor,
+            control: StepControl | None = None,
+        ) -> torch.Tensor:
+            extra = {} if control is None else {"control": control}
+            call = self.model.step_call(latents, sigma, branch, canvas, **extra)
             cache = None if caches is None else caches[next(i for i, b in enumerate(branches) if b is branch)]
             if not (self.cuda_graphs and call.graphable):
                 with caching(cache):
@@ -626,6 +685,19 @@ class Pipeline:
             return None
         schedule = None if self.memory is None else self.memory.placed[self.memory.profile.part(DENOISE).name]
         return [self._caches.setdefault((preset, b), BranchCache(preset, schedule)) for b in range(branches)]
+
+
+def _step_controls(
+    control: Control,
+    steps: int,
+    latents: tuple[torch.Tensor, ...],
+    positive: Conditioning,
+    device: torch.device,
+) -> list[StepControl]:
+    """Each step's ControlNet input: the control images' latents, their scales at that step (FP32 device
+    scalars, made at once), and the positive branch's conditioning."""
+    table = torch.tensor(control.step_scales(steps), dtype=torch.float32).to(device)
+    return [StepControl(latents, tuple(row.unbind()), positive) for row in table]
 
 
 class _StageTimer:

@@ -25,10 +25,9 @@ from models.family import CheckpointSpec
 from models.fp8_weight_only import WEIGHT_ONLY_KEY
 from models.loading import save_tensors
 from models.lora_files import LoraFile
-from pipelines.images import open_input_image
 from pipelines.pipeline import Pipeline, load_pipeline
 from pipelines.presets import get_preset
-from pipelines.requests import Request, as_requests, check_requests, edit_requests_for
+from pipelines.requests import Request, as_requests, builtin_edit_set, check_requests, edit_requests_for
 
 DEFAULT_CALIBRATION_PROMPTS = (
     "a red fox in fresh snow at sunrise, detailed fur",
@@ -45,10 +44,12 @@ PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
 
 def default_calibration(spec: CheckpointSpec) -> list[Request]:
     """The built-in calibration set of a checkpoint: the text prompts above, or for a model that edits,
-    the built-in edit sets' image + instruction pairs it can take (pipelines/edit_sets)."""
+    the built-in edit sets' image + instruction pairs it can take (pipelines/edit_sets); a ControlNet
+    checkpoint adds the `control` set, so its ControlNet sees control maps."""
     if spec.images_required:
         return edit_requests_for(spec.max_images)
-    return as_requests(DEFAULT_CALIBRATION_PROMPTS)
+    prompts = as_requests(DEFAULT_CALIBRATION_PROMPTS)
+    return prompts + builtin_edit_set("control") if spec.takes_control else prompts
 
 
 def calibrate(
@@ -60,25 +61,23 @@ def calibrate(
     seed: int,
     preset: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Max |input| seen by each linear over all requests (prompts, edits of their images, or img2img and
-    inpainting from their start images) and denoising
-    steps (device tensors, no syncs); true CFG runs unless a preset turns it off."""
+    """Max |input| seen by each linear over all requests (prompts, edits of their images, img2img and
+    inpainting from their start images, or ControlNet runs on control maps) and denoising steps (device
+    tensors, no syncs); true CFG runs unless a preset turns it off."""
     graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # hooks must run on every step, not a replay
     try:
         with record_input_amax(linears) as amax:
             for i, request in enumerate(tqdm(requests, desc="calibrating", unit="prompt")):
+                side = None if request.control else size  # a control map keeps its aspect (default area)
                 pipe.generate(
                     request.prompt,
                     negative_prompt=" ",
-                    width=size,
-                    height=size,
+                    width=side,
+                    height=side,
                     num_inference_steps=steps,
                     seed=seed + i,
+                    **request.generation_inputs(),
                     preset=preset,
-                    image=[open_input_image(path) for path in request.images] or None,
-                    init_image=None if request.init_image is None else open_input_image(request.init_image),
-                    mask_image=None if request.mask is None else open_input_image(request.mask),
-                    strength=request.strength,
                     output_type="latent",  # calibration needs the transformer's inputs, not pictures
                 )
     finally:
@@ -144,7 +143,9 @@ def quantize_checkpoint(
     spec = inspect_checkpoint(model)
     get_preset(preset, spec.family.name)
     requests = default_calibration(spec) if prompts is None else as_requests(prompts)
-    check_requests(requests, spec.max_images, spec.images_required, spec.name, spec.starts_from_image)
+    check_requests(
+        requests, spec.max_images, spec.images_required, spec.name, spec.starts_from_image, spec.takes_control
+    )
     # the contract variant is defined in BF16: calibration runs it, and its VAE, in BF16 on every device
     pipe = load_pipeline(model, variant="contract", device=device, dtype="bf16")
     for lora_file, scale in loras:
@@ -168,7 +169,8 @@ def quantize_pipeline(
     """Calibrate a loaded BF16 pipeline on `prompts` (None: its built-in set) and write the FP8 checkpoint;
     its loaded LoRAs are baked into the weights first (so calibration sees the activations they cause); the
     other components (and the checkpoint's generation defaults) are copied from `source` when given, else
-    saved from memory."""
+    saved from memory. Every part the model quantizes (the transformer, a ControlNet) is calibrated in the
+    same runs and written to its folder."""
     requests = default_calibration(pipe.spec) if prompts is None else as_requests(prompts)
     if not requests:
         raise InputError("no calibration prompts")
@@ -188,19 +190,22 @@ def quantize_pipeline(
     if pipe.loras:
         pipe.lora.bake()
         pipe.set_variant(pipe.variant)
-    linears = quantizable_linears(pipe.transformer, (*ignore, *weight_only_globs))
-    weight_only = {
-        name: module
-        for name, module in quantizable_linears(pipe.transformer, ignore).items()
-        if name not in linears
+    parts = pipe.model.denoise_parts()
+    linears = {
+        folder: quantizable_linears(module, (*ignore, *weight_only_globs)) for folder, module in parts.items()
     }
-    amax = share_group_amax(
-        calibrate(pipe, linears, requests, steps, size, seed, preset), recipe.shared_inputs
-    )
-    state = fp8_state_dict(pipe.transformer, linears, amax, weight_only)
+    weight_only = {
+        folder: {n: m for n, m in quantizable_linears(module, ignore).items() if n not in linears[folder]}
+        for folder, module in parts.items()
+    }
+    every = {f"{folder}:{name}": m for folder, found in linears.items() for name, m in found.items()}
+    amax = share_group_amax(calibrate(pipe, every, requests, steps, size, seed, preset), recipe.shared_inputs)
     if source is None:
-        pipe.model.save(out, skip=("transformer",), defaults=pipe.defaults)
+        pipe.model.save(out, skip=tuple(parts), defaults=pipe.defaults)
     else:
-        shutil.copytree(source, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
-    write_fp8_transformer(pipe.transformer, state, ignore, out / "transformer", weight_only_globs)
+        shutil.copytree(source, out, ignore=shutil.ignore_patterns(*parts), dirs_exist_ok=True)
+    for folder, module in parts.items():
+        own = {name: amax[f"{folder}:{name}"] for name in linears[folder]}
+        state = fp8_state_dict(module, linears[folder], own, weight_only[folder])
+        write_fp8_transformer(module, state, ignore, out / folder, weight_only_globs)
     return out

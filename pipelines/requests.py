@@ -5,9 +5,11 @@ A prompt file (`.txt`) holds one prompt per line. An edit set (`.jsonl`) holds o
 `{"prompt": "make the sky red", "images": ["photo.png"]}`, image paths relative to the file (blank lines
 skipped); a line may instead start from an image (img2img) and repaint only a mask's white part
 (inpainting): `{"prompt": "a red fox", "init_image": "photo.png", "mask": "mask.png", "strength": 0.8}`
-(mask and strength optional). The built-in sets (`edit`: one image each; `edit-plus`: two or three;
-`img2img` and `inpaint`: start images and masks) sit in `pipelines/edit_sets/` with images the project
-draws itself (`python -m eval.draw_edit_sets`).
+(mask and strength optional); or be guided by control maps (a ControlNet checkpoint): `{"prompt": "a
+house", "control": ["edges.png"], "control_scale": 0.8}`, with `"control_mode": "canny"` to make the map
+from a photo. The built-in sets (`edit`: one image each; `edit-plus`: two or three; `img2img` and
+`inpaint`: start images and masks; `control`: the scenes' canny edges) sit in `pipelines/edit_sets/` with
+images the project draws itself (`python -m eval.draw_edit_sets`).
 """
 
 import json
@@ -16,29 +18,50 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import InputError
+from pipelines.images import open_input_image
 from pipelines.limits import check_image_count
 from pipelines.prompts import read_prompt_file
 
 EDIT_SET_SUFFIX = ".jsonl"
 EDIT_SETS_DIR = Path(__file__).parent / "edit_sets"
-BUILTIN_EDIT_SETS = ("edit", "edit-plus", "img2img", "inpaint")
+BUILTIN_EDIT_SETS = ("edit", "edit-plus", "img2img", "inpaint", "control")
 
 
 @dataclass(frozen=True)
 class Request:
     """A prompt and the image files it edits (empty: text to image), or the image it starts from (img2img),
-    the mask of what it repaints (inpainting) and the strength (None: the default)."""
+    the mask of what it repaints (inpainting) and the strength (None: the default), or the control images
+    that guide a ControlNet, their mode and scale (None: the defaults)."""
 
     prompt: str
     images: tuple[Path, ...] = ()
     init_image: Path | None = None
     mask: Path | None = None
     strength: float | None = None
+    control: tuple[Path, ...] = ()
+    control_mode: str | None = None
+    control_scale: float | None = None
 
     @property
     def files(self) -> tuple[Path, ...]:
         """Every image file it reads."""
-        return tuple(p for p in (*self.images, self.init_image, self.mask) if p is not None)
+        return tuple(p for p in (*self.images, self.init_image, self.mask, *self.control) if p is not None)
+
+    def generation_inputs(self) -> dict[str, object]:
+        """Its images opened, as `Pipeline.generate`'s keyword arguments (with its strength and control)."""
+
+        def opened(path: Path | None) -> object:
+            return None if path is None else open_input_image(path)
+
+        return {
+            "image": [open_input_image(path) for path in self.images] or None,
+            "init_image": opened(self.init_image),
+            "mask_image": opened(self.mask),
+            "strength": self.strength,
+            "control_image": [open_input_image(path) for path in self.control] or None,
+            "control_mode": self.control_mode,
+            "controlnet_conditioning_scale": self.control_scale,
+        }
 
 
 def parse_edit_set(text: str, base: Path, where: str) -> list[Request]:
@@ -62,11 +85,26 @@ def parse_edit_set(text: str, base: Path, where: str) -> list[Request]:
 
 
 def _request(entry: dict, base: Path, where: str) -> Request:
-    """One edit-set line's request: input images, or a start image with its mask and strength."""
-    start = entry.get("init_image")
-    images = entry.get("images", [] if start is not None else None)
-    if not isinstance(images, list) or not all(isinstance(i, str) for i in images) or not (images or start):
-        raise InputError(f'{where} needs "images": a non-empty list of file names (or an "init_image")')
+    """One edit-set line's request: input images, a start image with its mask and strength, or control
+    images with their mode and scale."""
+    start, control = entry.get("init_image"), entry.get("control")
+    images = entry.get("images", [] if start is not None or control is not None else None)
+    well_formed = isinstance(images, list) and all(isinstance(i, str) for i in images)
+    if not well_formed or not (images or start or control is not None):
+        raise InputError(
+            f'{where} needs "images": a non-empty list of file names (or an "init_image", or "control")'
+        )
+    if control is not None and (
+        not isinstance(control, list) or not control or not all(isinstance(i, str) for i in control)
+    ):
+        raise InputError(f'{where}: "control" must be a non-empty list of file names')
+    mode, control_scale = entry.get("control_mode"), entry.get("control_scale")
+    if mode is not None and not isinstance(mode, str):
+        raise InputError(f'{where}: "control_mode" must be a string')
+    if control_scale is not None and (
+        isinstance(control_scale, bool) or not isinstance(control_scale, int | float)
+    ):
+        raise InputError(f'{where}: "control_scale" must be a number')
     names = {"init_image": start, "mask": entry.get("mask")}
     if names["mask"] is not None and start is None:
         raise InputError(f'{where}: "mask" needs the "init_image" it masks')
@@ -78,10 +116,21 @@ def _request(entry: dict, base: Path, where: str) -> Request:
         raise InputError(f'{where}: "strength" must be a number')
     paths = tuple(base / name for name in images)
     start_paths = {key: None if name is None else base / name for key, name in names.items()}
-    missing = [str(p) for p in (*paths, *start_paths.values()) if p is not None and not p.is_file()]
+    control_paths = tuple(base / name for name in control or ())
+    every = (*paths, *start_paths.values(), *control_paths)
+    missing = [str(p) for p in every if p is not None and not p.is_file()]
     if missing:
         raise InputError(f"{where}: image {missing[0]} does not exist")
-    return Request(entry["prompt"], paths, start_paths["init_image"], start_paths["mask"], strength)
+    return Request(
+        entry["prompt"],
+        paths,
+        start_paths["init_image"],
+        start_paths["mask"],
+        strength,
+        control_paths,
+        mode,
+        control_scale,
+    )
 
 
 def read_edit_set(path: Path) -> list[Request]:
@@ -113,14 +162,22 @@ def as_requests(items: Sequence[str | Request]) -> list[Request]:
 
 
 def check_requests(
-    requests: Sequence[Request], max_images: int, required: bool, model: str, starts: bool = False
+    requests: Sequence[Request],
+    max_images: int,
+    required: bool,
+    model: str,
+    starts: bool = False,
+    controls: bool = False,
 ) -> None:
     """InputError naming the first request whose images the model cannot take (before it loads): their
-    count, or a start image for a model that does not start from images (`starts`)."""
+    count, a start image for a model that does not start from images (`starts`), or control images for
+    one without a ControlNet (`controls`)."""
     for number, request in enumerate(requests, 1):
         try:
             if request.init_image is not None and not starts:
                 raise InputError(f"{model} does not start from an image (img2img, inpainting)")
+            if request.control and not controls:
+                raise InputError(f"{model} holds no ControlNet (control images)")
             check_image_count(len(request.images), max_images, required, model)
         except InputError as err:
             raise InputError(f"request {number} ({request.prompt[:40]!r}): {err}") from None

@@ -3,6 +3,8 @@ the pipeline's `GenerationRequest`, or one ApiError in OpenAI's shape naming the
 every value is resolved and checked by `pipe.request` (pipelines/generation_request.py), as for the CLI and
 the demo."""
 
+import base64
+import binascii
 import io
 import json
 import re
@@ -31,7 +33,15 @@ MAX_INPUT_IMAGES = 16  # files one edit request may carry (the model's own bound
 RESPONSE_FORMATS = ("b64_json", "url")
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 IGNORED = ("user", "quality", "style", "moderation")  # OpenAI fields that change nothing here
-FIELDS = (
+# extension fields of /v1/images/generations for a ControlNet checkpoint (JSON: maps as base64 strings)
+CONTROL_FIELDS = (
+    "control_image",
+    "controlnet_conditioning_scale",
+    "control_mode",
+    "control_guidance_start",
+    "control_guidance_end",
+)
+BASE_FIELDS = (
     "prompt",
     "model",
     "n",
@@ -47,7 +57,8 @@ FIELDS = (
     "cache",
     *IGNORED,
 )
-EDIT_FIELDS = (*FIELDS, "image", "image[]", "mask", "strength")
+FIELDS = (*BASE_FIELDS, *CONTROL_FIELDS)
+EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength")
 # The pipeline's argument names and the API parameters they come from (an error names the parameter).
 API_FIELDS = {name: name for name in EDIT_FIELDS} | {
     "width": "size",
@@ -165,10 +176,38 @@ def _job_of(
         init_image=None if start is None else start[0],
         mask_image=None if start is None else start[1],
         strength=number("strength", whole=False),
+        control_image=_control_images(values.get("control_image")),
+        controlnet_conditioning_scale=values.get("controlnet_conditioning_scale"),
+        control_mode=values.get("control_mode"),
+        control_guidance_start=_or(number("control_guidance_start", whole=False), 0.0),
+        control_guidance_end=_or(number("control_guidance_end", whole=False), 1.0),
     )
     job = Job(None, variant, request)
     check_work(job, limits)
     return job, response_format
+
+
+def _or(value: Any, default: float) -> Any:
+    return default if value is None else value
+
+
+def _control_images(value: Any) -> list[PIL.Image.Image] | None:
+    """The `control_image` extension field: one base64 image (a data URL too) or a list of them."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(item, str) for item in items):
+        raise FieldError("control_image", "control_image must be a base64 image or a list of them")
+    images = []
+    for i, item in enumerate(items, 1):
+        try:
+            data = base64.b64decode(
+                item.split(",", 1)[1] if item.startswith("data:") else item, validate=True
+            )
+        except (binascii.Error, IndexError):
+            raise FieldError("control_image", f"control image {i} is not base64") from None
+        images.append(read_image(data, f"control image {i}", "control_image"))
+    return images
 
 
 def _size(value: Any) -> tuple[int | None, int | None]:

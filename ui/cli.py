@@ -14,6 +14,7 @@ from pathlib import Path
 from models.cache_presets import CACHE_OFF, CACHE_PRESETS
 from models.errors import ParallelError, QwenImageError
 from models.family import DEFAULT_SEQUENCE_LENGTH, DEFAULT_TRUE_CFG_SCALE, MAX_SEQUENCE_LENGTH
+from pipelines.control import CONTROL_MODES
 from pipelines.launch_env import is_leader_process
 from pipelines.limits import (
     DTYPE_NAMES,
@@ -112,6 +113,38 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="inpainting: repaint only the white part of --init-image (grey levels binarized at 0.5; the "
         "image's size)",
+    )
+    gen.add_argument(
+        "--control-image",
+        action="append",
+        metavar="FILE",
+        help="a control map for a ControlNet checkpoint (canny, depth, pose or soft-edge map; the Union "
+        "ControlNet reads which from the map); repeatable: each guides at its own --control-scale. Without "
+        "--width/--height the output takes the first map's size (scaled down to the model's default area)",
+    )
+    gen.add_argument(
+        "--control-scale",
+        action="append",
+        type=float,
+        metavar="S",
+        help="conditioning scale of each --control-image, in order (one value: every image; default 1.0)",
+    )
+    gen.add_argument(
+        "--control-mode",
+        choices=CONTROL_MODES,
+        help="make each control map here from a photo (canny: its edges) instead of giving the map",
+    )
+    gen.add_argument(
+        "--control-start",
+        type=float,
+        default=0.0,
+        help="the share of the steps after which the control guides (diffusers' control_guidance_start)",
+    )
+    gen.add_argument(
+        "--control-end",
+        type=float,
+        default=1.0,
+        help="the share of the steps after which it stops guiding (diffusers' control_guidance_end)",
     )
     gen.add_argument(
         "--max-sequence-length",

@@ -103,7 +103,7 @@ def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int,
 
 def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> dict[str, Any]:
     """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`), with `generate`'s
-    start image and mask read from their files."""
+    start image, mask and control maps read from their files."""
     names = (
         "negative_prompt",
         "width",
@@ -120,6 +120,16 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
     start, mask = getattr(args, "init_image", None), getattr(args, "mask", None)
     values["init_image"] = None if start is None else open_input_image(start, MAX_INPUT_BYTES)
     values["mask_image"] = None if mask is None else open_input_image(mask, MAX_INPUT_BYTES)
+    controls = [
+        open_input_image(path, MAX_INPUT_BYTES) for path in getattr(args, "control_image", None) or ()
+    ]
+    values |= {
+        "control_image": controls or None,
+        "controlnet_conditioning_scale": getattr(args, "control_scale", None),
+        "control_mode": getattr(args, "control_mode", None),
+        "control_guidance_start": getattr(args, "control_start", 0.0),
+        "control_guidance_end": getattr(args, "control_end", 1.0),
+    }
     return values | {"strength": getattr(args, "strength", None)}
 
 
@@ -286,7 +296,14 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     get_preset(args.preset, spec.family.name)
     prompts = None if args.calib_prompts is None else read_requests(Path(args.calib_prompts))
     if prompts is not None:
-        check_requests(prompts, spec.max_images, spec.images_required, spec.name, spec.starts_from_image)
+        check_requests(
+            prompts,
+            spec.max_images,
+            spec.images_required,
+            spec.name,
+            spec.starts_from_image,
+            spec.takes_control,
+        )
         for request in prompts:
             for path in request.files:
                 open_input_image(path)

@@ -2,7 +2,7 @@
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,14 @@ from models.loading import (
     save_transformer,
 )
 from models.qwen_image.config import (
+    CONTROLNET_PIPELINE_CLASS,
     PIPELINE_CLASS,
     QwenImageConfig,
     check_compatible,
     vae_scale_factor,
 )
+from models.qwen_image.controlnet import CLASS_NAME as CONTROLNET_CLASS
+from models.qwen_image.controlnet import ControlNetConfig, QwenImageControlNet
 from models.qwen_image.text_encoder import load_text_encoder
 from models.qwen_image.tokenizer import build_qwen2_tokenizer, load_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer
@@ -47,13 +50,15 @@ BUILTIN_QWEN2 = (
 
 @dataclass
 class Components:
-    """Everything the pipeline runs: tokenizer, text encoder, DiT, VAE and scheduler."""
+    """Everything the pipeline runs: tokenizer, text encoder, DiT, VAE and scheduler (and a ControlNet
+    checkpoint's ControlNet)."""
 
     tokenizer: Any
     text_encoder: torch.nn.Module
     transformer: QwenImageTransformer
     vae: AutoencoderKLQwenImage
     scheduler: FlowMatchEulerDiscreteScheduler
+    controlnet: QwenImageControlNet | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         check_compatible(
@@ -72,24 +77,37 @@ class Components:
 
     def model_index(self) -> dict[str, Any]:
         """model_index.json's pipeline class and component entries, as diffusers writes them."""
-        return {
-            "_class_name": PIPELINE_CLASS,
+        index = {
+            "_class_name": PIPELINE_CLASS if self.controlnet is None else CONTROLNET_PIPELINE_CLASS,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
             "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
             "tokenizer": ["transformers", type(self.tokenizer).__name__],
             "transformer": ["diffusers", "QwenImageTransformer2DModel"],
             "vae": ["diffusers", "AutoencoderKLQwenImage"],
         }
+        if self.controlnet is not None:
+            index["controlnet"] = ["diffusers", CONTROLNET_CLASS]
+        return index
 
     def writers(self) -> dict[str, Callable[[Path], None]]:
         """How each component writes its folder of a diffusers-layout checkpoint."""
-        return {
+        writers = {
             "tokenizer": lambda path: self.tokenizer.save_pretrained(path),
             "text_encoder": lambda path: self.text_encoder.save_pretrained(path),
             "transformer": lambda path: save_transformer(self.transformer, path),
             "vae": lambda path: self.vae.save_pretrained(path),
             "scheduler": lambda path: self.scheduler.save_pretrained(path),
         }
+        if self.controlnet is not None:
+            writers["controlnet"] = lambda path: save_transformer(self.controlnet, path)
+        return writers
+
+    def denoise_parts(self) -> dict[str, torch.nn.Module]:
+        """The components that run in each denoising step, by folder (`FamilyModel.denoise_parts`)."""
+        parts = {"transformer": self.transformer}
+        if self.controlnet is not None:
+            parts["controlnet"] = self.controlnet
+        return parts
 
 
 def default_scheduler() -> FlowMatchEulerDiscreteScheduler:
@@ -105,6 +123,11 @@ def load_vae(directory: Path, dtype: torch.dtype, device: torch.device) -> Autoe
 def build_transformer(raw: dict[str, Any]) -> QwenImageTransformer:
     """Our DiT for a diffusers transformer config.json (refused in one line when it does not fit)."""
     return QwenImageTransformer(QwenImageConfig.from_dict(raw))
+
+
+def build_controlnet(raw: dict[str, Any]) -> QwenImageControlNet:
+    """Our ControlNet for a diffusers `controlnet/config.json` (refused in one line when it does not fit)."""
+    return QwenImageControlNet(ControlNetConfig.from_dict(raw))
 
 
 def load_components(
@@ -126,6 +149,11 @@ def load_components(
             transformer=load_transformer(directory / "transformer", build_transformer, dtype, device),
             vae=load_vae(directory / "vae", vae_dtype or dtype, device),
             scheduler=load_scheduler(directory / "scheduler"),
+            controlnet=(
+                load_transformer(directory / "controlnet", build_controlnet, dtype, device)
+                if "controlnet" in index
+                else None
+            ),
         )
 
 

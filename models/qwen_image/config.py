@@ -9,6 +9,7 @@ from models.checkpoint import read_json
 from models.errors import CheckpointError
 
 PIPELINE_CLASS = "QwenImagePipeline"  # model_index.json `_class_name` of a text-to-image checkpoint
+CONTROLNET_PIPELINE_CLASS = "QwenImageControlNetPipeline"  # the same with a `controlnet/` folder
 DEFAULT_VAE_DOWNSAMPLE = (False, True, True)  # AutoencoderKLQwenImage's default temperal_downsample
 DEFAULT_VAE_Z_DIM = 16
 

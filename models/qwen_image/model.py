@@ -18,18 +18,29 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from models.family import (
     Conditioning,
+    ControlStart,
     FamilyModel,
     GenerationDefaults,
     ImageStart,
     QuantRecipe,
     StepCall,
+    StepControl,
     parameter_summary,
 )
 from models.qwen_image.components import Components, load_components, save_components
-from models.qwen_image.math import pack_latents, unpack_latents
+from models.qwen_image.controlnet import ControlImage
+from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
 from models.qwen_image.text_encoder import encode_prompts
 
-OUTSIDE_BLOCKS = ("img_in", "txt_in", "time_text_embed.*", "norm_out.linear", "proj_out")
+OUTSIDE_BLOCKS = (
+    "img_in",
+    "txt_in",
+    "time_text_embed.*",
+    "norm_out.linear",
+    "proj_out",
+    "controlnet_x_embedder",  # a ControlNet's input and its residual projections
+    "controlnet_blocks.*",
+)
 QUANTIZATION = QuantRecipe(
     bf16_fallback=(*OUTSIDE_BLOCKS, "*.img_mod.1", "*.txt_mod.1", "*.img_mlp.net.2"),
     shared_inputs=(("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")),
@@ -74,6 +85,15 @@ def draw_noise(
     shape = (batch, 1, channels, canvas.height, canvas.width)
     noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
     return pack_latents(noise[:, 0])
+
+
+def latent_statistics(vae: torch.nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE config's latent mean and 1 / std as [1, C, 1, 1, 1] on `like`'s device and dtype (diffusers'
+    ops: the reciprocal taken in that dtype)."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+    return mean, inv_std
 
 
 def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -138,27 +158,59 @@ class QwenImageModel(FamilyModel):
         noise, from one generator; the mask in grey levels, binarized at 0.5, resized to the latent grid."""
         generator = torch.Generator("cpu").manual_seed(seed)
         vae, channels = self.components.vae, self.components.latent_channels
-        height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
-        pixels = self.image_processor.preprocess(image.convert("RGB"), height=height, width=width)
-        pixels = pixels.to(torch.float32).unsqueeze(2).to(device=self.device, dtype=self.dtype)
+        pixels = self._pixels(image, canvas).to(torch.float32).unsqueeze(2).to(self.device, self.dtype)
         sampled = retrieve_latents(vae.encode(pixels.to(vae.dtype)), generator=generator)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(sampled.device, sampled.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(sampled.device, sampled.dtype)
+        mean, inv_std = latent_statistics(vae, sampled)
         latents = ((sampled - mean) * inv_std).to(self.dtype)
         latents = pack_latents(torch.cat([latents[:, :, 0]] * batch))
         noise = draw_noise(batch, channels, canvas, generator, self.device, self.dtype)
         if mask is None:
             return ImageStart(latents, noise, None)
+        height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
         grid = self.mask_processor.preprocess(mask, height=height, width=width)
         grid = F.interpolate(grid, size=(canvas.height, canvas.width))
         grid = grid.to(device=self.device, dtype=self.dtype)
         return ImageStart(latents, noise, pack_latents(grid.repeat(batch, channels, 1, 1)))
 
+    def control_start(
+        self, images: list[PIL.Image.Image], canvas: LatentCanvas, batch: int, seed: int
+    ) -> ControlStart:
+        """Each control image resized to the canvas, repeated for the batch and VAE-encoded (each row's latent
+        distribution sampled in turn), normalized in FP32, then the noise: one generator, the order and ops of
+        `QwenImageControlNetPipeline`."""
+        generator = torch.Generator("cpu").manual_seed(seed)
+        vae = self.components.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(self.device)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(self.device)
+        latents = []
+        for image in images:
+            pixels = self._pixels(image, canvas).repeat_interleave(batch, dim=0).to(self.device, vae.dtype)
+            sampled = retrieve_latents(vae.encode(pixels.unsqueeze(2)), generator=generator)
+            latents.append(pack_latents(((sampled - mean) * inv_std)[:, :, 0]).to(self.dtype))
+        noise = draw_noise(batch, self.components.latent_channels, canvas, generator, self.device, self.dtype)
+        return ControlStart(tuple(latents), noise)
+
+    def _pixels(self, image: PIL.Image.Image, canvas: LatentCanvas) -> torch.Tensor:
+        """`image` as RGB at the canvas's pixel size, in [-1, 1] [1, 3, H, W] (diffusers' preprocessing)."""
+        height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
+        return self.image_processor.preprocess(image.convert("RGB"), height=height, width=width)
+
     def step_call(
-        self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: LatentCanvas
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        branch: Conditioning,
+        canvas: LatentCanvas,
+        control: StepControl | None = None,
     ) -> StepCall:
-        return StepCall((latents, branch.embeds, branch.mask, sigma), (canvas.grid,))
+        tensors = (latents, branch.embeds, branch.mask, sigma)
+        if control is None:
+            return StepCall(tensors, (canvas.grid,))
+        positive = (control.positive.embeds, control.positive.mask)
+        return StepCall(
+            (*tensors, *positive, *control.latents, *control.scales), (canvas.grid, len(control.latents))
+        )
 
     def run_step(
         self,
@@ -166,9 +218,25 @@ class QwenImageModel(FamilyModel):
         embeds: torch.Tensor,
         mask: torch.Tensor | None,
         sigma: torch.Tensor,
-        grid: tuple[int, int, int],
+        *rest: object,
     ) -> torch.Tensor:
-        return self.transformer(latents, embeds, mask, sigma, grid)
+        """The transformer's velocity; `rest` is the grid, or with control `StepControl`'s tensors (positive
+        embeddings and mask, each image's latents, then each one's scale), the grid and the image count."""
+        if len(rest) == 1:
+            return self.transformer(latents, embeds, mask, sigma, rest[0])
+        *tensors, grid, count = rest
+        positive, positive_mask, *images = tensors
+        controls = [
+            ControlImage(lat, scale) for lat, scale in zip(images[:count], images[count:], strict=True)
+        ]
+        rope = self.transformer.rope(ImageLayout.of(grid), positive.shape[1], latents.device)
+        residuals = self.components.controlnet.residuals(
+            latents, controls, positive, positive_mask, sigma, rope
+        )
+        return self.transformer(latents, embeds, mask, sigma, grid, residuals)
+
+    def denoise_parts(self) -> dict[str, torch.nn.Module]:
+        return self.components.denoise_parts()
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         return true_cfg(cond, uncond, scale)
@@ -177,9 +245,7 @@ class QwenImageModel(FamilyModel):
         """VAE-decode packed latents to PIL images (the VAE config's latent statistics)."""
         vae = self.components.vae
         z = unpack_latents(latents, canvas.height, canvas.width).to(vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        mean, inv_std = latent_statistics(vae, z)
         z = z / inv_std + mean
         pixels = vae.decode(z, return_dict=False)[0][:, :, 0]
         return self.image_processor.postprocess(pixels, output_type="pil")

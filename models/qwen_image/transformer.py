@@ -272,12 +272,17 @@ class TransformerBlocks(nn.ModuleList):
         temb: torch.Tensor,
         rope: Rope,
         mod_index: torch.Tensor | None = None,
+        control: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Image rows after every block (the text rows only feed the attention); a step cache, when one is
-        active, may skip the middle blocks (models/step_cache.py)."""
+        active, may skip the middle blocks (models/step_cache.py). `control`: a ControlNet's residuals,
+        added to the image rows after the blocks, each serving ceil(blocks / residuals) blocks in turn."""
+        every = -(-len(self) // len(control)) if control else 0
 
         def run(i: int, streams: Streams) -> Streams:
             text, image = self[i](streams[0], streams[1], key_mask, temb, rope, mod_index)
+            if control:
+                image = image + control[i // every]
             return image, text
 
         return run_blocks(len(self), (hidden_states, encoder_hidden_states), run)[0]
@@ -399,11 +404,13 @@ class QwenImageTransformer(nn.Module):
         encoder_hidden_states_mask: torch.Tensor | None,
         timestep: torch.Tensor,
         layout: ImageLayout | Grid,
+        control: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Velocity for packed latents [B, tokens, 64] at sigma `timestep` [B] (already divided by 1000).
 
         `layout`: the image tokens' grids, target first (a plain (F, H, W) grid for text-to-image); the
         output covers every image token, the caller keeps the target's (Edit: `out[:, :target_tokens]`).
+        `control`: a ControlNet's residuals for the blocks (models/qwen_image/controlnet.py).
         """
         layout = ImageLayout.of(layout)
         if hidden_states.shape[1] != layout.tokens:
@@ -421,5 +428,6 @@ class QwenImageTransformer(nn.Module):
             temb=temb,
             rope=self.rope(layout, encoder_hidden_states.shape[1], device),
             mod_index=self.modulation_index(layout, batch, device),
+            control=control,
         )
         return self.proj_out(self.norm_out(hidden_states, temb[:batch]))
