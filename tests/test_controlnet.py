@@ -43,9 +43,10 @@ def diffusers_controlnet_pipeline(ours, checkpoint, multi: bool) -> QwenImageCon
     transformer's weights and its own ControlNet read from the checkpoint's folder."""
     c = ours.components
     config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
-    transformer = QwenImageTransformer2DModel(**config).eval()
+    transformer = QwenImageTransformer2DModel(**config).to(ours.device, ours.dtype).eval()
     transformer.load_state_dict(c.transformer.state_dict(), strict=True)
-    net = QwenImageControlNetModel.from_pretrained(checkpoint / "controlnet", torch_dtype=torch.float32).eval()
+    net = QwenImageControlNetModel.from_pretrained(checkpoint / "controlnet", torch_dtype=ours.dtype)
+    net = net.to(ours.device).eval()
     theirs = QwenImageControlNetPipeline(
         scheduler=copy.deepcopy(c.scheduler),
         vae=c.vae,
