@@ -60,7 +60,7 @@ BASE_FIELDS = (
 FIELDS = (*BASE_FIELDS, *CONTROL_FIELDS)
 EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength")
 # The pipeline's argument names and the API parameters they come from (an error names the parameter).
-API_FIELDS = {name: name for name in EDIT_FIELDS} | {
+API_FIELDS = {name: name for name in (*EDIT_FIELDS, *CONTROL_FIELDS)} | {
     "width": "size",
     "height": "size",
     "num_images_per_prompt": "n",

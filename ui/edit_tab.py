@@ -1,7 +1,9 @@
 """The demo's Edit tab, shown when the loaded model edits images: one image input per image the model takes
 (Picture 1, 2, ...), the instruction, and generate's settings; its event is the API's "/edit". For a
 text-to-image model that starts from images it is the "Image to image" tab: the start image, an optional
-mask (white: repainted) and the strength, through the same "/edit" event.
+mask (white: repainted) and the strength, through the same "/edit" event. On a ControlNet checkpoint that
+tab also lets the image guide the model instead: as a control map, or by its canny edges (`role`), at a
+control scale.
 
 Uploads are bounded (ui/uploads.py: images only, byte and pixel caps, stated on the tab); each request's
 images are files this server received, opened and checked again before it queues (ui/generation.py's
@@ -21,6 +23,7 @@ from ui.generation import (
     DEFAULT_STRENGTH,
     EDIT_INPUT_NAMES,
     FROM_IMAGES,
+    IMAGE_ROLES,
     image_input_names,
     starts_from_image,
 )
@@ -41,6 +44,7 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
     """The Edit tab and its events (call inside the Blocks layout); `stop_api` names the Stop button's API
     endpoint (None: private, when another form already offers "/stop")."""
     starts = starts_from_image(pipe)
+    controls = starts and getattr(pipe.spec, "takes_control", False)
     count = max(pipe.spec.max_images, 1)
     names = {1: "Start image" if starts else "Input image"} if count == 1 else {}
     start_inputs = {}
@@ -84,6 +88,17 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                     step=0.05,
                     label="Strength: the share of the steps that rework the image (1: from noise)",
                     elem_id="edit_strength",
+                )
+            if controls:
+                start_inputs["role"] = gr.Radio(
+                    list(IMAGE_ROLES),
+                    value="start",
+                    label="Use the image as: the start image, a control map (canny, depth, pose or soft "
+                    "edge), or a photo whose canny edges guide the ControlNet",
+                    elem_id="edit_role",
+                )
+                start_inputs["control_scale"] = gr.Slider(
+                    0.0, 2.0, 1.0, step=0.05, label="Control scale", elem_id="edit_control_scale"
                 )
             with gr.Row():
                 edit_btn = gr.Button("Generate" if starts else "Edit", variant="primary", elem_id="edit")

@@ -19,6 +19,9 @@ from ui.runner import Job
 
 CUSTOM = "custom"
 FROM_IMAGES = "from the images"  # the edit form's size choice: what the input images suggest
+# What the Image-to-image tab does with its image on a ControlNet checkpoint: start from it, guide by it as a
+# control map, or guide by its canny edges (made here)
+IMAGE_ROLES = {"start": None, "control map": None, "canny edges": "canny"}
 RANDOM_SEED = -1  # the seed field's value (and the API default) for "draw a random seed"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
 ASPECT_RATIOS: dict[str, tuple[int, int]] = {
@@ -57,6 +60,9 @@ DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {
     "init_image": "image_1",
     "mask_image": "mask",
     "strength": "strength",
+    "control_image": "image_1",
+    "control_mode": "role",
+    "controlnet_conditioning_scale": "control_scale",
 }
 
 
@@ -195,6 +201,19 @@ def job_from_edit_inputs(
     if not starts_from_image(pipe):
         return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images})
     mask = values.get("mask")
+    role = values.get("role", "start")
+    if role not in IMAGE_ROLES or (role != "start" and not getattr(pipe.spec, "takes_control", False)):
+        roles = ", ".join(IMAGE_ROLES) if getattr(pipe.spec, "takes_control", False) else "start"
+        raise FieldError("role", f"role {role!r} must be one of: {roles}")
+    if role != "start":
+        if mask is not None:
+            raise FieldError("mask", "a mask applies to a start image, not to a control map")
+        control = {
+            "control_image": images[0],
+            "control_mode": IMAGE_ROLES[role],
+            "controlnet_conditioning_scale": number_field("control_scale", values.get("control_scale", 1.0)),
+        }
+        return job_from_inputs(session, form, pipe, {**(extra or {}), **control})
     start = {
         "init_image": images[0],
         "mask_image": None if mask is None else _uploaded_image("mask", mask, uploaded),
