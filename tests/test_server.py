@@ -231,7 +231,23 @@ BAD = [
     (b'{"prompt": ["a", "b"]}', "prompt", "prompt must be text, not list"),
     (b'{"prompt": "x", "negative_prompt": 3}', "negative_prompt", "negative_prompt must be text, not int"),
     (b'{"prompt": "x", "response_format": "jpeg"}', "response_format", "must be b64_json or url"),
-    (b'{"prompt": "x", "output_format": "webp"}', "output_format", "output_format must be png"),
+    (b'{"prompt": "x", "output_format": "gif"}', "output_format", "'gif' must be png, jpeg or webp"),
+    (b'{"prompt": "x", "output_format": 3}', "output_format", "output_format 3 must be png, jpeg or webp"),
+    (
+        b'{"prompt": "x", "output_compression": 50}',
+        "output_compression",
+        "output_compression applies to jpeg and webp only, not png",
+    ),
+    (
+        b'{"prompt": "x", "output_format": "jpeg", "output_compression": 101}',
+        "output_compression",
+        "output_compression 101 must be between 0 and 100",
+    ),
+    (
+        b'{"prompt": "x", "output_format": "webp", "output_compression": "high"}',
+        "output_compression",
+        "output_compression must be a number, not 'high'",
+    ),
     (b'{"prompt": "x", "model": "dall-e-3"}', "model", "model 'dall-e-3' is not served here"),
     (
         b'{"prompt": "x", "preset": "turbo"}',

@@ -25,6 +25,7 @@ from ui.generation import (
     text_field,
     whole_field,
 )
+from ui.image_cache import LOSSY, MEDIA_TYPES, Encoding
 from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
 from ui.runner import Job
 
@@ -48,6 +49,7 @@ BASE_FIELDS = (
     "size",
     "response_format",
     "output_format",
+    "output_compression",
     "seed",
     "negative_prompt",
     "num_inference_steps",
@@ -101,12 +103,13 @@ def read_job(
     variant: str,
     images: list | None = None,
     start: Start | None = None,
-) -> tuple[Job, str]:
+) -> tuple[Job, str, Encoding]:
     """Parse every value of an Images API request into its Job on `variant` (the request fully resolved:
     size, steps, CFG scale, negative prompt, seed and every loaded LoRA's scale, so no earlier request's
-    state reaches it) and its response format; ApiError (400) names the first bad one. Multipart values
-    arrive as text; a number field's text is read as a number. An edit brings input `images` (an edit
-    model's) or the image to `start` from and its mask (a text-to-image model's img2img and inpainting)."""
+    state reaches it), its response format and its images' Encoding; ApiError (400) names the first bad
+    one. Multipart values arrive as text; a number field's text is read as a number. An edit brings input
+    `images` (an edit model's) or the image to `start` from and its mask (a text-to-image model's img2img
+    and inpainting)."""
     edit = images is not None or start is not None
     unknown = sorted(set(values) - set(EDIT_FIELDS if edit else FIELDS))
     if unknown:
@@ -125,7 +128,7 @@ def _job_of(
     images: list | None,
     start: Start | None,
     text_numbers: bool,
-) -> tuple[Job, str]:
+) -> tuple[Job, str, Encoding]:
     def number(name: str, whole: bool) -> Any:
         value = values.get(name)
         if value is None:
@@ -151,8 +154,7 @@ def _job_of(
     response_format = values.get("response_format") or "b64_json"
     if response_format not in RESPONSE_FORMATS:
         raise FieldError("response_format", f"response_format {response_format!r} must be b64_json or url")
-    if values.get("output_format") not in (None, "png"):
-        raise FieldError("output_format", "output_format must be png: this server writes PNG images")
+    encoding = _encoding(values.get("output_format"), number("output_compression", whole=True))
     for name in (*IGNORED, "preset", "cache"):
         if values.get(name) is not None and not isinstance(values[name], str):
             raise FieldError(name, f"{name} must be text, not {values[name]!r}")
@@ -184,7 +186,25 @@ def _job_of(
     )
     job = Job(None, variant, request)
     check_work(job, limits)
-    return job, response_format
+    return job, response_format, encoding
+
+
+def _encoding(output_format: Any, compression: int | None) -> Encoding:
+    """The images' Encoding from OpenAI's `output_format` (default png) and `output_compression` (0-100, for
+    the lossy formats only; default 100)."""
+    output_format = output_format or "png"
+    if not isinstance(output_format, str) or output_format not in MEDIA_TYPES:
+        raise FieldError("output_format", f"output_format {output_format!r} must be png, jpeg or webp")
+    if compression is None:
+        return Encoding(output_format)
+    if output_format not in LOSSY:
+        raise FieldError(
+            "output_compression",
+            f"output_compression applies to jpeg and webp only, not {output_format} (lossless)",
+        )
+    if not 0 <= compression <= 100:
+        raise FieldError("output_compression", f"output_compression {compression} must be between 0 and 100")
+    return Encoding(output_format, compression)
 
 
 def _or(value: Any, default: float) -> Any:

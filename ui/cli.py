@@ -350,7 +350,7 @@ def _add_limit_args(parser: argparse.ArgumentParser, http: bool = False) -> None
     for flag, name, what in (
         ("--max-body-mb", "max_body_mb", "largest JSON request body"),
         ("--max-upload-mb", "max_upload_mb", "largest multipart request (an edit's input images)"),
-        ("--cache-mb", "cache_mb", "PNGs kept for response_format=url (the oldest go first)"),
+        ("--cache-mb", "cache_mb", "images kept for response_format=url (the oldest go first)"),
     ):
         limits.add_argument(
             flag, type=_positive(float), metavar="MB", help=f"{what} (default: {default[name]:g})"

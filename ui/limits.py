@@ -37,7 +37,7 @@ class Limits:
     keep_images_minutes: float = 30  # generated images are deleted from the server after this long
     max_body_mb: float = 1.0  # the HTTP server's largest JSON request body
     max_upload_mb: float = 32.0  # the HTTP server's largest multipart request (input images of an edit)
-    cache_mb: float = 256.0  # PNGs the HTTP server keeps for URL responses; the oldest go first
+    cache_mb: float = 256.0  # images the HTTP server keeps for URL responses; the oldest go first
 
     def __post_init__(self) -> None:
         for name in (

@@ -72,8 +72,8 @@ def prometheus_text(runner: Runner, cache: ImageCache, http: HttpCounters, devic
         "Seconds spent answering HTTP requests, by route.",
         [(f'{{route="{r}"}}', s) for r, s in seconds],
     )
-    metric("image_cache_images", "gauge", "PNGs kept for URL responses.", [("", images)])
-    metric("image_cache_bytes", "gauge", "Bytes of PNGs kept for URL responses.", [("", cached)])
+    metric("image_cache_images", "gauge", "Images kept for URL responses.", [("", images)])
+    metric("image_cache_bytes", "gauge", "Bytes of images kept for URL responses.", [("", cached)])
     metric(
         "gpu_memory_bytes", "gauge", "CUDA memory of the serving device (none on a CPU).", _gpu_memory(device)
     )

@@ -2,13 +2,13 @@
 same port and the same job queue (`qwen-image serve`).
 
 POST /v1/images/generations (JSON) and /v1/images/edits (multipart, one or more `image` / `image[]`
-files), GET /v1/models, /health, /metrics (Prometheus text) and /v1/images/files/NAME.png (URL outputs).
-Errors are OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with their status
-codes. Every value is checked before the job queues (NaN, infinity, text where a number belongs: 400),
-and the access rule, the per-request work cap, the time limit, the queue bound and the size bounds are
-the demo's own (ui/access.py, ui/limits.py). A client that disconnects stops its job at once; the
-worker drops its rows after the running step. Parsing a request: ui/api_request.py; the PNGs and their
-cache: ui/image_cache.py; /metrics: ui/metrics.py.
+files), GET /v1/models, /health, /metrics (Prometheus text) and /v1/images/files/NAME.png, .jpeg or .webp
+(URL outputs). Errors are OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with
+their status codes. Every value is checked before the job queues (NaN, infinity, text where a number
+belongs: 400), and the access rule, the per-request work cap, the time limit, the queue bound and the size
+bounds are the demo's own (ui/access.py, ui/limits.py). A client that disconnects stops its job at once; the
+worker drops its rows after the running step. Parsing a request: ui/api_request.py; encoding the images
+(PNG, JPEG or WebP, in parallel) and their cache: ui/image_cache.py; /metrics: ui/metrics.py.
 """
 
 import asyncio
@@ -41,7 +41,7 @@ from ui.api_request import (
     read_job,
 )
 from ui.generation import starts_from_image
-from ui.image_cache import ImageCache, png_bytes
+from ui.image_cache import MEDIA_TYPES, Encoding, ImageCache, encode_all
 from ui.limits import Limits
 from ui.metrics import HttpCounters, prometheus_text
 from ui.runner import DISCONNECTED, SHUTTING_DOWN, Job, QueueFull, Runner, Stopped
@@ -140,8 +140,9 @@ def build_server(
             )
             raise ApiError(401, problem, code="invalid_api_key")
 
-    async def answer(request: Request, job: Job, response_format: str) -> dict[str, Any]:
-        """Queue `job`, wait for it (stopping it if the client goes away) and build the response body."""
+    async def answer(request: Request, job: Job, response_format: str, encoding: Encoding) -> dict[str, Any]:
+        """Queue `job`, wait for it (stopping it if the client goes away) and build the response body, its
+        images written in `encoding`."""
         try:
             future = asyncio.wrap_future(runner.submit(job))
         except QueueFull as err:
@@ -178,16 +179,16 @@ def build_server(
             ) from None
         finally:
             gone.cancel()
-        pngs = await asyncio.to_thread(lambda: [png_bytes(image) for image in images])
+        files = await encode_all(images, encoding)
         if response_format == "url":
             base = str(request.base_url)
-            data = [{"url": f"{base}v1/images/files/{cache.put(png)}.png"} for png in pngs]
+            data = [{"url": f"{base}v1/images/files/{cache.put(file, encoding.format)}"} for file in files]
         else:
-            data = [{"b64_json": base64.b64encode(png).decode("ascii")} for png in pngs]
+            data = [{"b64_json": base64.b64encode(file).decode("ascii")} for file in files]
         return {
             "created": int(time.time()),
             "data": data,
-            "output_format": "png",
+            "output_format": encoding.format,
             "size": f"{run.width}x{run.height}",
             "seed": run.seed,
             "model": model_id(pipe),
@@ -253,16 +254,17 @@ def build_server(
         entry = {"id": model_id(pipe), "object": "model", "created": 0, "owned_by": "qwen-image-fusion"}
         return {"object": "list", "data": [entry]}
 
-    @app.get("/v1/images/files/{name}.png")
+    @app.get("/v1/images/files/{name}")
     async def image_file(name: str) -> Response:
-        png = cache.get(name)
-        if png is None:
+        """A URL response's image: NAME.png, .jpeg or .webp, as the response named it."""
+        data = cache.get(name)
+        if data is None:
             raise ApiError(
                 404,
-                f"image {name}.png is not here (images are kept {limits.keep_images_minutes:g} min)",
+                f"image {name} is not here (images are kept {limits.keep_images_minutes:g} min)",
                 code="not_found",
             )
-        return Response(png, media_type="image/png")
+        return Response(data, media_type=MEDIA_TYPES[name.rpartition(".")[2]])
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
