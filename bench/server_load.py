@@ -3,7 +3,8 @@ off in the same run, HTTP overhead against calling `generate()` directly, and wh
 the same requests run alone on this device.
 
 The model loads once. For each workload (size, steps or preset, the batch cap when batching is on):
-- direct: `pipe.generate` on one request, timed (median of --direct-runs), and PNG encoding timed apart;
+- direct: `pipe.generate` on one request, timed (median of --direct-runs), and encoding its image in
+  --output-format (png, jpeg or webp, at --output-compression) timed apart;
 - identity: three requests denoised as one batch vs each alone, at the fixed batch size the server uses
   (must be equal) and at their own row counts (equal only where the kernels are batch-invariant);
 - scaling: `Pipeline.run` on one request alone vs a full batch, timed directly (what batching can buy);
@@ -11,12 +12,13 @@ The model loads once. For each workload (size, steps or preset, the batch cap wh
   batch shapes), the server in-process on 127.0.0.1 and C clients (each one keep-alive connection,
   sending its requests back to back) at each of --clients; images/s over the level's wall time and
   p50/p90/p99 latency. HTTP overhead = mean latency at one client with batching off - direct generate(),
-  for base64 responses and for URL responses (the PNG still encoded and cached, not downloaded).
+  for base64 responses and for URL responses (the image still encoded and cached, not downloaded).
 Prompts all have one token length (CUDA graphs are captured per length); every configuration is warmed
 up first. Writes server_load.json under --out and prints a table.
 
     python -m bench.server_load --model /tmp/qwen-image-random-fp8 --out DIR        # one H200, ~5 min
     python -m bench.server_load --device cpu --dtype fp32 --workload cpu:128:8:4 --clients 1,4,16 --out DIR
+    python -m bench.server_load ... --output-format jpeg --output-compression 90   # lossy responses
 """
 
 import argparse
@@ -25,7 +27,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ import torch
 from bench.in_thread import InThread
 from pipelines import load_pipeline
 from pipelines.batching import BatchPlan
-from ui.image_cache import png_bytes
+from ui.image_cache import Encoding, image_bytes
 from ui.limits import Limits
 from ui.runner import Runner
 from ui.server import build_server
@@ -50,6 +52,12 @@ class Workload:
     steps: int | None  # None: the preset's
     preset: str | None
     max_batch: int
+    output_format: str = "png"  # the responses' (--output-format)
+    output_compression: int = 100  # jpeg / webp only (--output-compression)
+
+    @property
+    def encoding(self) -> Encoding:
+        return Encoding(self.output_format, self.output_compression)
 
     @classmethod
     def parse(cls, text: str) -> "Workload":
@@ -62,6 +70,9 @@ class Workload:
         """The request (true CFG off: the preset's scale 1.0, or 1.0 given)."""
         body = {"prompt": prompt, "size": f"{self.size}x{self.size}", "seed": seed, "true_cfg_scale": 1.0}
         body["response_format"] = response_format
+        body["output_format"] = self.output_format
+        if self.output_format != "png":
+            body["output_compression"] = self.output_compression
         return body | ({"preset": self.preset} if self.preset else {"num_inference_steps": self.steps})
 
 
@@ -81,20 +92,21 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def direct(pipe: Any, work: Workload, runs: int) -> dict[str, float]:
-    """Seconds of one `generate()` call (median) and of encoding its image as PNG."""
+    """Seconds of one `generate()` call (median) and of encoding its image as the server does."""
     kwargs = work.body(prompt_for(0), 0)
-    del kwargs["size"], kwargs["response_format"]
+    for key in ("size", "response_format", "output_format", "output_compression"):
+        kwargs.pop(key, None)
     kwargs = kwargs | {"width": work.size, "height": work.size}
     pipe.generate(**kwargs)  # warm-up: graph capture at this shape
-    times, png = [], []
+    times, encode = [], []
     for i in range(runs):
         start = _now(pipe)
         images = pipe.generate(**(kwargs | {"seed": i + 1}))
         times.append(_now(pipe) - start)
         start = time.perf_counter()
-        png_bytes(images[0])
-        png.append(time.perf_counter() - start)
-    return {"generate_s": statistics.median(times), "png_encode_s": statistics.median(png)}
+        image_bytes(images[0], work.encoding)
+        encode.append(time.perf_counter() - start)
+    return {"generate_s": statistics.median(times), "encode_s": statistics.median(encode)}
 
 
 def request_for(pipe: Any, work: Workload, index: int) -> Any:
@@ -255,10 +267,19 @@ def main() -> None:
     )
     parser.add_argument("--window-ms", type=float, default=20.0, help="the batching window")
     parser.add_argument("--direct-runs", type=int, default=5)
+    parser.add_argument("--output-format", default="png", choices=("png", "jpeg", "webp"))
+    parser.add_argument(
+        "--output-compression",
+        type=int,
+        default=100,
+        help="jpeg / webp quality, 0-100 (OpenAI's default 100)",
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (CPU runs: 1 keeps them steady)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     workloads = args.workload or [Workload.parse("1024:1024:lightning-8:4"), Workload.parse("512:512:8:8")]
+    formats = {"output_format": args.output_format, "output_compression": args.output_compression}
+    workloads = [replace(work, **formats) for work in workloads]
     levels = [int(c) for c in args.clients.split(",")]
     totals = [int(r) for r in args.requests.split(",")]
     per_client = {c: -(-totals[min(i, len(totals) - 1)] // c) for i, c in enumerate(levels)}
@@ -271,6 +292,8 @@ def main() -> None:
         "model": pipe.model_name,
         "device": str(pipe.device),
         "variant": pipe.variant,
+        "output_format": args.output_format,
+        "output_compression": None if args.output_format == "png" else args.output_compression,
         "load_s": time.time() - start,
         "targets": TARGETS,
         "workloads": {},
@@ -290,7 +313,7 @@ def main() -> None:
         if one is not None:
             overhead = one["latency_s"]["mean"] - entry["direct"]["generate_s"]
             entry["http_overhead_ms"] = 1000 * overhead
-            entry["http_overhead_without_png_ms"] = 1000 * (overhead - entry["direct"]["png_encode_s"])
+            entry["http_overhead_without_encoding_ms"] = 1000 * (overhead - entry["direct"]["encode_s"])
             url = served(pipe, work, False, [1], {1: per_client[1]}, 0.0, "url")["by_clients"]["1"]
             entry["http_overhead_url_ms"] = 1000 * (url["latency_s"]["mean"] - entry["direct"]["generate_s"])
         on, off = entry["batching_on"]["by_clients"], entry["batching_off"]["by_clients"]
@@ -306,7 +329,9 @@ def main() -> None:
 def table(report: dict[str, Any]) -> str:
     """The load table (Markdown) for BENCHMARKS.md."""
     lines = [
-        f"{report['model']} on {report.get('gpu', report['device'])}, variant {report['variant']}",
+        f"{report['model']} on {report.get('gpu', report['device'])}, variant {report['variant']}, "
+        f"responses in {report.get('output_format', 'png')}"
+        + (f" at compression {report['output_compression']}" if report.get("output_compression") else ""),
         "",
         "| workload | clients | batching | images/s | p50 s | p90 s | p99 s | requests/batch |",
         "|---|---|---|---|---|---|---|---|",
@@ -325,9 +350,9 @@ def table(report: dict[str, Any]) -> str:
         direct = entry["direct"]
         speedups = ", ".join(f"{c}: {s:.2f}x" for c, s in entry["speedup_by_clients"].items())
         lines.append(
-            f"{name}: generate() {direct['generate_s']:.3f} s, PNG {1000 * direct['png_encode_s']:.1f} ms, "
+            f"{name}: generate() {direct['generate_s']:.3f} s, encoding {1000 * direct['encode_s']:.1f} ms, "
             f"HTTP overhead {entry.get('http_overhead_ms', float('nan')):.1f} ms "
-            f"({entry.get('http_overhead_without_png_ms', float('nan')):.1f} ms without PNG; "
+            f"({entry.get('http_overhead_without_encoding_ms', float('nan')):.1f} ms without encoding; "
             f"{entry.get('http_overhead_url_ms', float('nan')):.1f} ms for a URL response); batching "
             f"speed-up by clients {speedups}; run alone vs full batch {entry['scaling']}; identity "
             f"{entry['identity']}"
