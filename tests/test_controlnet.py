@@ -6,6 +6,8 @@ by `quantize` too) fused == unfused; and every refusal in one line before any we
 import copy
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import PIL.Image
@@ -18,6 +20,7 @@ from diffusers import (
     QwenImageMultiControlNetModel,
     QwenImageTransformer2DModel,
 )
+from helpers import REPO
 
 from models.errors import CheckpointError, InputError
 from models.families import inspect_checkpoint
@@ -120,8 +123,15 @@ def test_text_to_image_on_a_controlnet_checkpoint_equals_qwen_image(ours):
     assert torch.equal(ours.generate("a bird", **kwargs), plain.generate("a bird", **kwargs))
 
 
-def test_fp8_quantize_writes_the_controlnet_and_fused_equals_unfused(checkpoint, tmp_path):
-    fp8 = quantize_checkpoint(checkpoint, tmp_path / "fp8", steps=2, size=64, device="cpu")
+@pytest.fixture(scope="module")
+def fp8(checkpoint, tmp_path_factory):
+    """The checkpoint quantized on its built-in calibration (text prompts and the `control` set)."""
+    return quantize_checkpoint(
+        checkpoint, tmp_path_factory.mktemp("q") / "fp8", steps=2, size=64, device="cpu"
+    )
+
+
+def test_fp8_quantize_writes_the_controlnet_and_fused_equals_unfused(fp8):
     config = json.loads((fp8 / "controlnet" / "config.json").read_text())
     assert config["quantization_config"]["quant_algo"] == "FP8"
     assert config["_class_name"] == "QwenImageControlNetModel"
@@ -147,6 +157,21 @@ def test_fp8_quantize_writes_the_controlnet_and_fused_equals_unfused(checkpoint,
     assert pipe.variant == "fp8-unfused"
     assert not any(d.fused for d in net.fusion_report.block)
     assert torch.equal(fused, pipe.generate("a house", **kwargs))
+
+
+@pytest.mark.cpu_dtype
+def test_eval_parity_over_the_control_set_finds_fused_and_unfused_identical(fp8, tmp_path):
+    """The built-in `control` set (the drawn scenes' canny edges; each output at its map's aspect)."""
+    command = [sys.executable, "-m", "eval.parity", "--model", str(fp8), "--prompts", "control", "--a",
+               "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--out", str(tmp_path / "out"),
+               "--expect", "identical"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verdict: PASS (identical on all 6 pairs)" in result.stdout
+    pairs = json.loads((tmp_path / "out" / "report.json").read_text())["pairs"]
+    assert all(p["control"][0].endswith(".png") for p in pairs)
+    sizes = {(p["width"], p["height"]) for p in pairs}
+    assert len(sizes) > 1  # the maps' own aspects, not one forced size
 
 
 def test_canny_mode_makes_an_edge_map_from_a_photo():

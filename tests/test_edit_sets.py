@@ -72,6 +72,19 @@ def test_start_sets_rework_and_inpaint_the_edit_images() -> None:
     check_requests(img2img + inpaint, 0, False, "qwen-image", starts=True)
 
 
+
+def test_control_set_guides_by_the_edit_images_edges() -> None:
+    """`control` reads each edit image as a photo whose canny edges guide a ControlNet, with img2img's
+    captions; only a model with a ControlNet takes it."""
+    edit, img2img, control = (builtin_edit_set(name) for name in ("edit", "img2img", "control"))
+    assert [r.control for r in control] == [r.images for r in edit]
+    assert [r.prompt for r in control] == [r.prompt for r in img2img]
+    assert {r.control_mode for r in control} == {"canny"} and {r.control_scale for r in control} == {None}
+    check_requests(control, 0, False, "qwen-image-controlnet", starts=True, controls=True)
+    with pytest.raises(InputError, match=r"request 1 .*: qwen-image holds no ControlNet"):
+        check_requests(control, 0, False, "qwen-image", starts=True)
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
