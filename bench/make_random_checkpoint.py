@@ -36,8 +36,8 @@ from transformers import (
 
 from models.family import GenerationDefaults
 from models.qwen_image.components import Components, default_scheduler
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.controlnet import ControlNetConfig, QwenImageControlNet
+from models.qwen_image.config import ControlNetConfig, QwenImageConfig
+from models.qwen_image.controlnet import QwenImageControlNet
 from models.qwen_image.controlnet_family import FAMILY as CONTROLNET_FAMILY
 from models.qwen_image.family import FAMILY
 from models.qwen_image.model import QwenImageModel

@@ -72,7 +72,6 @@ def test_start_sets_rework_and_inpaint_the_edit_images() -> None:
     check_requests(img2img + inpaint, 0, False, "qwen-image", starts=True)
 
 
-
 def test_control_set_guides_by_the_edit_images_edges() -> None:
     """`control` reads each edit image as a photo whose canny edges guide a ControlNet, with img2img's
     captions; only a model with a ControlNet takes it."""

@@ -216,7 +216,10 @@ def test_turbo_info_shows_its_grid(tmp_path, capsys):
     ("extra", "message"),
     [
         (["--gpus", "2"], "Ulysses sequence parallelism is not built for the qwen-image-2.1 family"),
-        (["--preset", "lightning-8"], "preset lightning-8 is made for qwen-image checkpoints"),
+        (
+            ["--preset", "lightning-8"],
+            "preset lightning-8 is made for qwen-image and qwen-image-controlnet checkpoints",
+        ),
         (["--image", "IMAGE"] * 5, "5 input images, but"),
         (["--image", "/nonexistent.png"], "input image /nonexistent.png does not exist"),
         (["--width", "48"], "width 48 must be a multiple of 32"),

@@ -19,14 +19,15 @@ from models.loading import (
     save_transformer,
 )
 from models.qwen_image.config import (
+    CONTROLNET_CLASS,
     CONTROLNET_PIPELINE_CLASS,
     PIPELINE_CLASS,
+    ControlNetConfig,
     QwenImageConfig,
     check_compatible,
     vae_scale_factor,
 )
-from models.qwen_image.controlnet import CLASS_NAME as CONTROLNET_CLASS
-from models.qwen_image.controlnet import ControlNetConfig, QwenImageControlNet
+from models.qwen_image.controlnet import QwenImageControlNet
 from models.qwen_image.text_encoder import load_text_encoder
 from models.qwen_image.tokenizer import build_qwen2_tokenizer, load_tokenizer
 from models.qwen_image.transformer import QwenImageTransformer

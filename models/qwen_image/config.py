@@ -140,3 +140,47 @@ def read_configs(directory: Path) -> CheckpointConfigs:
     except CheckpointError as err:
         raise CheckpointError(f"{directory}: {err}") from err
     return CheckpointConfigs(transformer, vae, hidden)
+
+
+CONTROLNET_CLASS = "QwenImageControlNetModel"  # a controlnet/ folder's diffusers class
+CONTROLNET_KEYS = (
+    "patch_size",
+    "in_channels",
+    "out_channels",
+    "num_layers",
+    "attention_head_dim",
+    "num_attention_heads",
+    "joint_attention_dim",
+    "axes_dims_rope",
+)
+
+
+@dataclass(frozen=True)
+class ControlNetConfig:
+    """The ControlNet's shape: Qwen-Image's block hyper-parameters and the extra channels of its control
+    input (0 for the Union ControlNet; the inpainting ControlNet adds the mask's)."""
+
+    blocks: QwenImageConfig
+    extra_condition_channels: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ControlNetConfig":
+        """From a diffusers `controlnet/config.json`; CheckpointError for another class or a bad shape."""
+        if raw.get("_class_name", CONTROLNET_CLASS) != CONTROLNET_CLASS:
+            raise CheckpointError(
+                f"controlnet config is a {raw.get('_class_name')}, not a {CONTROLNET_CLASS}"
+            )
+        extra = raw.get("extra_condition_channels", 0)
+        if not isinstance(extra, int) or extra < 0:
+            raise CheckpointError(f"controlnet extra_condition_channels {extra!r} must be an integer >= 0")
+        blocks = QwenImageConfig.from_dict({k: raw[k] for k in CONTROLNET_KEYS if k in raw})
+        return cls(blocks, extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """diffusers-compatible config.json content."""
+        blocks = {k: v for k, v in self.blocks.to_dict().items() if k in CONTROLNET_KEYS}
+        return {
+            **blocks,
+            "extra_condition_channels": self.extra_condition_channels,
+            "_class_name": CONTROLNET_CLASS,
+        }

@@ -13,54 +13,12 @@ import torch
 from torch import nn
 
 from models.blocks import gate_blocks
-from models.errors import CheckpointError
 from models.fusion import FusionReport
 from models.modelopt import QuantConfig
 from models.numerics import set_numerics
-from models.qwen_image.config import QwenImageConfig
+from models.qwen_image.config import ControlNetConfig
 from models.qwen_image.math import Rope, joint_key_mask
 from models.qwen_image.transformer import QwenImageTransformerBlock, RMSNorm, TimeTextEmbed
-
-CLASS_NAME = "QwenImageControlNetModel"
-CONFIG_KEYS = (
-    "patch_size",
-    "in_channels",
-    "out_channels",
-    "num_layers",
-    "attention_head_dim",
-    "num_attention_heads",
-    "joint_attention_dim",
-    "axes_dims_rope",
-)
-
-
-@dataclass(frozen=True)
-class ControlNetConfig:
-    """The ControlNet's shape: Qwen-Image's block hyper-parameters and the extra channels of its control
-    input (0 for the Union ControlNet; the inpainting ControlNet adds the mask's)."""
-
-    blocks: QwenImageConfig
-    extra_condition_channels: int = 0
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ControlNetConfig":
-        """From a diffusers `controlnet/config.json`; CheckpointError for another class or a bad shape."""
-        if raw.get("_class_name", CLASS_NAME) != CLASS_NAME:
-            raise CheckpointError(f"controlnet config is a {raw.get('_class_name')}, not a {CLASS_NAME}")
-        extra = raw.get("extra_condition_channels", 0)
-        if not isinstance(extra, int) or extra < 0:
-            raise CheckpointError(f"controlnet extra_condition_channels {extra!r} must be an integer >= 0")
-        blocks = QwenImageConfig.from_dict({k: raw[k] for k in CONFIG_KEYS if k in raw})
-        return cls(blocks, extra)
-
-    def to_dict(self) -> dict[str, Any]:
-        """diffusers-compatible config.json content."""
-        blocks = {k: v for k, v in self.blocks.to_dict().items() if k in CONFIG_KEYS}
-        return {
-            **blocks,
-            "extra_condition_channels": self.extra_condition_channels,
-            "_class_name": CLASS_NAME,
-        }
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ from pathlib import Path
 from models.checkpoint import is_fp8_transformer, read_json
 from models.errors import CheckpointError
 from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
-from models.qwen_image.config import CONTROLNET_PIPELINE_CLASS, QwenImageConfig
-from models.qwen_image.controlnet import ControlNetConfig
+from models.qwen_image.config import CONTROLNET_PIPELINE_CLASS, ControlNetConfig, QwenImageConfig
 from models.qwen_image.family import QwenImageFamily
 
 MATCHING = ("inner_dim", "attention_head_dim", "axes_dims_rope", "joint_attention_dim", "in_channels")
