@@ -7,7 +7,8 @@ each scene's description, so an instruction names what its image shows.
 `edit` has one image per request (Edit and Plus checkpoints), `edit-plus` two or three (Plus). `img2img`
 starts from `edit`'s images with their own captions (a rework at strength 0.6); `inpaint` masks each
 image's first group of shapes (its boxes, with a margin) and asks for it in another colour (strength 0.9).
-`control` guides a ControlNet checkpoint with each image's canny edges (made when it runs) and its caption.
+`control` guides a ControlNet checkpoint with each image's canny edges (made when it runs) and its caption;
+`control-inpaint` gives an inpainting ControlNet `inpaint`'s images, masks and prompts.
 The files are deterministic: tests/test_edit_sets.py draws them again and compares.
 """
 
@@ -141,7 +142,14 @@ def write_sets(out: Path) -> dict[str, Path]:
     for folder in ("images", "masks"):
         (out / folder).mkdir(parents=True, exist_ok=True)
     index = 0
-    sets: dict[str, list[dict]] = {"edit": [], "edit-plus": [], "img2img": [], "inpaint": [], "control": []}
+    sets: dict[str, list[dict]] = {
+        "edit": [],
+        "edit-plus": [],
+        "img2img": [],
+        "inpaint": [],
+        "control": [],
+        "control-inpaint": [],
+    }
     for size, instruction in SINGLE:
         image, description = draw(index, size)
         name = f"images/scene-{index:02d}.png"
@@ -151,6 +159,8 @@ def write_sets(out: Path) -> dict[str, Path]:
         sets["img2img"].append(img2img)
         sets["inpaint"].append(inpaint)
         sets["control"].append({"prompt": img2img["prompt"], "control": [name], "control_mode": "canny"})
+        repaint = {"prompt": inpaint["prompt"], "control": [name], "control_mask": inpaint["mask"]}
+        sets["control-inpaint"].append(repaint)
         index += 1
     for sizes, instruction in MULTI:
         names, descriptions = [], []

@@ -32,7 +32,7 @@ class WorkerCrash(RuntimeError):
 class Job:
     """One prompt x seed pair; `index` is its place in the whole run (all ranks); `images` the input image
     files of an edit request; `init_image`, `mask` and `strength` those of an img2img or inpainting one;
-    `control`, `control_mode` and `control_scale` those of a ControlNet one."""
+    `control`, `control_mode`, `control_scale` and `control_mask` those of a ControlNet one."""
 
     index: int
     prompt_index: int
@@ -45,6 +45,7 @@ class Job:
     control: tuple[str, ...] = ()
     control_mode: str | None = None
     control_scale: float | None = None
+    control_mask: str | None = None
 
     @property
     def id(self) -> str:
@@ -74,7 +75,12 @@ def _job(index: int, request: Request, prompt_index: int, seed: int) -> Job:
 
     images = tuple(map(str, request.images))
     start = (path(request.init_image), path(request.mask), request.strength)
-    control = (tuple(map(str, request.control)), request.control_mode, request.control_scale)
+    control = (
+        tuple(map(str, request.control)),
+        request.control_mode,
+        request.control_scale,
+        path(request.control_mask),
+    )
     return Job(index, prompt_index, request.prompt, seed, images, *start, *control)
 
 
@@ -160,6 +166,7 @@ def generate(worker: Worker, job: Job, settings: Settings, out_dir: Path) -> dic
         "control": list(job.control),
         "control_mode": job.control_mode,
         "control_scale": job.control_scale,
+        "control_mask": job.control_mask,
         "png": str(out_dir / image_name(job, worker.slot)),
     }
     return worker.request(request)

@@ -8,7 +8,7 @@ everything else the pipeline prints goes to stderr.
                                                                  or takes control maps)
   request       {"id", "prompt", "seed", "width", "height", "steps", "negative_prompt",
                  "true_cfg_scale", "images", "init_image", "mask", "strength", "control", "control_mode",
-                 "control_scale", "png"}                        (null width/height/steps: defaults;
+                 "control_scale", "control_mask", "png"}        (null width/height/steps: defaults;
                                                                  images, control: image files, may be [])
   reply         {"event": "done", "id", "seconds", "seed", "width", "height", "steps", "timings"}
   on error      {"event": "error", "id" (absent at load), "error": one line, "user_error": bool}
@@ -87,6 +87,7 @@ def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
         tuple(request.get("control", [])),
         request.get("control_mode"),
         request.get("control_scale"),
+        request.get("control_mask"),
     ).generation_inputs()
     images = pipe.generate(
         request["prompt"],

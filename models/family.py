@@ -91,6 +91,9 @@ class CheckpointSpec:
     images_required: bool = False  # the model cannot generate without an input image
     starts_from_image: bool = False  # img2img and inpainting: a request may start from an image (+ mask)
     takes_control: bool = False  # it holds a ControlNet: a request may carry control images
+    control_inpaints: bool = (
+        False  # ... an inpainting one: one control image and the mask of what it repaints
+    )
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
 
 
@@ -249,11 +252,16 @@ class FamilyModel(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not start from an image")
 
     def control_start(
-        self, images: list[PIL.Image.Image], canvas: Any, batch: int, seed: int
+        self,
+        images: list[PIL.Image.Image],
+        mask: PIL.Image.Image | None,
+        canvas: Any,
+        batch: int,
+        seed: int,
     ) -> ControlStart:
         """For a family whose spec `takes_control`: the control `images` at the canvas's size, their latents
-        and the noise for `batch` images, drawn from one seeded generator as the family's diffusers
-        ControlNet pipeline draws them."""
+        (with an inpainting ControlNet: the image with its `mask`'s part blanked, and the mask) and the noise
+        for `batch` images, drawn as the family's diffusers ControlNet pipelines draw them."""
         raise NotImplementedError(f"{type(self).__name__} holds no ControlNet")
 
     @abstractmethod

@@ -25,12 +25,14 @@ CANNY_THRESHOLDS = (0.1, 0.2)  # low, high: gradient magnitudes of the [0, 1] gr
 @dataclass(frozen=True)
 class Control:
     """A request's control images (maps), each one's conditioning scale, and the part of the schedule they
-    guide (`guidance_start` to `guidance_end`, fractions of the steps: diffusers' `control_guidance_*`)."""
+    guide (`guidance_start` to `guidance_end`, fractions of the steps: diffusers' `control_guidance_*`); for
+    an inpainting ControlNet, its one image and the `mask` of what it repaints (white)."""
 
     images: tuple[PIL.Image.Image, ...]
     scales: tuple[float, ...]
     guidance_start: float = 0.0
     guidance_end: float = 1.0
+    mask: PIL.Image.Image | None = None
 
     def step_scales(self, steps: int) -> list[list[float]]:
         """Each step's scale for each image: its scale inside the guided part, 0 outside (diffusers'
@@ -62,13 +64,16 @@ def check_control(
     guidance_start: float,
     guidance_end: float,
     mode: str | None,
+    mask: PIL.Image.Image | None = None,
 ) -> Control | None:
-    """The request's control (None without control images), checked: InputError for a scale or mode without
-    an image, a checkpoint without a ControlNet, a non-image, a scale count other than one or one per
-    image, a scale that is not a finite number, a guidance range outside 0 <= start < end <= 1, or an
-    unknown mode. A `mode` makes each image's map here (`canny`)."""
+    """The request's control (None without control images), checked: InputError for a scale, mode or mask
+    without an image, a checkpoint without a ControlNet, a non-image, a scale count other than one or one
+    per image, a scale that is not a finite number, a guidance range outside 0 <= start < end <= 1, an
+    unknown mode, or a mask where the ControlNet does not inpaint (where it does: exactly one image and a
+    mask of its size). A `mode` makes each image's map here (`canny`)."""
     if images is None:
-        for value, name in ((scales, "controlnet_conditioning_scale"), (mode, "control_mode")):
+        named = ((scales, "controlnet_conditioning_scale"), (mode, "control_mode"), (mask, "control_mask"))
+        for value, name in named:
             if value is not None:
                 raise InputError(f"{name} needs the control image it applies to (control_image)")
         return None
@@ -101,8 +106,34 @@ def check_control(
         raise InputError(
             f"control_guidance_start {guidance_start} must be below control_guidance_end {guidance_end}"
         )
+    check_control_mask(spec, images, mask)
     maps = [control_map(image, mode) for image in images]
-    return Control(tuple(maps), tuple(float(s) for s in scales), float(guidance_start), float(guidance_end))
+    window = float(guidance_start), float(guidance_end)
+    return Control(tuple(maps), tuple(float(s) for s in scales), *window, mask)
+
+
+def check_control_mask(spec: CheckpointSpec, images: list[PIL.Image.Image], mask: object) -> None:
+    """InputError unless an inpainting ControlNet gets one image and a mask of its size, and any other
+    ControlNet no mask."""
+    if not spec.control_inpaints:
+        if mask is not None:
+            raise InputError(
+                f"control_mask needs an inpainting ControlNet, and {spec.name}'s does not inpaint"
+            )
+        return
+    if len(images) != 1:
+        raise InputError(
+            f"control_image: {spec.name}'s inpainting ControlNet takes one image, not {len(images)}"
+        )
+    if mask is None:
+        raise InputError(f"control_mask is required: {spec.name}'s ControlNet repaints the mask's white part")
+    if not isinstance(mask, PIL.Image.Image):
+        raise InputError(f"control_mask is a {type(mask).__name__}, not a PIL image")
+    if mask.size != images[0].size:
+        raise InputError(
+            f"control_mask is {mask.width}x{mask.height} but control_image is "
+            f"{images[0].width}x{images[0].height}: give a mask of the image's size"
+        )
 
 
 def control_map(image: PIL.Image.Image, mode: str | None) -> PIL.Image.Image:

@@ -140,6 +140,7 @@ def resolve_request(
     control_guidance_start: float = 0.0,
     control_guidance_end: float = 1.0,
     control_mode: str | None = None,
+    control_mask: PIL.Image.Image | None = None,
 ) -> GenerationRequest:
     """The request for `spec`'s checkpoint from raw values (docs/API.md, `Pipeline.generate`): each side not
     given is what the input images suggest (`suggest_size`, the loaded model's; without it, or without
@@ -147,7 +148,8 @@ def resolve_request(
     scale to the preset's or the checkpoint's; `cache` names a step-cache preset (or is "off"); `init_image`
     starts from an image (img2img; its size is the default, down to the checkpoint's default area), with
     `mask_image` only its white part (inpainting); `control_image`s guide a ControlNet checkpoint
-    (pipelines/control.py; the first one's size is the default). InputError names the first bad value;
+    (pipelines/control.py; the first one's size is the default; `control_mask` the part an inpainting
+    ControlNet repaints). InputError names the first bad value;
     `loras`, when given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
     images = check_images(image, spec.max_images, spec.images_required, spec.name)
@@ -159,6 +161,7 @@ def resolve_request(
         control_guidance_start,
         control_guidance_end,
         control_mode,
+        control_mask,
     )
     if control is not None and start is not None:
         raise InputError("control_image does not combine with init_image: give one of them")

@@ -412,12 +412,14 @@ class Pipeline:
         control_guidance_start: float = 0.0,
         control_guidance_end: float = 1.0,
         control_mode: str | None = None,
+        control_mask: PIL.Image.Image | None = None,
     ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `init_image` starts from an
         image (img2img, `strength` of the schedule reworking it), `mask_image` repaints only its white part
         (inpainting). `control_image`s guide a ControlNet checkpoint (each scaled by
         `controlnet_conditioning_scale`, over the `control_guidance_start`..`end` share of the steps;
-        `control_mode="canny"` makes the edge map from a photo). `seed` may give one seed per
+        `control_mode="canny"` makes the edge map from a photo; an inpainting ControlNet repaints
+        `control_mask`'s white part of its one control image). `seed` may give one seed per
         prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
         of the run land in `self.last_run`. `output_type="latent"` returns the final packed latents and skips
         decoding (as diffusers' pipelines do). One request through `run`."""
@@ -443,6 +445,7 @@ class Pipeline:
             control_guidance_start=control_guidance_start,
             control_guidance_end=control_guidance_end,
             control_mode=control_mode,
+            control_mask=control_mask,
         )
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
@@ -624,11 +627,12 @@ class Pipeline:
         rows = batch // len(seeds)
         after_step, step_controls = None, None
         if control is not None:
-            parts = [self.model.control_start(list(control.images), canvas, rows, s) for s in seeds]
+            maps = list(control.images)
+            parts = [self.model.control_start(maps, control.mask, canvas, rows, s) for s in seeds]
             latents = torch.cat([p.noise for p in parts])
             timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
-            images = tuple(torch.cat(each) for each in zip(*(p.latents for p in parts), strict=True))
-            step_controls = _step_controls(control, len(timesteps), images, branches[0], self.device)
+            encoded = tuple(torch.cat(each) for each in zip(*(p.latents for p in parts), strict=True))
+            step_controls = _step_controls(control, len(timesteps), encoded, branches[0], self.device)
         elif start is None:
             latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
             timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)

@@ -45,11 +45,14 @@ PRODUCER = {"name": "qwen-image-fusion", "version": "0.1.0"}
 def default_calibration(spec: CheckpointSpec) -> list[Request]:
     """The built-in calibration set of a checkpoint: the text prompts above, or for a model that edits,
     the built-in edit sets' image + instruction pairs it can take (pipelines/edit_sets); a ControlNet
-    checkpoint adds the `control` set, so its ControlNet sees control maps."""
+    checkpoint adds the `control` set (an inpainting one `control-inpaint`), so its ControlNet sees control
+    maps."""
     if spec.images_required:
         return edit_requests_for(spec.max_images)
     prompts = as_requests(DEFAULT_CALIBRATION_PROMPTS)
-    return prompts + builtin_edit_set("control") if spec.takes_control else prompts
+    if not spec.takes_control:
+        return prompts
+    return prompts + builtin_edit_set("control-inpaint" if spec.control_inpaints else "control")
 
 
 def calibrate(

@@ -7,9 +7,10 @@ skipped); a line may instead start from an image (img2img) and repaint only a ma
 (inpainting): `{"prompt": "a red fox", "init_image": "photo.png", "mask": "mask.png", "strength": 0.8}`
 (mask and strength optional); or be guided by control maps (a ControlNet checkpoint): `{"prompt": "a
 house", "control": ["edges.png"], "control_scale": 0.8}`, with `"control_mode": "canny"` to make the map
-from a photo. The built-in sets (`edit`: one image each; `edit-plus`: two or three; `img2img` and
-`inpaint`: start images and masks; `control`: the scenes' canny edges) sit in `pipelines/edit_sets/` with
-images the project draws itself (`python -m eval.draw_edit_sets`).
+from a photo, and `"control_mask": "mask.png"` for an inpainting ControlNet. The built-in sets (`edit`: one
+image each; `edit-plus`: two or three; `img2img` and `inpaint`: start images and masks; `control`: the
+scenes' canny edges; `control-inpaint`: `inpaint`'s images and masks for an inpainting ControlNet) sit in
+`pipelines/edit_sets/` with images the project draws itself (`python -m eval.draw_edit_sets`).
 """
 
 import json
@@ -24,7 +25,7 @@ from pipelines.prompts import read_prompt_file
 
 EDIT_SET_SUFFIX = ".jsonl"
 EDIT_SETS_DIR = Path(__file__).parent / "edit_sets"
-BUILTIN_EDIT_SETS = ("edit", "edit-plus", "img2img", "inpaint", "control")
+BUILTIN_EDIT_SETS = ("edit", "edit-plus", "img2img", "inpaint", "control", "control-inpaint")
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,13 @@ class Request:
     control: tuple[Path, ...] = ()
     control_mode: str | None = None
     control_scale: float | None = None
+    control_mask: Path | None = None
 
     @property
     def files(self) -> tuple[Path, ...]:
         """Every image file it reads."""
-        return tuple(p for p in (*self.images, self.init_image, self.mask, *self.control) if p is not None)
+        every = (*self.images, self.init_image, self.mask, *self.control, self.control_mask)
+        return tuple(p for p in every if p is not None)
 
     def generation_inputs(self) -> dict[str, object]:
         """Its images opened, as `Pipeline.generate`'s keyword arguments (with its strength and control)."""
@@ -61,6 +64,7 @@ class Request:
             "control_image": [open_input_image(path) for path in self.control] or None,
             "control_mode": self.control_mode,
             "controlnet_conditioning_scale": self.control_scale,
+            "control_mask": opened(self.control_mask),
         }
 
 
@@ -105,9 +109,11 @@ def _request(entry: dict, base: Path, where: str) -> Request:
         isinstance(control_scale, bool) or not isinstance(control_scale, int | float)
     ):
         raise InputError(f'{where}: "control_scale" must be a number')
-    names = {"init_image": start, "mask": entry.get("mask")}
+    names = {"init_image": start, "mask": entry.get("mask"), "control_mask": entry.get("control_mask")}
     if names["mask"] is not None and start is None:
         raise InputError(f'{where}: "mask" needs the "init_image" it masks')
+    if names["control_mask"] is not None and control is None:
+        raise InputError(f'{where}: "control_mask" needs the "control" image it masks')
     for key, name in names.items():
         if name is not None and not isinstance(name, str):
             raise InputError(f'{where}: "{key}" must be a file name')
@@ -130,6 +136,7 @@ def _request(entry: dict, base: Path, where: str) -> Request:
         control_paths,
         mode,
         control_scale,
+        start_paths["control_mask"],
     )
 
 

@@ -17,15 +17,19 @@ from models.embedded import DEFAULT_MODEL_DIR
 CONFIG_KEYS = ("attention_head_dim", "num_attention_heads", "joint_attention_dim", "axes_dims_rope")
 
 
-def build_controlnet_checkpoint(directory: Path, layers: int = 2, seed: int = 3) -> Path:
-    """A QwenImageControlNetPipeline checkpoint: the embedded default with a `layers`-block ControlNet."""
+def build_controlnet_checkpoint(
+    directory: Path, layers: int = 2, seed: int = 3, inpaint: bool = False
+) -> Path:
+    """A QwenImageControlNetPipeline checkpoint: the embedded default with a `layers`-block ControlNet
+    (`inpaint`: a QwenImageControlNetInpaintPipeline one, whose ControlNet also reads the packed mask)."""
     shutil.copytree(DEFAULT_MODEL_DIR, directory, ignore=shutil.ignore_patterns("training"))
     transformer = read_json(directory / "transformer" / "config.json")
-    net = QwenImageControlNetModel(num_layers=layers, **{k: transformer[k] for k in CONFIG_KEYS})
+    shape = {k: transformer[k] for k in CONFIG_KEYS}
+    net = QwenImageControlNetModel(num_layers=layers, extra_condition_channels=4 if inpaint else 0, **shape)
     fill_deterministic(net, seed)
     net.save_pretrained(directory / "controlnet")
     index = read_json(directory / "model_index.json")
-    index["_class_name"] = "QwenImageControlNetPipeline"
+    index["_class_name"] = "QwenImageControlNetInpaintPipeline" if inpaint else "QwenImageControlNetPipeline"
     index["controlnet"] = ["diffusers", "QwenImageControlNetModel"]
     (directory / "model_index.json").write_text(json.dumps(index, indent=2))
     return directory

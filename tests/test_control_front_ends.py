@@ -5,6 +5,7 @@ edges: each gives the Python API's bytes, and a misfit is one clear line."""
 
 import base64
 import io
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -55,8 +56,13 @@ def maps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The command in a process of one torch thread, as the in-process pipelines here run (CPU kernels may
+    sum in another order on more threads)."""
     command = [sys.executable, "-m", "ui.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO, env=env
+    )
 
 
 def test_cli_generates_with_two_control_maps_as_the_python_api_does(pipe, checkpoint, maps, tmp_path):
@@ -214,3 +220,46 @@ def test_page_generates_from_an_uploaded_control_map(demo, maps, tmp_path) -> No
         expect(image).to_be_visible()
         _screenshot(page, tmp_path / "ui_control.png")
         browser.close()
+
+
+def test_an_inpainting_controlnet_through_the_cli_and_http(tmp_path):
+    """`--control-mask` and the `control_mask` field reach an inpainting ControlNet: the Python API's bytes
+    (one torch thread, as the command runs)."""
+    checkpoint = build_controlnet_checkpoint(tmp_path / "inpaint", seed=8, inpaint=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pipe = load_pipeline(checkpoint, variant="reference", device="cpu", dtype="fp32")
+    image, mask = tmp_path / "photo.png", tmp_path / "mask.png"
+    PIL.Image.open(REPO / "pipelines/edit_sets/images/scene-00.png").resize((64, 48)).save(image)
+    PIL.Image.open(REPO / "pipelines/edit_sets/masks/mask-00.png").resize((64, 48)).save(mask)
+    expected = pipe.generate(
+        "a red star", control_image=PIL.Image.open(image), control_mask=PIL.Image.open(mask), **ARGS
+    )
+    out = tmp_path / "out.png"
+    result = run_cli(
+        "generate", "a red star", "-o", str(out), "--model", str(checkpoint), "--variant", "reference",
+        "--dtype", "fp32", "--width", "64", "--height", "48", "--steps", "3", "--seed", "6",
+        "--control-image", str(image), "--control-mask", str(mask),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert png_sha256(PIL.Image.open(out)) == png_sha256(expected[0])
+    runner = Runner(pipe, Limits.for_device("cpu"))
+    server = InThread(build_server(pipe, runner))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        extra = {
+            "seed": 6,
+            "num_inference_steps": 3,
+            "control_image": _b64(image),
+            "control_mask": _b64(mask),
+        }
+        response = client.images.generate(prompt="a red star", size="64x48", extra_body=extra)
+        got = PIL.Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
+        assert png_sha256(got) == png_sha256(expected[0])
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.images.generate(prompt="x", size="64x48", extra_body={"control_image": _b64(image)})
+        assert caught.value.body["param"] == "control_mask"
+    finally:
+        server.close()
+        runner.close()
+        torch.set_num_threads(threads)

@@ -1,7 +1,8 @@
-"""ControlNet (diffusers' QwenImageControlNetPipeline, the InstantX Union layout) on a checkpoint written by
-diffusers' own QwenImageControlNetModel: reference mode pixel-identical to diffusers with one and two control
-maps, several scales, guidance windows and true CFG on and off; FP8 (the ControlNet calibrated and written
-by `quantize` too) fused == unfused; and every refusal in one line before any weight is read."""
+"""ControlNet (diffusers' QwenImageControlNetPipeline, the InstantX Union layout, and
+QwenImageControlNetInpaintPipeline) on checkpoints written by diffusers' own QwenImageControlNetModel:
+reference mode pixel-identical to diffusers with one and two control maps (or an image and its mask),
+several scales, guidance windows and true CFG on and off; FP8 (the ControlNet calibrated and written by
+`quantize` too) fused == unfused; and every refusal in one line before any weight is read."""
 
 import copy
 import json
@@ -15,15 +16,18 @@ import pytest
 import torch
 from controlnet_fixtures import build_controlnet_checkpoint, depth_map, edge_map
 from diffusers import (
+    QwenImageControlNetInpaintPipeline,
     QwenImageControlNetModel,
     QwenImageControlNetPipeline,
     QwenImageMultiControlNetModel,
     QwenImageTransformer2DModel,
 )
 from helpers import REPO
+from test_img2img_oracle import ellipse_mask, photo
 
 from models.errors import CheckpointError, InputError
 from models.families import inspect_checkpoint
+from models.qwen_image.model import draw_noise
 from pipelines import load_pipeline
 from pipelines.control import control_map
 from pipelines.quantize import quantize_checkpoint
@@ -41,8 +45,8 @@ def ours(checkpoint):
     return load_pipeline(checkpoint, variant="reference", device="cpu", dtype="fp32")
 
 
-def diffusers_controlnet_pipeline(ours, checkpoint, multi: bool) -> QwenImageControlNetPipeline:
-    """diffusers' pipeline around our text encoder, tokenizer and VAE, its own transformer holding our
+def diffusers_controlnet_pipeline(ours, checkpoint, multi: bool, cls: type = QwenImageControlNetPipeline):
+    """diffusers' pipeline `cls` around our text encoder, tokenizer and VAE, its own transformer holding our
     transformer's weights and its own ControlNet read from the checkpoint's folder."""
     c = ours.components
     config = {k: v for k, v in c.transformer.config.to_dict().items() if not k.startswith("_")}
@@ -50,7 +54,7 @@ def diffusers_controlnet_pipeline(ours, checkpoint, multi: bool) -> QwenImageCon
     transformer.load_state_dict(c.transformer.state_dict(), strict=True)
     net = QwenImageControlNetModel.from_pretrained(checkpoint / "controlnet", torch_dtype=ours.dtype)
     net = net.to(ours.device).eval()
-    theirs = QwenImageControlNetPipeline(
+    theirs = cls(
         scheduler=copy.deepcopy(c.scheduler),
         vae=c.vae,
         text_encoder=c.text_encoder,
@@ -228,10 +232,133 @@ def mutated(checkpoint, tmp_path, change) -> object:
     [
         (lambda c: c | {"joint_attention_dim": 48}, "joint_attention_dim 48 differs"),
         (lambda c: c | {"num_attention_heads": 2}, "inner_dim 64 differs"),
-        (lambda c: c | {"extra_condition_channels": 4}, "inpainting ControlNet"),
+        (
+            lambda c: c | {"extra_condition_channels": 4},
+            "but a QwenImageControlNetPipeline ControlNet takes 0",
+        ),
         (lambda c: c | {"_class_name": "FluxControlNetModel"}, "not a QwenImageControlNetModel"),
     ],
 )
 def test_mismatched_controlnets_are_refused_before_weights(checkpoint, tmp_path, change, message):
     with pytest.raises(CheckpointError, match=message):
         load_pipeline(mutated(checkpoint, tmp_path, change), device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def inpaint_checkpoint(tmp_path_factory):
+    return build_controlnet_checkpoint(tmp_path_factory.mktemp("cni") / "inpaint-model", seed=8, inpaint=True)
+
+
+@pytest.fixture(scope="module")
+def inpainting(inpaint_checkpoint):
+    return load_pipeline(inpaint_checkpoint, variant="reference", device="cpu", dtype="fp32")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "negative", "scale", "end", "per_prompt"),
+    [
+        ("a red fox in the snow", "blurry", 0.9, 1.0, 1),
+        (["a cat", "一只熊猫在竹林里"], ["blurry", "low quality"], 1.2, 0.7, 1),
+        ("a boat", None, 0.6, 1.0, 2),
+    ],
+)
+def test_inpainting_controlnet_matches_diffusers_pixel_for_pixel(
+    inpainting, inpaint_checkpoint, prompt, negative, scale, end, per_prompt
+):
+    """diffusers samples the masked image's latents from torch's global RNG; ours continue the request's
+    generator after the noise (one seed, one image): the oracle hands diffusers that generator's state."""
+    width, height = 64, 48
+    kwargs = dict(
+        width=width,
+        height=height,
+        num_inference_steps=STEPS,
+        true_cfg_scale=1.0 if negative is None else 4.0,
+        control_image=photo(71, 53),
+        control_mask=ellipse_mask(71, 53),
+        controlnet_conditioning_scale=scale,
+        control_guidance_end=end,
+    )
+    got = inpainting.generate(
+        prompt, negative_prompt=negative, seed=7, num_images_per_prompt=per_prompt, **kwargs
+    )
+    rows = len(got)
+    theirs = diffusers_controlnet_pipeline(
+        inpainting, inpaint_checkpoint, False, QwenImageControlNetInpaintPipeline
+    )
+    generator = torch.Generator("cpu").manual_seed(7)
+    draw_noise(rows, 16, inpainting.model.canvas(width, height), generator, "cpu", torch.float32)
+    torch.set_rng_state(generator.get_state())  # after building diffusers' modules: their init draws from it
+    expected = theirs(
+        prompt=prompt,
+        negative_prompt=negative,
+        generator=torch.Generator("cpu").manual_seed(7),
+        num_images_per_prompt=per_prompt,
+        max_sequence_length=512,
+        **kwargs,
+    ).images
+    assert rows == len(expected) == (1 if isinstance(prompt, str) else len(prompt)) * per_prompt
+    for a, b in zip(got, expected, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_inpainting_controlnet_reads_the_mask(inpainting):
+    kwargs = dict(
+        width=64, height=48, num_inference_steps=2, seed=2, output_type="latent", control_image=photo(64, 48)
+    )
+    ellipse = inpainting.generate("a fox", control_mask=ellipse_mask(64, 48), **kwargs)
+    nothing = inpainting.generate("a fox", control_mask=PIL.Image.new("L", (64, 48)), **kwargs)
+    assert not torch.equal(ellipse, nothing)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (dict(control_image=photo(64, 48)), "control_mask is required"),
+        (dict(control_image=photo(64, 48), control_mask=ellipse_mask(32, 24)), "control_mask is 32x24"),
+        (
+            dict(control_image=[photo(64, 48)] * 2, control_mask=ellipse_mask(64, 48)),
+            "takes one image, not 2",
+        ),
+        (dict(control_mask=ellipse_mask(64, 48)), "control_mask needs the control image"),
+    ],
+)
+def test_bad_inpainting_control_is_refused_in_one_line(inpainting, values, message):
+    with pytest.raises(InputError, match=message):
+        inpainting.request("a cat", width=64, height=48, **values)
+
+
+def test_a_mask_for_a_controlnet_that_does_not_inpaint_is_refused(ours):
+    with pytest.raises(InputError, match="control_mask needs an inpainting ControlNet"):
+        ours.request(
+            "a cat", width=64, height=48, control_image=edge_map(64, 48), control_mask=ellipse_mask(64, 48)
+        )
+
+
+def test_inpainting_fp8_quantize_and_fused_equals_unfused(inpaint_checkpoint, tmp_path):
+    """The default calibration of an inpainting ControlNet is the built-in `control-inpaint` set."""
+    fp8 = quantize_checkpoint(inpaint_checkpoint, tmp_path / "fp8", steps=2, size=64, device="cpu")
+    config = json.loads((fp8 / "controlnet" / "config.json").read_text())
+    assert config["extra_condition_channels"] == 4 and config["quantization_config"]["quant_algo"] == "FP8"
+    assert (
+        json.loads((fp8 / "model_index.json").read_text())["_class_name"]
+        == "QwenImageControlNetInpaintPipeline"
+    )
+    pipe = load_pipeline(fp8, variant="fp8-fused", device="cpu", dtype="bf16")
+    kwargs = dict(width=64, height=48, num_inference_steps=3, true_cfg_scale=4.0, negative_prompt="blurry",
+                  seed=3, control_image=photo(64, 48), control_mask=ellipse_mask(64, 48),
+                  output_type="latent")  # fmt: skip
+    fused = pipe.generate("a house", **kwargs)
+    pipe.set_variant("fp8-unfused")
+    assert torch.equal(fused, pipe.generate("a house", **kwargs))
+
+
+def test_a_pipeline_class_and_controlnet_of_other_kinds_are_refused(checkpoint, tmp_path):
+    """An inpainting pipeline class over a ControlNet that does not read a mask: refused before weights."""
+    wrong = tmp_path / "wrong"
+    shutil.copytree(checkpoint, wrong)
+    index = json.loads((wrong / "model_index.json").read_text())
+    (wrong / "model_index.json").write_text(
+        json.dumps(index | {"_class_name": "QwenImageControlNetInpaintPipeline"})
+    )
+    with pytest.raises(CheckpointError, match="a QwenImageControlNetInpaintPipeline ControlNet takes 4"):
+        inspect_checkpoint(wrong)

@@ -91,7 +91,7 @@ def test_sets_the_model_cannot_run_are_refused_before_workers_start(checkpoints,
             None,
             "nonsense",
         ): "prompt file not found: nonsense (built-in sets: diverse, smoke, edit, edit-plus, img2img, "
-        "inpaint, control)",
+        "inpaint, control, control-inpaint)",
     }
     for (model, prompts), message in cases.items():
         args = ["--prompts", prompts, "--a", "reference", "--b", "reference"]

@@ -72,9 +72,10 @@ def test_start_sets_rework_and_inpaint_the_edit_images() -> None:
     check_requests(img2img + inpaint, 0, False, "qwen-image", starts=True)
 
 
-def test_control_set_guides_by_the_edit_images_edges() -> None:
+def test_control_sets_guide_by_the_edit_images() -> None:
     """`control` reads each edit image as a photo whose canny edges guide a ControlNet, with img2img's
-    captions; only a model with a ControlNet takes it."""
+    captions (only a model with a ControlNet takes it); `control-inpaint` gives an inpainting ControlNet
+    `inpaint`'s images, masks and prompts."""
     edit, img2img, control = (builtin_edit_set(name) for name in ("edit", "img2img", "control"))
     assert [r.control for r in control] == [r.images for r in edit]
     assert [r.prompt for r in control] == [r.prompt for r in img2img]
@@ -82,6 +83,11 @@ def test_control_set_guides_by_the_edit_images_edges() -> None:
     check_requests(control, 0, False, "qwen-image-controlnet", starts=True, controls=True)
     with pytest.raises(InputError, match=r"request 1 .*: qwen-image holds no ControlNet"):
         check_requests(control, 0, False, "qwen-image", starts=True)
+    repaint = builtin_edit_set("control-inpaint")
+    inpaint = builtin_edit_set("inpaint")
+    assert [(r.control[0], r.control_mask, r.prompt) for r in repaint] == [
+        (r.init_image, r.mask, r.prompt) for r in inpaint
+    ]
 
 
 @pytest.mark.parametrize(

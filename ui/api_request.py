@@ -41,6 +41,7 @@ CONTROL_FIELDS = (
     "control_mode",
     "control_guidance_start",
     "control_guidance_end",
+    "control_mask",
 )
 BASE_FIELDS = (
     "prompt",
@@ -179,6 +180,7 @@ def _job_of(
         mask_image=None if start is None else start[1],
         strength=number("strength", whole=False),
         control_image=_control_images(values.get("control_image")),
+        control_mask=_one_image(values.get("control_mask"), "control_mask"),
         controlnet_conditioning_scale=values.get("controlnet_conditioning_scale"),
         control_mode=values.get("control_mode"),
         control_guidance_start=_or(number("control_guidance_start", whole=False), 0.0),
@@ -218,16 +220,26 @@ def _control_images(value: Any) -> list[PIL.Image.Image] | None:
     items = value if isinstance(value, list) else [value]
     if not items or not all(isinstance(item, str) for item in items):
         raise FieldError("control_image", "control_image must be a base64 image or a list of them")
-    images = []
-    for i, item in enumerate(items, 1):
-        try:
-            data = base64.b64decode(
-                item.split(",", 1)[1] if item.startswith("data:") else item, validate=True
-            )
-        except (binascii.Error, IndexError):
-            raise FieldError("control_image", f"control image {i} is not base64") from None
-        images.append(read_image(data, f"control image {i}", "control_image"))
-    return images
+    return [_base64_image(item, f"control image {i}", "control_image") for i, item in enumerate(items, 1)]
+
+
+def _one_image(value: Any, param: str) -> PIL.Image.Image | None:
+    """An extension field holding one base64 image (None when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise FieldError(param, f"{param} must be a base64 image")
+    return _base64_image(value, param, param)
+
+
+def _base64_image(text: str, name: str, param: str) -> PIL.Image.Image:
+    """A base64 image (a `data:` URL too) decoded and read; FieldError or ApiError naming `param`."""
+    try:
+        encoded = text.split(",", 1)[1] if text.startswith("data:") else text
+        data = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, IndexError):
+        raise FieldError(param, f"{name} is not base64") from None
+    return read_image(data, name, param)
 
 
 def _size(value: Any) -> tuple[int | None, int | None]:

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="conditioning scale of each --control-image, in order (one value: every image; default 1.0)",
     )
     gen.add_argument(
+        "--control-mask",
+        metavar="FILE",
+        help="an inpainting ControlNet checkpoint (QwenImageControlNetInpaintPipeline): repaint the white "
+        "part of the one --control-image (the image's size)",
+    )
+    gen.add_argument(
         "--control-mode",
         choices=CONTROL_MODES,
         help="make each control map here from a photo (canny: its edges) instead of giving the map",

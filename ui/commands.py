@@ -123,12 +123,14 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
     controls = [
         open_input_image(path, MAX_INPUT_BYTES) for path in getattr(args, "control_image", None) or ()
     ]
+    control_mask = getattr(args, "control_mask", None)
     values |= {
         "control_image": controls or None,
         "controlnet_conditioning_scale": getattr(args, "control_scale", None),
         "control_mode": getattr(args, "control_mode", None),
         "control_guidance_start": getattr(args, "control_start", 0.0),
         "control_guidance_end": getattr(args, "control_end", 1.0),
+        "control_mask": None if control_mask is None else open_input_image(control_mask, MAX_INPUT_BYTES),
     }
     return values | {"strength": getattr(args, "strength", None)}
 

@@ -63,6 +63,7 @@ DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {
     "control_image": "image_1",
     "control_mode": "role",
     "controlnet_conditioning_scale": "control_scale",
+    "control_mask": "mask",
 }
 
 
@@ -206,12 +207,14 @@ def job_from_edit_inputs(
         roles = ", ".join(IMAGE_ROLES) if getattr(pipe.spec, "takes_control", False) else "start"
         raise FieldError("role", f"role {role!r} must be one of: {roles}")
     if role != "start":
-        if mask is not None:
+        inpaints = getattr(pipe.spec, "control_inpaints", False)
+        if mask is not None and not inpaints:
             raise FieldError("mask", "a mask applies to a start image, not to a control map")
         control = {
             "control_image": images[0],
             "control_mode": IMAGE_ROLES[role],
             "controlnet_conditioning_scale": number_field("control_scale", values.get("control_scale", 1.0)),
+            "control_mask": None if mask is None else _uploaded_image("mask", mask, uploaded),
         }
         return job_from_inputs(session, form, pipe, {**(extra or {}), **control})
     start = {

@@ -20,7 +20,6 @@ from models.loading import (
 )
 from models.qwen_image.config import (
     CONTROLNET_CLASS,
-    CONTROLNET_PIPELINE_CLASS,
     PIPELINE_CLASS,
     ControlNetConfig,
     QwenImageConfig,
@@ -79,7 +78,9 @@ class Components:
     def model_index(self) -> dict[str, Any]:
         """model_index.json's pipeline class and component entries, as diffusers writes them."""
         index = {
-            "_class_name": PIPELINE_CLASS if self.controlnet is None else CONTROLNET_PIPELINE_CLASS,
+            "_class_name": PIPELINE_CLASS
+            if self.controlnet is None
+            else self.controlnet.config.pipeline_class,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
             "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
             "tokenizer": ["transformers", type(self.tokenizer).__name__],

@@ -10,6 +10,7 @@ from models.errors import CheckpointError
 
 PIPELINE_CLASS = "QwenImagePipeline"  # model_index.json `_class_name` of a text-to-image checkpoint
 CONTROLNET_PIPELINE_CLASS = "QwenImageControlNetPipeline"  # the same with a `controlnet/` folder
+CONTROLNET_INPAINT_PIPELINE_CLASS = "QwenImageControlNetInpaintPipeline"  # ... an inpainting ControlNet
 DEFAULT_VAE_DOWNSAMPLE = (False, True, True)  # AutoencoderKLQwenImage's default temperal_downsample
 DEFAULT_VAE_Z_DIM = 16
 
@@ -175,6 +176,16 @@ class ControlNetConfig:
             raise CheckpointError(f"controlnet extra_condition_channels {extra!r} must be an integer >= 0")
         blocks = QwenImageConfig.from_dict({k: raw[k] for k in CONTROLNET_KEYS if k in raw})
         return cls(blocks, extra)
+
+    @property
+    def inpaints(self) -> bool:
+        """An inpainting ControlNet: its input also carries the mask (packed 2x2, one channel per cell)."""
+        return self.extra_condition_channels > 0
+
+    @property
+    def pipeline_class(self) -> str:
+        """The diffusers pipeline of a checkpoint holding this ControlNet."""
+        return CONTROLNET_INPAINT_PIPELINE_CLASS if self.inpaints else CONTROLNET_PIPELINE_CLASS
 
     def to_dict(self) -> dict[str, Any]:
         """diffusers-compatible config.json content."""

@@ -1,5 +1,7 @@
-"""Qwen-Image with a ControlNet (`QwenImageControlNetPipeline`: the InstantX Union ControlNet): a Qwen-Image
-checkpoint plus a `controlnet/` folder, checked against the transformer it guides before any weight."""
+"""Qwen-Image with a ControlNet: `QwenImageControlNetPipeline` (the InstantX Union ControlNet) or
+`QwenImageControlNetInpaintPipeline` (the inpainting ControlNet, whose input also carries a mask): a
+Qwen-Image checkpoint plus a `controlnet/` folder, checked against the transformer it guides before any
+weight."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -7,16 +9,22 @@ from pathlib import Path
 from models.checkpoint import is_fp8_transformer, read_json
 from models.errors import CheckpointError
 from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
-from models.qwen_image.config import CONTROLNET_PIPELINE_CLASS, ControlNetConfig, QwenImageConfig
+from models.qwen_image.config import (
+    CONTROLNET_INPAINT_PIPELINE_CLASS,
+    CONTROLNET_PIPELINE_CLASS,
+    ControlNetConfig,
+    QwenImageConfig,
+)
 from models.qwen_image.family import QwenImageFamily
 
 MATCHING = ("inner_dim", "attention_head_dim", "axes_dims_rope", "joint_attention_dim", "in_channels")
 
 
-def check_controlnet(directory: Path, transformer: QwenImageConfig) -> ControlNetConfig:
+def check_controlnet(directory: Path, transformer: QwenImageConfig, pipeline_class: str) -> ControlNetConfig:
     """The `controlnet/` config of a checkpoint, refused in one line when its residuals or inputs could
-    not meet the transformer's (widths, RoPE axes, text width, latent channels), when it is an inpainting
-    ControlNet (extra condition channels: not built), or when its FP8 state differs from the transformer's."""
+    not meet the transformer's (widths, RoPE axes, text width, latent channels), when it is not the kind the
+    pipeline class names (an inpainting ControlNet takes the mask's packed channels besides the latents), or
+    when its FP8 state differs from the transformer's."""
     where = directory / "controlnet" / "config.json"
     try:
         config = ControlNetConfig.from_dict(read_json(where))
@@ -26,10 +34,13 @@ def check_controlnet(directory: Path, transformer: QwenImageConfig) -> ControlNe
         theirs, ours = getattr(config.blocks, name), getattr(transformer, name)
         if theirs != ours:
             raise CheckpointError(f"{where}: {name} {theirs} differs from the transformer's {ours}")
-    if config.extra_condition_channels:
+    mask_channels = transformer.patch_size**2  # the mask, one channel, packed as the latents are
+    wanted = mask_channels if pipeline_class == CONTROLNET_INPAINT_PIPELINE_CLASS else 0
+    if config.extra_condition_channels != wanted:
+        why = " (the mask's packed channels)" if wanted else ""
         raise CheckpointError(
-            f"{where}: extra_condition_channels {config.extra_condition_channels} is an inpainting "
-            "ControlNet, which is not built yet (the Union ControlNet has none)"
+            f"{where}: extra_condition_channels is {config.extra_condition_channels}, but a {pipeline_class} "
+            f"ControlNet takes {wanted}{why}"
         )
     if is_fp8_transformer(directory / "controlnet") != is_fp8_transformer(directory / "transformer"):
         raise CheckpointError(
@@ -41,17 +52,19 @@ def check_controlnet(directory: Path, transformer: QwenImageConfig) -> ControlNe
 
 class QwenImageControlNetFamily(QwenImageFamily):
     name = "qwen-image-controlnet"
-    pipeline_classes = (CONTROLNET_PIPELINE_CLASS,)
+    pipeline_classes = (CONTROLNET_PIPELINE_CLASS, CONTROLNET_INPAINT_PIPELINE_CLASS)
     component_dirs = (*QwenImageFamily.component_dirs, "controlnet")
 
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:
         spec = super().inspect(directory, name)
         transformer = QwenImageConfig.from_dict(read_json(directory / "transformer" / "config.json"))
-        check_controlnet(directory, transformer)
-        return replace(spec, takes_control=True)
+        pipeline_class = read_json(directory / "model_index.json")["_class_name"]
+        config = check_controlnet(directory, transformer, pipeline_class)
+        return replace(spec, takes_control=True, control_inpaints=config.inpaints)
 
     def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
-        return replace(super().spec_for(model, name, defaults), takes_control=True)
+        inpaints = model.components.controlnet.config.inpaints
+        return replace(super().spec_for(model, name, defaults), takes_control=True, control_inpaints=inpaints)
 
     def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
         """None: memory plans do not place a ControlNet's blocks yet (everything loads onto the device)."""

@@ -87,12 +87,14 @@ def draw_noise(
     return pack_latents(noise[:, 0])
 
 
-def latent_statistics(vae: torch.nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE config's latent mean and 1 / std as [1, C, 1, 1, 1] on `like`'s device and dtype (diffusers'
-    ops: the reciprocal taken in that dtype)."""
+def latent_statistics(
+    vae: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE config's latent mean and 1 / std as [1, C, 1, 1, 1] on `device` in `dtype` (diffusers' ops:
+    the reciprocal taken in that dtype)."""
     shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
-    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(device, dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(device, dtype)
     return mean, inv_std
 
 
@@ -160,7 +162,7 @@ class QwenImageModel(FamilyModel):
         vae, channels = self.components.vae, self.components.latent_channels
         pixels = self._pixels(image, canvas).to(torch.float32).unsqueeze(2).to(self.device, self.dtype)
         sampled = retrieve_latents(vae.encode(pixels.to(vae.dtype)), generator=generator)
-        mean, inv_std = latent_statistics(vae, sampled)
+        mean, inv_std = latent_statistics(vae, sampled.device, sampled.dtype)
         latents = ((sampled - mean) * inv_std).to(self.dtype)
         latents = pack_latents(torch.cat([latents[:, :, 0]] * batch))
         noise = draw_noise(batch, channels, canvas, generator, self.device, self.dtype)
@@ -173,23 +175,54 @@ class QwenImageModel(FamilyModel):
         return ImageStart(latents, noise, pack_latents(grid.repeat(batch, channels, 1, 1)))
 
     def control_start(
-        self, images: list[PIL.Image.Image], canvas: LatentCanvas, batch: int, seed: int
+        self,
+        images: list[PIL.Image.Image],
+        mask: PIL.Image.Image | None,
+        canvas: LatentCanvas,
+        batch: int,
+        seed: int,
     ) -> ControlStart:
         """Each control image resized to the canvas, repeated for the batch and VAE-encoded (each row's latent
         distribution sampled in turn), normalized in FP32, then the noise: one generator, the order and ops of
-        `QwenImageControlNetPipeline`."""
+        `QwenImageControlNetPipeline`. With a `mask` (the inpainting ControlNet) the noise comes first and the
+        masked image's latents continue the generator (DESIGN §15)."""
         generator = torch.Generator("cpu").manual_seed(seed)
-        vae = self.components.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(self.device)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(self.device)
+        vae, channels = self.components.vae, self.components.latent_channels
+        mean, inv_std = latent_statistics(vae, self.device, torch.float32)
+        if mask is not None:
+            noise = draw_noise(batch, channels, canvas, generator, self.device, self.dtype)
+            return ControlStart((self._masked_control(images[0], mask, canvas, batch, generator),), noise)
         latents = []
         for image in images:
             pixels = self._pixels(image, canvas).repeat_interleave(batch, dim=0).to(self.device, vae.dtype)
             sampled = retrieve_latents(vae.encode(pixels.unsqueeze(2)), generator=generator)
             latents.append(pack_latents(((sampled - mean) * inv_std)[:, :, 0]).to(self.dtype))
-        noise = draw_noise(batch, self.components.latent_channels, canvas, generator, self.device, self.dtype)
+        noise = draw_noise(batch, channels, canvas, generator, self.device, self.dtype)
         return ControlStart(tuple(latents), noise)
+
+    def _masked_control(
+        self,
+        image: PIL.Image.Image,
+        mask: PIL.Image.Image,
+        canvas: LatentCanvas,
+        batch: int,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """The inpainting ControlNet's input (`QwenImageControlNetInpaintPipeline.prepare_image_with_mask`):
+        the image with the mask's white part set to -1, VAE-encoded and normalized, beside 1 - the mask
+        resized to the latent grid, packed together [B, tokens, 4 (C + 1)]."""
+        vae = self.components.vae
+        height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
+        pixels = self._pixels(image, canvas).repeat_interleave(batch, dim=0).to(self.device, vae.dtype)
+        grid = self.mask_processor.preprocess(mask, height=height, width=width)
+        grid = grid.repeat_interleave(batch, dim=0).to(self.device, vae.dtype).unsqueeze(2)
+        masked = pixels.unsqueeze(2).clone()
+        masked[(grid > 0.5).repeat(1, 3, 1, 1, 1)] = -1
+        sampled = retrieve_latents(vae.encode(masked), generator=generator)
+        mean, inv_std = latent_statistics(vae, self.device, torch.float32)
+        latents = ((sampled - mean) * inv_std).to(vae.dtype)
+        kept = 1 - F.interpolate(grid, size=latents.shape[-3:])
+        return pack_latents(torch.cat([latents, kept], dim=1)[:, :, 0]).to(self.dtype)
 
     def _pixels(self, image: PIL.Image.Image, canvas: LatentCanvas) -> torch.Tensor:
         """`image` as RGB at the canvas's pixel size, in [-1, 1] [1, 3, H, W] (diffusers' preprocessing)."""
@@ -245,7 +278,7 @@ class QwenImageModel(FamilyModel):
         """VAE-decode packed latents to PIL images (the VAE config's latent statistics)."""
         vae = self.components.vae
         z = unpack_latents(latents, canvas.height, canvas.width).to(vae.dtype)
-        mean, inv_std = latent_statistics(vae, z)
+        mean, inv_std = latent_statistics(vae, z.device, z.dtype)
         z = z / inv_std + mean
         pixels = vae.decode(z, return_dict=False)[0][:, :, 0]
         return self.image_processor.postprocess(pixels, output_type="pil")

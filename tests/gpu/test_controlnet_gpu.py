@@ -1,6 +1,6 @@
 """GPU (H200) checks of the ControlNet: fused and unfused FP8 give identical PNGs (the ControlNet calibrated
-and fused too), CUDA-graph replays equal eager runs, and reference mode (FP32 on CUDA) equals diffusers'
-QwenImageControlNetPipeline with one and two control maps."""
+and fused too; the inpainting ControlNet as well), CUDA-graph replays equal eager runs, and reference mode
+(FP32 on CUDA) equals diffusers' QwenImageControlNetPipeline with one and two control maps."""
 
 import numpy as np
 import pytest
@@ -8,6 +8,7 @@ import torch
 from controlnet_fixtures import build_controlnet_checkpoint, depth_map, edge_map
 from helpers import png_sha256
 from test_controlnet import diffusers_controlnet_pipeline
+from test_img2img_oracle import ellipse_mask, photo
 
 from pipelines import load_pipeline
 from pipelines.quantize import quantize_checkpoint
@@ -73,3 +74,17 @@ def test_reference_mode_matches_diffusers_on_cuda(checkpoint, maps):
     ).images
     for a, b in zip(got, expected, strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_inpainting_controlnet_fused_equals_unfused_and_graphs_equal_eager(tmp_path):
+    checkpoint = build_controlnet_checkpoint(tmp_path / "inpaint", seed=8, inpaint=True)
+    fp8 = quantize_checkpoint(checkpoint, tmp_path / "fp8", steps=4, size=128, device="cuda")
+    pipe = load_pipeline(fp8, device="cuda")
+    control = dict(control_image=photo(301, 207), control_mask=ellipse_mask(301, 207))
+    runs = {}
+    for variant in ("fp8-fused", "fp8-unfused"):
+        pipe.set_variant(variant)
+        for graphs in (True, False):
+            pipe.cuda_graphs = graphs
+            runs[variant, graphs] = [png_sha256(im) for im in pipe.generate(PROMPTS, **ARGS, **control)]
+    assert len({str(r) for r in runs.values()}) == 1, runs
