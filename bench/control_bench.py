@@ -12,6 +12,9 @@ In one run:
 
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-controlnet-random-fp8 --controlnet 5
     python bench/control_bench.py --model /tmp/qwen-image-controlnet-random-fp8 --out control_bench.json
+
+On an inpainting ControlNet checkpoint (`--controlnet 5 --inpaint`) each request with control gives the
+scene and the mask of an off-centre ellipse instead (`QwenImageControlNetInpaintPipeline`; one image).
 """
 
 import argparse
@@ -42,8 +45,14 @@ def control_maps(size: int) -> tuple[Image.Image, Image.Image]:
     return edges, Image.fromarray(depth).convert("RGB")
 
 
-def exactness(pipe, maps: list[Image.Image], size: int) -> dict[str, bool]:
-    """fused == unfused and graphs == eager on the final latents of a short two-map run."""
+def ellipse(size: int) -> Image.Image:
+    """The mask of an off-centre ellipse (white: repainted)."""
+    y, x = np.mgrid[0:size, 0:size] / size
+    return Image.fromarray((255 * (((x - 0.4) / 0.3) ** 2 + ((y - 0.55) / 0.35) ** 2 < 1)).astype(np.uint8))
+
+
+def exactness(pipe, control: dict, size: int) -> dict[str, bool]:
+    """fused == unfused and graphs == eager on the final latents of a short run with `control`."""
     args = dict(
         width=size,
         height=size,
@@ -51,9 +60,8 @@ def exactness(pipe, maps: list[Image.Image], size: int) -> dict[str, bool]:
         negative_prompt=" ",
         true_cfg_scale=4.0,
         seed=5,
-        control_image=maps,
-        controlnet_conditioning_scale=[0.8, 0.5],
         output_type="latent",
+        **control,
     )
     runs = {}
     for variant in ("fp8-fused", "fp8-unfused"):
@@ -109,14 +117,18 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result: dict = {"model": args.model, "device": device, "size": args.size, "variant": pipe.variant}
     result["fusion"] = pipe.fusion_summary().splitlines()
-    result["exact"] = exactness(pipe, [edges, depth], args.size)
-    print(f"exactness at {args.size}x{args.size}: {result['exact']}", flush=True)
-    common = dict(width=args.size, height=args.size, negative_prompt=" ", true_cfg_scale=4.0)
+    inpaints = pipe.spec.control_inpaints
     kinds = {
         "text_to_image": {},
         "one_map": dict(control_image=edges, controlnet_conditioning_scale=0.8),
         "two_maps": dict(control_image=[edges, depth], controlnet_conditioning_scale=[0.8, 0.5]),
     }
+    if inpaints:
+        scene = Image.fromarray(np.asarray(depth)[..., ::-1].copy())  # any RGB image to repaint a part of
+        kinds = {"text_to_image": {}, "inpaint": dict(control_image=scene, control_mask=ellipse(args.size))}
+    result["exact"] = exactness(pipe, kinds["inpaint" if inpaints else "two_maps"], args.size)
+    print(f"exactness at {args.size}x{args.size}: {result['exact']}", flush=True)
+    common = dict(width=args.size, height=args.size, negative_prompt=" ", true_cfg_scale=4.0)
     result["per_image"] = {
         kind: per_image(pipe, args.runs, num_inference_steps=args.full_steps, **common, **extra)
         for kind, extra in kinds.items()
@@ -124,12 +136,17 @@ def main() -> None:
     for kind, row in result["per_image"].items():
         peak = row["peak_allocated_gib"]
         print(f"{kind}: {row['seconds']:.2f} s ({row['steps_run']} steps), peak {peak:.1f} GiB", flush=True)
-    one = kinds["one_map"]
+    one = kinds["inpaint" if inpaints else "one_map"]
     mine = ours_per_step(pipe, args.steps, **common, **one)
-    from diffusers import QwenImageControlNetModel, QwenImageControlNetPipeline
+    from diffusers import (
+        QwenImageControlNetInpaintPipeline,
+        QwenImageControlNetModel,
+        QwenImageControlNetPipeline,
+    )
 
     c = pipe.components
-    theirs = QwenImageControlNetPipeline(
+    cls = QwenImageControlNetInpaintPipeline if inpaints else QwenImageControlNetPipeline
+    theirs = cls(
         scheduler=copy.deepcopy(c.scheduler),
         vae=c.vae,
         text_encoder=c.text_encoder,
@@ -148,7 +165,7 @@ def main() -> None:
         "diffusers_gaps": other,
     }
     print(
-        f"one map, ms/step with CFG: ours {ours_ms:.1f}, diffusers {their_ms:.1f} "
+        f"{'inpaint' if inpaints else 'one map'}, ms/step with CFG: ours {ours_ms:.1f}, diffusers {their_ms:.1f} "
         f"({their_ms / ours_ms:.2f}x)",
         flush=True,
     )

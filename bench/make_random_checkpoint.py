@@ -9,8 +9,8 @@ Qwen2.5-VL-7B's full-size vision tower (it sees the input images), the Qwen2-VL 
 two of the built-in image + instruction pairs. `--qi21` writes a Qwen-Image 2.1 one (`QwenImage21Pipeline`:
 the 32-layer 7B DiT unless `--layers`, Qwen3-VL-8B with its vision tower, the 16x VAE, the Qwen3-VL
 processor), calibrated on one prompt with the family's recipe. `--controlnet N` adds an N-block ControlNet
-(`QwenImageControlNetPipeline`; InstantX's Union has 5), calibrated on a prompt and an edge-map
-request.
+(`QwenImageControlNetPipeline`; InstantX's Union has 5; with `--inpaint` an inpainting one), calibrated on a
+prompt and an edge-map request.
 
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60] [--edit]
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-21-random-fp8 --qi21
@@ -61,11 +61,15 @@ from pipelines.requests import Request, edit_requests_for
 
 
 def full_size_components(
-    layers: int, device: torch.device, edit: bool = False, controlnet_layers: int = 0
+    layers: int,
+    device: torch.device,
+    edit: bool = False,
+    controlnet_layers: int = 0,
+    controlnet_inpaints: bool = False,
 ) -> Components:
     """Random-weight components at the public checkpoint's sizes, built on `device` in bf16 (`edit`: an
     Edit-2511 DiT with `zero_cond_t` and the full vision tower; `controlnet_layers`: a ControlNet of that
-    many blocks)."""
+    many blocks, `controlnet_inpaints`: an inpainting one)."""
     torch.manual_seed(0)
     config = qwen25_vl_7b_config(vision=edit)
     torch.set_default_dtype(torch.bfloat16)
@@ -76,7 +80,8 @@ def full_size_components(
         vae = AutoencoderKLQwenImage().eval().requires_grad_(False)
         controlnet = None
         if controlnet_layers:
-            shape = ControlNetConfig(QwenImageConfig(num_layers=controlnet_layers))
+            mask_channels = 4 if controlnet_inpaints else 0  # the mask packed 2x2
+            shape = ControlNetConfig(QwenImageConfig(num_layers=controlnet_layers), mask_channels)
             controlnet = QwenImageControlNet(shape).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     transformer.post_load_weights()
@@ -86,13 +91,19 @@ def full_size_components(
     return Components(*parts, controlnet=controlnet)
 
 
-def control_request(work: Path) -> Request:
-    """A calibration request guided by a 512x512 edge map (a square's outline) written into `work`."""
+def control_request(work: Path, inpaint: bool) -> Request:
+    """A calibration request guided by a 512x512 edge map (a square's outline) written into `work`; with
+    `inpaint`, the map and the mask of its middle."""
     edges = np.zeros((512, 512), np.uint8)
     edges[128:384, [128, 383]] = edges[[128, 383], 128:384] = 255
-    path = work / "edges.png"
+    path, mask = work / "edges.png", work / "mask.png"
     Image.fromarray(edges).convert("RGB").save(path)
-    return Request("a house by a lake", control=(path,))
+    if not inpaint:
+        return Request("a house by a lake", control=(path,))
+    middle = np.zeros((512, 512), np.uint8)
+    middle[160:352, 160:352] = 255
+    Image.fromarray(middle).save(mask)
+    return Request("a house by a lake", control=(path,), control_mask=mask)
 
 
 def qi21_model(layers: int, device: torch.device) -> QwenImage21Model:
@@ -138,6 +149,7 @@ def main() -> None:
     )
     parser.add_argument("--qi21", action="store_true", help="a Qwen-Image 2.1 checkpoint (32 layers)")
     parser.add_argument("--controlnet", type=int, default=0, metavar="N", help="add an N-block ControlNet")
+    parser.add_argument("--inpaint", action="store_true", help="with --controlnet: an inpainting ControlNet")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
@@ -146,7 +158,7 @@ def main() -> None:
         family, prompts = FAMILY21, ["a red fox in the snow"]
     else:
         layers = args.layers or QwenImageConfig().num_layers
-        components = full_size_components(layers, device, args.edit, args.controlnet)
+        components = full_size_components(layers, device, args.edit, args.controlnet, args.inpaint)
     print(f"built full-size random components in {time.time() - start:.0f} s", flush=True)
     if args.edit:
         model = edit_model(components, device, Path(tempfile.mkdtemp(prefix="processor_")))
@@ -158,7 +170,7 @@ def main() -> None:
         if args.controlnet:
             family, prompts = (
                 CONTROLNET_FAMILY,
-                ["a red fox in the snow", control_request(Path(tempfile.mkdtemp()))],
+                ["a red fox in the snow", control_request(Path(tempfile.mkdtemp()), args.inpaint)],
             )
     if args.bf16:
         model.save(args.out, (), GenerationDefaults())
