@@ -164,9 +164,9 @@ def main() -> None:
         "ours_gaps": mine,
         "diffusers_gaps": other,
     }
+    kind = "inpaint" if inpaints else "one map"
     print(
-        f"{'inpaint' if inpaints else 'one map'}, ms/step with CFG: ours {ours_ms:.1f}, diffusers {their_ms:.1f} "
-        f"({their_ms / ours_ms:.2f}x)",
+        f"{kind}, ms/step with CFG: ours {ours_ms:.1f}, diffusers {their_ms:.1f} ({their_ms / ours_ms:.2f}x)",
         flush=True,
     )
     result["total_s"] = time.perf_counter() - start
