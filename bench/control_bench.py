@@ -22,14 +22,13 @@ import copy
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from edit_bench import diffusers_copy, diffusers_transformer, step_gaps
+from edit_bench import diffusers_copy, diffusers_transformer
 from PIL import Image
-from start_bench import PROMPT, ours_per_step, per_image
+from start_bench import PROMPT, diffusers_per_step, ours_per_step, per_image
 
 from pipelines import load_pipeline
 
@@ -77,29 +76,6 @@ def exactness(pipe, control: dict, size: int) -> dict[str, bool]:
         "graphs_equal_eager": torch.equal(reference, runs["fp8-fused", False])
         and torch.equal(runs["fp8-unfused", True], runs["fp8-unfused", False]),
     }
-
-
-def diffusers_per_step(theirs: object, steps: int, **kwargs) -> list[float]:
-    """diffusers' step gaps after a warm-up run, same request as ours."""
-
-    def run(tick: Callable[[], None]) -> None:
-        def on_step(_pipe, _i, _t, _kwargs) -> dict:
-            tick()
-            return {}
-
-        with torch.no_grad():
-            generator = torch.Generator("cpu").manual_seed(1)
-            theirs(
-                prompt=PROMPT,
-                num_inference_steps=steps,
-                output_type="latent",
-                generator=generator,
-                callback_on_step_end=on_step,
-                **kwargs,
-            )
-
-    run(lambda: None)
-    return step_gaps(run)
 
 
 def main() -> None:

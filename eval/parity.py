@@ -47,7 +47,7 @@ from models.errors import InputError, QwenImageError
 from models.families import inspect_checkpoint
 from pipelines.images import open_input_image
 from pipelines.limits import check_size, check_steps
-from pipelines.requests import Request, check_requests
+from pipelines.requests import Request, check_requests_for
 from pipelines.variants import AUTO, VARIANTS
 
 VARIANT_HELP = """variants: NAME[+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]
@@ -179,14 +179,7 @@ def make_config(args: argparse.Namespace, argv: list[str]) -> Config:
         spec = inspect_checkpoint(model)
         if width is not None:
             check_size(width, height, spec.size_multiple)
-        check_requests(
-            prompts,
-            spec.max_images,
-            spec.images_required,
-            spec.name,
-            spec.starts_from_image,
-            spec.takes_control,
-        )
+        check_requests_for(prompts, spec)
     for request in prompts:
         for path in request.files:
             open_input_image(path)

@@ -282,9 +282,8 @@ class Pipeline:
             part.set_numerics(variant.numerics)
         if variant.fp8_weights:
             reports = [part.post_load_weights(fuse=variant.fused) for part in parts]
-            self._variant = get_variant(
-                "fp8-fused" if reports[0].fused else "fp8-unfused"
-            )  # e.g. FP8_FUSION=0
+            fused = reports[0].fused  # the transformer's gate names the variant (FP8_FUSION=0: unfused)
+            self._variant = get_variant("fp8-fused" if fused else "fp8-unfused")
         self._drop_graphs()
         if self.memory is not None:
             self.memory.refresh()

@@ -27,7 +27,7 @@ from models.loading import save_tensors
 from models.lora_files import LoraFile
 from pipelines.pipeline import Pipeline, load_pipeline
 from pipelines.presets import get_preset
-from pipelines.requests import Request, as_requests, builtin_edit_set, check_requests, edit_requests_for
+from pipelines.requests import Request, as_requests, builtin_edit_set, check_requests_for, edit_requests_for
 
 DEFAULT_CALIBRATION_PROMPTS = (
     "a red fox in fresh snow at sunrise, detailed fur",
@@ -146,9 +146,7 @@ def quantize_checkpoint(
     spec = inspect_checkpoint(model)
     get_preset(preset, spec.family.name)
     requests = default_calibration(spec) if prompts is None else as_requests(prompts)
-    check_requests(
-        requests, spec.max_images, spec.images_required, spec.name, spec.starts_from_image, spec.takes_control
-    )
+    check_requests_for(requests, spec)
     # the contract variant is defined in BF16: calibration runs it, and its VAE, in BF16 on every device
     pipe = load_pipeline(model, variant="contract", device=device, dtype="bf16")
     for lora_file, scale in loras:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import InputError
+from models.family import CheckpointSpec
 from pipelines.images import open_input_image
 from pipelines.limits import check_image_count
 from pipelines.prompts import read_prompt_file
@@ -188,6 +189,18 @@ def check_requests(
             check_image_count(len(request.images), max_images, required, model)
         except InputError as err:
             raise InputError(f"request {number} ({request.prompt[:40]!r}): {err}") from None
+
+
+def check_requests_for(requests: Sequence[Request], spec: CheckpointSpec) -> None:
+    """`check_requests` against what `spec`'s checkpoint takes."""
+    check_requests(
+        requests,
+        spec.max_images,
+        spec.images_required,
+        spec.name,
+        spec.starts_from_image,
+        spec.takes_control,
+    )
 
 
 def edit_requests_for(max_images: int) -> list[Request]:

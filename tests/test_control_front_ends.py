@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +118,20 @@ def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode("ascii")
 
 
-def test_openai_client_sends_control_maps_as_extension_fields(pipe, maps):
+@contextmanager
+def openai_client(pipe) -> Iterator[openai.OpenAI]:
+    """The official client of a server for `pipe` on 127.0.0.1 (requests alone, the CPU's limits)."""
     runner = Runner(pipe, Limits.for_device("cpu"))
     server = InThread(build_server(pipe, runner))
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    finally:
+        server.close()
+        runner.close()
+
+
+def test_openai_client_sends_control_maps_as_extension_fields(pipe, maps):
+    with openai_client(pipe) as client:
         extra = {
             "seed": 6,
             "num_inference_steps": 3,
@@ -150,9 +160,6 @@ def test_openai_client_sends_control_maps_as_extension_fields(pipe, maps):
                 client.images.generate(prompt="x", size="64x48", extra_body=body)
             error = caught.value.body
             assert error["param"] == param and message in error["message"], error
-    finally:
-        server.close()
-        runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -222,12 +229,18 @@ def test_page_generates_from_an_uploaded_control_map(demo, maps, tmp_path) -> No
         browser.close()
 
 
-def test_an_inpainting_controlnet_through_the_cli_and_http(tmp_path):
+@pytest.fixture()
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_an_inpainting_controlnet_through_the_cli_and_http(tmp_path, one_thread):
     """`--control-mask` and the `control_mask` field reach an inpainting ControlNet: the Python API's bytes
     (one torch thread, as the command runs)."""
     checkpoint = build_controlnet_checkpoint(tmp_path / "inpaint", seed=8, inpaint=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     pipe = load_pipeline(checkpoint, variant="reference", device="cpu", dtype="fp32")
     image, mask = tmp_path / "photo.png", tmp_path / "mask.png"
     PIL.Image.open(REPO / "pipelines/edit_sets/images/scene-00.png").resize((64, 48)).save(image)
@@ -243,10 +256,7 @@ def test_an_inpainting_controlnet_through_the_cli_and_http(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert png_sha256(PIL.Image.open(out)) == png_sha256(expected[0])
-    runner = Runner(pipe, Limits.for_device("cpu"))
-    server = InThread(build_server(pipe, runner))
-    try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with openai_client(pipe) as client:
         extra = {
             "seed": 6,
             "num_inference_steps": 3,
@@ -259,7 +269,3 @@ def test_an_inpainting_controlnet_through_the_cli_and_http(tmp_path):
         with pytest.raises(openai.BadRequestError) as caught:
             client.images.generate(prompt="x", size="64x48", extra_body={"control_image": _b64(image)})
         assert caught.value.body["param"] == "control_mask"
-    finally:
-        server.close()
-        runner.close()
-        torch.set_num_threads(threads)

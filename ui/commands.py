@@ -21,7 +21,7 @@ from pipelines.limits import check_size, check_steps
 from pipelines.load_options import LoadOptions
 from pipelines.memory_plan import checkpoint_plan, default_workload, parse_size
 from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
-from pipelines.requests import check_requests, read_requests
+from pipelines.requests import check_requests_for, read_requests
 from pipelines.variants import resolve_variant
 from ui.access import check_access, is_loopback, read_accounts, read_api_keys
 from ui.limits import Limits
@@ -298,14 +298,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     get_preset(args.preset, spec.family.name)
     prompts = None if args.calib_prompts is None else read_requests(Path(args.calib_prompts))
     if prompts is not None:
-        check_requests(
-            prompts,
-            spec.max_images,
-            spec.images_required,
-            spec.name,
-            spec.starts_from_image,
-            spec.takes_control,
-        )
+        check_requests_for(prompts, spec)
         for request in prompts:
             for path in request.files:
                 open_input_image(path)

@@ -35,6 +35,17 @@ def fp8_dir(checkpoint, tmp_path_factory):
     return quantize_checkpoint(checkpoint, work / "model", prompts=prompts, steps=4, size=128, device="cuda")
 
 
+def variant_runs(pipe, control: dict) -> dict[tuple[str, bool], list[str]]:
+    """The PNG hashes of the prompts with `control`, by (variant, CUDA graphs on)."""
+    runs = {}
+    for variant in ("fp8-fused", "fp8-unfused"):
+        pipe.set_variant(variant)
+        for graphs in (True, False):
+            pipe.cuda_graphs = graphs
+            runs[variant, graphs] = [png_sha256(im) for im in pipe.generate(PROMPTS, **ARGS, **control)]
+    return runs
+
+
 @pytest.mark.parametrize("maps", [1, 2])
 def test_fused_equals_unfused_and_graphs_equal_eager(fp8_dir, maps):
     pipe = load_pipeline(fp8_dir, device="cuda")
@@ -42,12 +53,7 @@ def test_fused_equals_unfused_and_graphs_equal_eager(fp8_dir, maps):
     net = pipe.components.controlnet
     assert sum(d.fused for d in net.fusion_report.block) == 4 * len(net.transformer_blocks)
     control = dict(control_image=MAPS[:maps], controlnet_conditioning_scale=[0.9, 0.6][:maps])
-    runs = {}
-    for variant in ("fp8-fused", "fp8-unfused"):
-        pipe.set_variant(variant)
-        for graphs in (True, False):
-            pipe.cuda_graphs = graphs
-            runs[variant, graphs] = [png_sha256(im) for im in pipe.generate(PROMPTS, **ARGS, **control)]
+    runs = variant_runs(pipe, control)
     assert len({str(r) for r in runs.values()}) == 1, runs
     pipe.set_variant("fp8-fused")
     pipe.cuda_graphs = True
@@ -80,11 +86,5 @@ def test_inpainting_controlnet_fused_equals_unfused_and_graphs_equal_eager(tmp_p
     checkpoint = build_controlnet_checkpoint(tmp_path / "inpaint", seed=8, inpaint=True)
     fp8 = quantize_checkpoint(checkpoint, tmp_path / "fp8", steps=4, size=128, device="cuda")
     pipe = load_pipeline(fp8, device="cuda")
-    control = dict(control_image=photo(301, 207), control_mask=ellipse_mask(301, 207))
-    runs = {}
-    for variant in ("fp8-fused", "fp8-unfused"):
-        pipe.set_variant(variant)
-        for graphs in (True, False):
-            pipe.cuda_graphs = graphs
-            runs[variant, graphs] = [png_sha256(im) for im in pipe.generate(PROMPTS, **ARGS, **control)]
+    runs = variant_runs(pipe, dict(control_image=photo(301, 207), control_mask=ellipse_mask(301, 207)))
     assert len({str(r) for r in runs.values()}) == 1, runs
