@@ -362,3 +362,25 @@ def test_a_pipeline_class_and_controlnet_of_other_kinds_are_refused(checkpoint, 
     )
     with pytest.raises(CheckpointError, match="a QwenImageControlNetInpaintPipeline ControlNet takes 4"):
         inspect_checkpoint(wrong)
+
+
+def test_a_lora_on_a_controlnet_checkpoint_keeps_fused_equal_to_unfused(fp8, tmp_path):
+    """A Lightning-layout LoRA mounts on the transformer (branch mode) beside the ControlNet: it changes the
+    image, both modules stay fused, and fused == unfused with control maps."""
+    from lora_files import block_modules, linear_shapes, random_factors, write_lightning
+
+    pipe = load_pipeline(fp8, variant="fp8-fused", device="cpu", dtype="bf16")
+    shapes = linear_shapes(pipe.transformer)
+    modules = block_modules(pipe.transformer.config.num_layers)
+    factors = random_factors(shapes, modules, 8, seed=5, std=0.2, dtype=torch.bfloat16)
+    lora = write_lightning(tmp_path / "lightning.safetensors", factors, 2.0)
+    kwargs = dict(width=64, height=48, num_inference_steps=2, true_cfg_scale=4.0, negative_prompt="blurry",
+                  seed=3, control_image=edge_map(64, 48), output_type="latent")  # fmt: skip
+    base = pipe.generate("a house", **kwargs)
+    pipe.load_lora(lora, scale=0.8)
+    net = pipe.components.controlnet
+    assert all(d.fused for d in net.fusion_report.block)
+    fused = pipe.generate("a house", **kwargs)
+    assert not torch.equal(base, fused) and "lightning x0.8" in pipe.last_run.loras
+    pipe.set_variant("fp8-unfused")
+    assert torch.equal(fused, pipe.generate("a house", **kwargs))
