@@ -91,9 +91,7 @@ class CheckpointSpec:
     images_required: bool = False  # the model cannot generate without an input image
     starts_from_image: bool = False  # img2img and inpainting: a request may start from an image (+ mask)
     takes_control: bool = False  # it holds a ControlNet: a request may carry control images
-    control_inpaints: bool = (
-        False  # ... an inpainting one: one control image and the mask of what it repaints
-    )
+    control_inpaints: bool = False  # an inpainting ControlNet: one control image and its mask
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
 
 

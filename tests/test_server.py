@@ -33,7 +33,7 @@ from pipelines import RunInfo, load_pipeline
 from pipelines.generation_request import resolve_request
 from pipelines.pipeline import Generated
 from ui.access import ApiKeys, read_api_keys
-from ui.image_cache import png_bytes
+from ui.image_cache import Encoding, image_bytes
 from ui.limits import Limits
 from ui.runner import Runner
 from ui.server import build_server
@@ -156,7 +156,7 @@ def test_openai_client_generates_what_generate_makes(served: tuple[str, Runner],
         PROMPTS[0], width=48, height=32, num_images_per_prompt=2, seed=7, num_inference_steps=2,
         negative_prompt="blurry", true_cfg_scale=3.0,
     )  # fmt: skip
-    assert [_png(d) for d in response.data] == [png_bytes(image) for image in alone]
+    assert [_png(d) for d in response.data] == [image_bytes(image, Encoding()) for image in alone]
     assert response.model_extra["seed"] == 7 and response.model_extra["model"] == "embedded-default"
     assert response.size == "48x32" and abs(response.created - time.time()) < 60
 
@@ -181,7 +181,7 @@ def test_defaults_follow_the_model_and_a_random_seed_is_reported(
     assert response.status_code == 200 and 0 <= seed < 2**31
     # the model's own negative prompt (" " for the embedded default) and CFG scale, as generate picks them
     alone = embedded.generate(PROMPTS[1], width=32, height=32, num_inference_steps=2, seed=seed)
-    assert base64.b64decode(body["data"][0]["b64_json"]) == png_bytes(alone[0])
+    assert base64.b64decode(body["data"][0]["b64_json"]) == image_bytes(alone[0], Encoding())
 
 
 def test_models_health_and_metrics(served: tuple[str, Runner]) -> None:
@@ -344,7 +344,7 @@ def test_openai_client_inpaints_what_generate_makes(served: tuple[str, Runner], 
             mask=("m.png", _png_of(mask), "image/png"),
             **values,
         )
-        assert _png(response.data[0]) == png_bytes(expected[0])
+        assert _png(response.data[0]) == image_bytes(expected[0], Encoding())
     plain = _client(url).images.edit(image=("in.png", _png_of(picture), "image/png"), **values)
     assert _png(plain.data[0]) != _png(response.data[0])  # without the mask all of it changes
     files = [("image", ("in.png", _png_of(picture), "image/png"))]

@@ -44,10 +44,6 @@ def image_bytes(image: PIL.Image.Image, encoding: Encoding) -> bytes:
     return buffer.getvalue()
 
 
-def png_bytes(image: PIL.Image.Image) -> bytes:
-    return image_bytes(image, Encoding())
-
-
 async def encode_all(images: Sequence[PIL.Image.Image], encoding: Encoding) -> list[bytes]:
     """Every image of a response encoded at once on ENCODERS, off the event loop, in order (PIL releases the
     GIL while it compresses)."""
