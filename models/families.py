@@ -18,6 +18,7 @@ FAMILY_MODULES = (
     "models.qwen_image.controlnet_family",
     "models.qwen_image_edit.family",
     "models.qwen_image21.family",
+    "models.qwen_image_layered.family",
 )
 
 

@@ -76,6 +76,14 @@ def _valid_default(name: str, value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
+    """(width, height) with about `target_area` pixels at aspect `ratio`, each rounded to a multiple of 32
+    (diffusers' `calculate_dimensions`)."""
+    width = math.sqrt(target_area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
 @dataclass(frozen=True)
 class CheckpointSpec:
     """What a checkpoint's configs say, read without torch before any weight."""
@@ -92,6 +100,7 @@ class CheckpointSpec:
     starts_from_image: bool = False  # img2img and inpainting: a request may start from an image (+ mask)
     takes_control: bool = False  # it holds a ControlNet: a request may carry control images
     control_inpaints: bool = False  # an inpainting ControlNet: one control image and its mask
+    decomposes: bool = False  # Qwen-Image-Layered: a request's image comes back as `layers` RGBA layers
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
 
 
@@ -227,7 +236,8 @@ class FamilyModel(ABC):
         self, width: int, height: int, images: list[PIL.Image.Image] | None = None, prompts: int = 1
     ) -> Any:
         """The latent geometry of a `width` x `height` request (and its input images' latents, if any, for a
-        request of `prompts` prompts)."""
+        request of `prompts` prompts). A family whose spec `decomposes` also takes `layers`: the RGBA
+        layers each image comes back as."""
 
     def default_size(self, images: list[PIL.Image.Image]) -> tuple[int, int] | None:
         """(width, height) a request with these input images defaults to; None: the checkpoint's defaults."""
@@ -236,6 +246,11 @@ class FamilyModel(ABC):
     def sigmas(self, steps: int) -> np.ndarray:
         """The sigma grid of `steps` steps, before the scheduler's shift (diffusers' Qwen-Image default)."""
         return np.linspace(1.0, 1 / steps, steps)
+
+    def time_shift(self, canvas: Any) -> float | None:
+        """The scheduler's dynamic shift `mu` for this canvas; None: diffusers' Qwen-Image rule, from the
+        target's token count and the scheduler's config."""
+        return None
 
     @abstractmethod
     def initial_latents(self, canvas: Any, batch: int, seed: int) -> torch.Tensor:
@@ -279,7 +294,7 @@ class FamilyModel(ABC):
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, canvas: Any) -> list[PIL.Image.Image]:
-        """Images from final latents."""
+        """Images from final latents, a row's in a run (a family that `decomposes`: each row's layers)."""
 
     def prompt_tokens(self, prompts: list[str]) -> int | None:
         """Tokens of the longest of `prompts`, for a family that keeps every token of a prompt (a memory

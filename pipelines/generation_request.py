@@ -14,7 +14,7 @@ import PIL.Image
 
 from models.cache_presets import CachePreset, get_cache_preset
 from models.errors import InputError
-from models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec
+from models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec, calculate_dimensions
 from models.memory import Workload
 from pipelines.control import Control, check_control
 from pipelines.limits import as_prompt_list, check_generation_args, check_images, check_pixels
@@ -22,6 +22,8 @@ from pipelines.presets import check_lora_scale, get_preset
 
 SizeSuggestion = Callable[[list[PIL.Image.Image]], tuple[int, int] | None]
 DEFAULT_STRENGTH = 0.6  # diffusers' img2img and inpainting default
+DEFAULT_LAYERS = 4  # diffusers' QwenImageLayeredPipeline default
+MAX_LAYERS = 16  # RGBA layers a request may ask for (each adds a target's worth of tokens per step)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class GenerationRequest:
     cache: CachePreset | None = None  # a step cache (opt-in, approximate); None: every block runs
     start: StartImage | None = None  # img2img / inpainting; None: from noise
     control: Control | None = None  # ControlNet control images; None: none
+    layers: int | None = None  # Qwen-Image-Layered: RGBA layers per image; None: one image per row
 
     @property
     def steps_run(self) -> int:
@@ -76,6 +79,11 @@ class GenerationRequest:
     def rows(self) -> int:
         """Images it makes: its rows in every denoising step."""
         return len(self.prompts) * self.num_images_per_prompt
+
+    @property
+    def outputs(self) -> int:
+        """Images it returns: one per row, or each row's layers."""
+        return self.rows * (self.layers or 1)
 
     def workload(self, rows: int | None = None, text_tokens: int | None = None) -> Workload:
         """This request as a memory plan sees it, at `rows` image rows per step (a batch it shares; it is
@@ -141,6 +149,8 @@ def resolve_request(
     control_guidance_end: float = 1.0,
     control_mode: str | None = None,
     control_mask: PIL.Image.Image | None = None,
+    layers: int | None = None,
+    resolution: int | None = None,
 ) -> GenerationRequest:
     """The request for `spec`'s checkpoint from raw values (docs/API.md, `Pipeline.generate`): each side not
     given is what the input images suggest (`suggest_size`, the loaded model's; without it, or without
@@ -149,7 +159,9 @@ def resolve_request(
     starts from an image (img2img; its size is the default, down to the checkpoint's default area), with
     `mask_image` only its white part (inpainting); `control_image`s guide a ControlNet checkpoint
     (pipelines/control.py; the first one's size is the default; `control_mask` the part an inpainting
-    ControlNet repaints). InputError names the first bad value;
+    ControlNet repaints); `layers` is how many RGBA layers a Qwen-Image-Layered checkpoint decomposes the
+    image into; `resolution` sets the size as a square of that side at the first input image's aspect
+    (diffusers' Layered `resolution`). InputError names the first bad value;
     `loras`, when given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
     images = check_images(image, spec.max_images, spec.images_required, spec.name)
@@ -168,7 +180,10 @@ def resolve_request(
     cache = get_cache_preset(cache)
     if control is not None and cache is not None:
         raise InputError("cache: a step cache is not built for ControlNet requests yet: leave it out")
+    layers = check_layers(spec, layers, prompts)
     suggested = suggest_size(images) if images and suggest_size is not None else None
+    if resolution is not None:
+        suggested = resolution_size(resolution, images, width, height, spec.size_multiple)
     if start is not None or control is not None:
         suggested = start_size(start.image if control is None else control.images[0], spec)
     size = suggested or (spec.defaults.width, spec.defaults.height)
@@ -214,6 +229,7 @@ def resolve_request(
         cache=cache,
         start=start,
         control=control,
+        layers=layers,
     )
 
 
@@ -246,6 +262,48 @@ def check_start(spec: CheckpointSpec, image: object, strength: object, mask: obj
             "give a mask of the image's size"
         )
     return StartImage(image, float(strength), mask)
+
+
+def check_layers(spec: CheckpointSpec, layers: object, prompts: list[str]) -> int | None:
+    """The request's layer count: DEFAULT_LAYERS for a checkpoint that `decomposes`, None otherwise;
+    InputError for layers asked of another checkpoint, outside 1..MAX_LAYERS, or an empty prompt (diffusers
+    then captions the image with the vision-language model, which is not built here)."""
+    if not spec.decomposes:
+        if layers is not None:
+            raise InputError(
+                f"layers: {spec.name} does not decompose images into layers (Qwen-Image-Layered does)"
+            )
+        return None
+    if any(not prompt.strip() for prompt in prompts):
+        raise InputError(
+            "prompt: Qwen-Image-Layered needs a prompt describing the image (automatic captioning of an "
+            "empty prompt is not built)"
+        )
+    if layers is None:
+        return DEFAULT_LAYERS
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
+        raise InputError(f"layers must be an integer in 1..{MAX_LAYERS}, got {layers!r}")
+    return layers
+
+
+def resolution_size(
+    resolution: object,
+    images: list[PIL.Image.Image],
+    width: int | None,
+    height: int | None,
+    multiple: int,
+) -> tuple[int, int]:
+    """The size of a `resolution` x `resolution` area at the first input image's aspect, each side rounded
+    to 32 then floored to `multiple` (diffusers' Layered pipeline); InputError without an image, with an
+    explicit width or height, or for a resolution that is not an integer in 256..4096."""
+    if width is not None or height is not None:
+        raise InputError("resolution sets width and height: give either resolution or width/height")
+    if not images:
+        raise InputError("resolution needs an input image: it keeps the image's aspect")
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or not 256 <= resolution <= 4096:
+        raise InputError(f"resolution must be an integer in 256..4096, got {resolution!r}")
+    width, height = calculate_dimensions(resolution * resolution, images[0].width / images[0].height)
+    return max(multiple, width // multiple * multiple), max(multiple, height // multiple * multiple)
 
 
 def start_size(image: PIL.Image.Image, spec: CheckpointSpec) -> tuple[int, int]:

@@ -412,13 +412,17 @@ class Pipeline:
         control_guidance_end: float = 1.0,
         control_mode: str | None = None,
         control_mask: PIL.Image.Image | None = None,
+        layers: int | None = None,
+        resolution: int | None = None,
     ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `init_image` starts from an
         image (img2img, `strength` of the schedule reworking it), `mask_image` repaints only its white part
         (inpainting). `control_image`s guide a ControlNet checkpoint (each scaled by
         `controlnet_conditioning_scale`, over the `control_guidance_start`..`end` share of the steps;
         `control_mode="canny"` makes the edge map from a photo; an inpainting ControlNet repaints
-        `control_mask`'s white part of its one control image). `seed` may give one seed per
+        `control_mask`'s white part of its one control image). A Qwen-Image-Layered checkpoint decomposes
+        `image` into `layers` RGBA layers (each image's in a row), at `resolution` (the side of a square
+        of the output's area; default 640) or `width` x `height`. `seed` may give one seed per
         prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
         of the run land in `self.last_run`. `output_type="latent"` returns the final packed latents and skips
         decoding (as diffusers' pipelines do). One request through `run`."""
@@ -445,6 +449,8 @@ class Pipeline:
             control_guidance_end=control_guidance_end,
             control_mode=control_mode,
             control_mask=control_mask,
+            layers=layers,
+            resolution=resolution,
         )
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
@@ -556,7 +562,8 @@ class Pipeline:
             branches = [type(parts[0]).stack(parts) for parts in rows]
         images = list(first.images)
         timer = _StageTimer(self.device)
-        canvas = self.model.canvas(first.width, first.height, images, len(first.prompts))
+        layers = {} if first.layers is None else {"layers": first.layers}
+        canvas = self.model.canvas(first.width, first.height, images, len(first.prompts), **layers)
         if images:
             timer.lap("image_encoding")
         batch_seeds = seeds[group[0]] if slots <= 1 else [seeds[i] for i in padded]
@@ -625,20 +632,21 @@ class Pipeline:
         seeds = seed if isinstance(seed, list) else [seed]
         rows = batch // len(seeds)
         after_step, step_controls = None, None
+        sigmas, shift = self.model.sigmas(steps), self.model.time_shift(canvas)
         if control is not None:
             maps = list(control.images)
             parts = [self.model.control_start(maps, control.mask, canvas, rows, s) for s in seeds]
             latents = torch.cat([p.noise for p in parts])
-            timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
+            timesteps = flow_timesteps(scheduler, sigmas, latents.shape[1], self.device, shift)
             encoded = tuple(torch.cat(each) for each in zip(*(p.latents for p in parts), strict=True))
             step_controls = _step_controls(control, len(timesteps), encoded, branches[0], self.device)
         elif start is None:
             latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
-            timesteps = flow_timesteps(scheduler, self.model.sigmas(steps), latents.shape[1], self.device)
+            timesteps = flow_timesteps(scheduler, sigmas, latents.shape[1], self.device, shift)
         else:
             parts = [self.model.image_start(start.image, start.mask, canvas, rows, s) for s in seeds]
             image_latents, noise = torch.cat([p.latents for p in parts]), torch.cat([p.noise for p in parts])
-            flow_timesteps(scheduler, self.model.sigmas(steps), noise.shape[1], self.device)
+            flow_timesteps(scheduler, sigmas, noise.shape[1], self.device, shift)
             timesteps = strength_timesteps(scheduler, start.first_step(steps))
             latents = scheduler.scale_noise(image_latents, timesteps[:1].repeat(batch), noise)
             if start.mask is not None:

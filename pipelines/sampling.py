@@ -31,10 +31,15 @@ def shift_mu(scheduler: FlowMatchEulerDiscreteScheduler, image_tokens: int) -> f
 
 
 def flow_timesteps(
-    scheduler: FlowMatchEulerDiscreteScheduler, sigmas: np.ndarray, image_tokens: int, device: torch.device
+    scheduler: FlowMatchEulerDiscreteScheduler,
+    sigmas: np.ndarray,
+    image_tokens: int,
+    device: torch.device,
+    mu: float | None = None,
 ) -> torch.Tensor:
-    """Set the scheduler to `sigmas` with the dynamic shift for `image_tokens` (one step per sigma)."""
-    mu = shift_mu(scheduler, image_tokens)
+    """Set the scheduler to `sigmas` with the dynamic shift `mu` (default: the one for `image_tokens`), one
+    step per sigma."""
+    mu = shift_mu(scheduler, image_tokens) if mu is None else mu
     timesteps, _ = retrieve_timesteps(scheduler, len(sigmas), device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
     return timesteps

@@ -11,10 +11,12 @@ from models.errors import CheckpointError
 PIPELINE_CLASS = "QwenImagePipeline"  # model_index.json `_class_name` of a text-to-image checkpoint
 CONTROLNET_PIPELINE_CLASS = "QwenImageControlNetPipeline"  # the same with a `controlnet/` folder
 CONTROLNET_INPAINT_PIPELINE_CLASS = "QwenImageControlNetInpaintPipeline"  # ... an inpainting ControlNet
+LAYERED_PIPELINE_CLASS = "QwenImageLayeredPipeline"  # Qwen-Image-Layered: an image into RGBA layers
 DEFAULT_VAE_DOWNSAMPLE = (False, True, True)  # AutoencoderKLQwenImage's default temperal_downsample
 DEFAULT_VAE_Z_DIM = 16
 
-UNSUPPORTED_FLAGS = ("use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
+UNSUPPORTED_FLAGS = ("guidance_embeds",)
+LAYERED_FLAGS = ("use_additional_t_cond", "use_layer3d_rope")  # Qwen-Image-Layered's transformer
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class QwenImageConfig:
     joint_attention_dim: int = 3584
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
     zero_cond_t: bool = False  # Edit-2511: reference-image tokens modulated from t = 0
+    use_additional_t_cond: bool = False  # Layered: a learned task embedding (row 0: RGBA layers) in temb
+    use_layer3d_rope: bool = False  # Layered: a frame index per layer, the condition image at frame -1
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,15 +56,20 @@ class QwenImageConfig:
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
+    @property
+    def layered(self) -> bool:
+        """It carries one of Qwen-Image-Layered's transformer flags."""
+        return self.use_additional_t_cond or self.use_layer3d_rope
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "QwenImageConfig":
-        """Build from a diffusers config dict; refuses variant flags this model lacks (Qwen-Image-Layered's
-        `use_additional_t_cond` / `use_layer3d_rope`, guidance embeddings)."""
+        """Build from a diffusers config dict; refuses guidance embeddings, which no Qwen-Image checkpoint
+        has (diffusers keeps the flag for a distilled variant)."""
         enabled = [flag for flag in UNSUPPORTED_FLAGS if raw.get(flag)]
         if enabled:
             raise CheckpointError(
-                f"transformer config enables {', '.join(enabled)}: only the Qwen-Image and Qwen-Image-Edit "
-                "architectures (zero_cond_t included) are supported"
+                f"transformer config enables {', '.join(enabled)}: only the Qwen-Image, Qwen-Image-Edit and "
+                "Qwen-Image-Layered architectures are supported"
             )
         names = {f.name for f in fields(cls)} - {"extra"}
         known = {k: v for k, v in raw.items() if k in names}

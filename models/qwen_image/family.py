@@ -5,7 +5,7 @@ from pathlib import Path
 from models.checkpoint import check_layout, is_fp8_transformer, read_model_index
 from models.errors import CheckpointError
 from models.family import DEFAULTS_KEY, CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
-from models.qwen_image.config import PIPELINE_CLASS, read_configs
+from models.qwen_image.config import LAYERED_FLAGS, PIPELINE_CLASS, QwenImageConfig, read_configs
 from models.qwen_image.presets import LIGHTNING_PRESETS
 
 COMPONENT_DIRS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
@@ -25,6 +25,7 @@ class QwenImageFamily(ModelFamily):
             directory, tuple(d for d in self.component_dirs if not (builtin_tokenizer and d == "tokenizer"))
         )
         configs = read_configs(directory)
+        self.check_architecture(configs.transformer, directory, index.get("_class_name"))
         multiple = 2 * configs.vae_scale_factor  # one latent cell per side after 2x2 packing
         side = DEFAULT_SAMPLE_SIZE * configs.vae_scale_factor
         defaults = GenerationDefaults(width=side, height=side).with_metadata(
@@ -45,6 +46,16 @@ class QwenImageFamily(ModelFamily):
             fp8=is_fp8_transformer(directory / "transformer"),
             starts_from_image=True,
         )
+
+    def check_architecture(self, transformer: QwenImageConfig, directory: Path, pipeline_class: str) -> None:
+        """Refuse a transformer made for Qwen-Image-Layered under another pipeline class: diffusers' other
+        Qwen-Image pipelines pass it no layer conditioning."""
+        flags = [flag for flag in LAYERED_FLAGS if getattr(transformer, flag)]
+        if flags:
+            raise CheckpointError(
+                f"{directory / 'transformer' / 'config.json'}: {', '.join(flags)} is Qwen-Image-Layered's "
+                f"transformer, but model_index.json names {pipeline_class}"
+            )
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
         from models.qwen_image.model import QwenImageModel

@@ -85,22 +85,30 @@ def rope_frequencies(
     axes_dims: tuple[int, int, int],
     layout: ImageLayout | Grid,
     text_len: int,
+    layer3d: bool = False,
 ) -> Rope:
     """Image and text rotations with centered image positions: image i of the layout takes frame index i
-    onward (diffusers' `QwenEmbedRope`), the text starts after the largest half-extent of all images."""
+    onward (diffusers' `QwenEmbedRope`), the text starts after the largest half-extent of all images.
+
+    `layer3d` (Qwen-Image-Layered's `QwenEmbedLayer3DRope`): the last image, the condition, takes frame
+    index -1, and the text starts no earlier than the number of grids before it (the layers)."""
     layout = ImageLayout.of(layout)
     splits = [d // 2 for d in axes_dims]
     pos = tables[0].split(splits, dim=1)
     neg = tables[1].split(splits, dim=1)
     images = []
+    last = len(layout.grids) - 1
     for index, (frames, height, width) in enumerate(layout.grids):
-        f = pos[0][index : index + frames].view(frames, 1, 1, -1).expand(frames, height, width, -1)
+        f = neg[0][-1:] if layer3d and index == last else pos[0][index : index + frames]
+        f = f.view(frames, 1, 1, -1).expand(frames, height, width, -1)
         h = torch.cat([neg[1][-(height - height // 2) :], pos[1][: height // 2]], dim=0)
         h = h.view(1, height, 1, -1).expand(frames, height, width, -1)
         w = torch.cat([neg[2][-(width - width // 2) :], pos[2][: width // 2]], dim=0)
         w = w.view(1, 1, width, -1).expand(frames, height, width, -1)
         images.append(torch.cat([f, h, w], dim=-1).reshape(frames * height * width, -1))
     start = max(max(height // 2, width // 2) for _, height, width in layout.grids)
+    if layer3d:
+        start = max(start, last)
     return Rope(
         torch.view_as_real(torch.cat(images).contiguous()),
         torch.view_as_real(tables[0][start : start + text_len]),

@@ -302,14 +302,20 @@ class TimestepEmbedder(nn.Module):
 
 
 class TimeTextEmbed(nn.Module):
-    """Sigma -> conditioning vector `temb` [B, D]."""
+    """Sigma -> conditioning vector `temb` [B, D]; with `additional_t_cond` (Qwen-Image-Layered) plus the
+    task embedding's row 0, the one diffusers' `QwenImageLayeredPipeline` always passes (`is_rgb` 0)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, additional_t_cond: bool = False) -> None:
         super().__init__()
         self.timestep_embedder = TimestepEmbedder(dim)
+        self.addition_t_embedding = nn.Embedding(2, dim) if additional_t_cond else None
 
     def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.timestep_embedder(timestep_embedding(timestep).to(dtype))
+        temb = self.timestep_embedder(timestep_embedding(timestep).to(dtype))
+        if self.addition_t_embedding is None:
+            return temb
+        task = torch.zeros(timestep.shape[0], dtype=torch.long, device=timestep.device)
+        return temb + self.addition_t_embedding(task).to(dtype)
 
 
 class OutputNorm(nn.Module):
@@ -345,7 +351,7 @@ class QwenImageTransformer(nn.Module):
         super().__init__()
         self.config = config
         dim = config.inner_dim
-        self.time_text_embed = TimeTextEmbed(dim)
+        self.time_text_embed = TimeTextEmbed(dim, config.use_additional_t_cond)
         self.txt_norm = RMSNorm(config.joint_attention_dim)
         self.img_in = nn.Linear(config.in_channels, dim)
         self.txt_in = nn.Linear(config.joint_attention_dim, dim)
@@ -381,7 +387,9 @@ class QwenImageTransformer(nn.Module):
             if device not in self._device_rope_tables:  # copied to the device once, not per shape
                 self._device_rope_tables[device] = tuple(t.to(device) for t in self._rope_tables)
             tables = self._device_rope_tables[device]
-            self._rope_cache[key] = rope_frequencies(tables, self.config.axes_dims_rope, layout, text_len)
+            self._rope_cache[key] = rope_frequencies(
+                tables, self.config.axes_dims_rope, layout, text_len, self.config.use_layer3d_rope
+            )
         return self._rope_cache[key]
 
     def conditioning_timesteps(self, timestep: torch.Tensor) -> torch.Tensor:

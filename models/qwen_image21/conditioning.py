@@ -19,8 +19,8 @@ from diffusers.image_processor import VaeImageProcessor
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from models.errors import InputError
+from models.family import calculate_dimensions
 from models.qwen_image.text_encoder import padded_prompt_rows
-from models.qwen_image_edit.config import calculate_dimensions
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 TEMPLATE = (

@@ -18,7 +18,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from models.env import env_flag
 from models.errors import InputError
-from models.family import FamilyModel, GenerationDefaults, StepCall, parameter_summary
+from models.family import FamilyModel, GenerationDefaults, StepCall, calculate_dimensions, parameter_summary
 from models.qwen_image21.checkpoint import KV_CACHE_ENV, OUTPUT_RESOLUTION, VAE_SCALE
 from models.qwen_image21.components import Components21, load_components21, save_components21
 from models.qwen_image21.conditioning import (
@@ -32,7 +32,6 @@ from models.qwen_image21.conditioning import (
 )
 from models.qwen_image21.quantization import QUANTIZATION
 from models.qwen_image21.steps import Conditioning21, RequestSteps, StepPlanner
-from models.qwen_image_edit.config import calculate_dimensions
 
 
 class QwenImage21Model(FamilyModel):

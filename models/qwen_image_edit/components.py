@@ -3,6 +3,7 @@ input images into the vision tower's patches, in diffusers' directory layout (`p
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,15 @@ class EditComponents(Components):
         return index | {"processor": ["transformers", PROCESSOR_CLASS]}
 
     def writers(self) -> dict[str, Callable[[Path], None]]:
-        """Qwen-Image's writers and the processor's folder: its image processor config and tokenizer (the
-        processor's own `save_pretrained` needs a video processor, which needs torchvision)."""
+        """Qwen-Image's writers and the processor's folder."""
+        return super().writers() | {"processor": partial(write_processor, self.processor)}
 
-        def write_processor(path: Path) -> None:
-            self.processor.image_processor.save_pretrained(path)
-            self.processor.tokenizer.save_pretrained(path)
 
-        return super().writers() | {"processor": write_processor}
+def write_processor(processor: Any, path: Path) -> None:
+    """A Qwen2-VL processor's folder: its image processor config and tokenizer (the processor's own
+    `save_pretrained` needs a video processor, which needs torchvision)."""
+    processor.image_processor.save_pretrained(path)
+    processor.tokenizer.save_pretrained(path)
 
 
 def load_edit_components(

@@ -38,9 +38,10 @@ from transformers import (
 )
 
 from models.errors import InputError
+from models.family import calculate_dimensions
 from models.qwen_image.math import pack_latents
 from models.qwen_image.text_encoder import padded_prompt_rows
-from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind, calculate_dimensions
+from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind
 from models.vl_processor import load_vl_processor
 
 Grid = tuple[int, int, int]

@@ -2,12 +2,12 @@
 input images it takes, the output size its images suggest, and the checks that its processor and vision
 tower fit the rest before any weight is read."""
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from models.checkpoint import read_json
 from models.errors import CheckpointError
+from models.family import calculate_dimensions
 
 VAE_AREA = 1024 * 1024  # the pixels the VAE sees per input image, and the default output area
 CONDITION_AREA = 384 * 384  # Plus: the pixels the vision tower sees per input image
@@ -37,14 +37,6 @@ EDIT_KINDS = {
         EditKind("QwenImageEditPlusPipeline", plus=True, max_images=PLUS_MAX_IMAGES),
     )
 }
-
-
-def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
-    """(width, height) with about `target_area` pixels at aspect `ratio`, each rounded to a multiple of 32
-    (diffusers' `calculate_dimensions`)."""
-    width = math.sqrt(target_area * ratio)
-    height = width / ratio
-    return round(width / 32) * 32, round(height / 32) * 32
 
 
 def default_output_size(kind: EditKind, sizes: list[tuple[int, int]], multiple: int) -> tuple[int, int]:

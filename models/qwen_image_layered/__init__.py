@@ -1,0 +1,1 @@
+"""Qwen-Image-Layered: an image decomposed into RGBA layers (diffusers' `QwenImageLayeredPipeline`)."""

@@ -1,0 +1,53 @@
+"""The Qwen-Image-Layered family: its checkpoints read without torch, loaded into `QwenImageLayeredModel`.
+The Qwen-Image family's checks and loaders serve it; a request carries one image and comes back as layers.
+
+Not built (each refused in one line): memory plans (no memory profile: CUDA loads everything), Ulysses
+sequence parallelism, and diffusers' captioning of an empty prompt by the vision-language model (a
+request needs a prompt).
+"""
+
+from dataclasses import replace
+from pathlib import Path
+
+from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
+from models.qwen_image.config import LAYERED_PIPELINE_CLASS, QwenImageConfig
+from models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
+
+
+class QwenImageLayeredFamily(QwenImageFamily):
+    name = "qwen-image-layered"
+    pipeline_classes = (LAYERED_PIPELINE_CLASS,)
+    component_dirs = (*COMPONENT_DIRS, "processor")
+    presets = ()
+
+    def inspect(self, directory: Path, name: str) -> CheckpointSpec:
+        return _layered(super().inspect(directory, name))
+
+    def check_architecture(self, transformer: QwenImageConfig, directory: Path, pipeline_class: str) -> None:
+        """Any Qwen-Image transformer: diffusers' Layered pipeline runs with or without the layer flags."""
+
+    def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
+        from models.qwen_image_layered.model import QwenImageLayeredModel
+
+        return QwenImageLayeredModel.load(spec.directory, dtype, device, vae_dtype)
+
+    def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
+        """None: memory plans are not built for Layered yet (everything loads onto the device)."""
+        return None
+
+    def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
+        return _layered(super().spec_for(model, name, defaults))
+
+
+def _layered(spec: CheckpointSpec) -> CheckpointSpec:
+    return replace(
+        spec,
+        max_images=1,
+        images_required=True,
+        starts_from_image=False,
+        decomposes=True,
+        sequence_parallel=False,
+    )
+
+
+FAMILY = QwenImageLayeredFamily()
