@@ -107,7 +107,7 @@ def check_image_count(count: int, max_images: int, required: bool, model: str) -
     """InputError when a model cannot take `count` input images: it takes none, fewer, or needs one."""
     if count == 0:
         if required:
-            raise InputError(f"{model} edits images: give at least one input image")
+            raise InputError(f"{model} works on input images: give at least one input image")
         return
     if max_images == 0:
         raise InputError(f"{model} generates from text only and takes no input images")

@@ -186,7 +186,7 @@ def test_one_side_given_takes_the_other_from_the_image(ours) -> None:
 def test_requests_the_model_cannot_serve_are_refused(ours) -> None:
     edit, plus = ours[("edit", torch.float32)], ours[("plus-2511", torch.float32)]
     image = drawn_image(32, 32, 1)
-    with pytest.raises(InputError, match="edits images: give at least one input image"):
+    with pytest.raises(InputError, match="works on input images: give at least one input image"):
         edit.generate("x", num_inference_steps=2)
     with pytest.raises(InputError, match=r"2 input images, but .* takes at most 1"):
         edit.generate("x", image=[image, image], num_inference_steps=2)

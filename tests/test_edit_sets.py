@@ -51,7 +51,7 @@ def test_requests_a_model_cannot_take_are_refused_naming_the_request() -> None:
         InputError, match=r"request 1 \('Put the .*'\): 2 input images, but edit takes at most 1"
     ):
         check_requests(builtin_edit_set("edit-plus"), 1, True, "edit")
-    with pytest.raises(InputError, match=r"request 1 \('a fox'\): text2img edits images"):
+    with pytest.raises(InputError, match=r"request 1 \('a fox'\): text2img works on input images"):
         check_requests([Request("a fox")], 3, True, "text2img")
     with pytest.raises(InputError, match="generates from text only"):
         check_requests(builtin_edit_set("edit"), 0, False, "t2i")

@@ -1,0 +1,172 @@
+"""Qwen-Image-Layered (diffusers' QwenImageLayeredPipeline) on checkpoints written by diffusers' own
+classes: reference mode pixel-identical to diffusers with 2 to 4 layers, the Layered transformer (layer-3D
+RoPE, task embedding, RGBA VAE) and the plain one diffusers' own tests build (RGB VAE), true CFG on and
+off, two prompts, two images per prompt; FP8 (calibrated and written by `quantize`) fused == unfused; and
+every refusal in one line before anything runs."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from edit_fixtures import drawn_image
+from layered_fixtures import build_layered_checkpoint, diffusers_layered_pipeline, diffusers_layers, small_size
+
+from models.errors import CheckpointError, InputError
+from models.families import inspect_checkpoint
+from pipelines import load_pipeline
+from pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
+from pipelines.quantize import quantize_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layered")
+    return {
+        "layered": build_layered_checkpoint(root / "layered", flags=True, channels=4, seed=0),
+        "plain": build_layered_checkpoint(root / "plain", flags=False, channels=3, seed=5),
+    }
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoints):
+    return {
+        name: load_pipeline(path, variant="reference", device="cpu", dtype="fp32")
+        for name, path in checkpoints.items()
+    }
+
+
+CASES = [  # checkpoint, prompts, negative prompt, layers, images per prompt, image (width, height, mode)
+    ("layered", ["a red cat on a mat"], "blurry", 3, 1, (120, 90, "RGBA")),
+    ("layered", ["a red cat on a mat"], None, 2, 1, (160, 80, "RGB")),
+    ("layered", ["a poster", "two birds on a wire above a long road"], "blurry", 4, 1, (80, 150, "RGBA")),
+    ("layered", ["a poster"], "blurry", 2, 2, (100, 100, "RGBA")),
+    ("plain", ["a poster", "two birds on a wire above a long road"], "blurry", 2, 1, (100, 100, "RGB")),
+    ("plain", ["a poster"], None, 3, 2, (90, 120, "RGB")),
+]
+
+
+@pytest.mark.parametrize(("name", "prompts", "negative", "layers", "per_prompt", "image"), CASES)
+def test_layers_match_diffusers_pixel_for_pixel(
+    checkpoints, ours, name, prompts, negative, layers, per_prompt, image
+):
+    width, height, image_mode = image
+    picture = drawn_image(width, height, layers, image_mode)
+    pipe = ours[name]
+    mode = pipe.model.pixel_mode()
+    theirs = diffusers_layers(
+        diffusers_layered_pipeline(checkpoints[name]),
+        picture.convert(mode),
+        prompts,
+        negative,
+        layers,
+        per_prompt=per_prompt,
+        seed=7,
+    )
+    width, height = small_size(picture)
+    mine = pipe.generate(
+        prompts if len(prompts) > 1 else prompts[0],
+        negative_prompt=negative,
+        image=picture,
+        layers=layers,
+        width=width,
+        height=height,
+        num_inference_steps=2,
+        num_images_per_prompt=per_prompt,
+        seed=7,
+    )
+    assert len(mine) == len(theirs) == len(prompts) * per_prompt * layers
+    assert {m.mode for m in mine} == {"RGBA" if mode == "RGBA" else "RGB"}
+    assert all(m.size == (width, height) for m in mine)
+    for a, b in zip(theirs, mine, strict=True):
+        assert a.mode == b.mode and a.tobytes() == b.tobytes()
+
+
+def test_the_layers_differ_and_depend_on_the_image(ours):
+    pipe = ours["layered"]
+    args = dict(layers=2, width=64, height=64, num_inference_steps=2, seed=1)
+    first = pipe.generate("a cat", image=drawn_image(64, 64, 1, "RGBA"), **args)
+    other = pipe.generate("a cat", image=drawn_image(64, 64, 2, "RGBA"), **args)
+    assert first[0].tobytes() != first[1].tobytes()
+    assert first[0].tobytes() != other[0].tobytes()
+    arrays = [np.asarray(layer) for layer in first]
+    assert all(a.shape == (64, 64, 4) for a in arrays)
+
+
+def test_default_request_is_the_640_bucket_with_four_layers(ours):
+    request = ours["layered"].request("a cat", image=drawn_image(300, 200, 0))
+    assert (request.width, request.height, request.layers) == (768, 512, DEFAULT_LAYERS)
+    assert request.true_cfg_scale == 4.0 and request.negative_prompts is None
+    big = ours["layered"].request("a cat", image=drawn_image(300, 200, 0), resolution=1024)
+    assert (big.width, big.height) == (1248, 832)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (dict(layers=0), f"layers must be an integer in 1..{MAX_LAYERS}"),
+        (dict(layers=MAX_LAYERS + 1), "layers must be an integer"),
+        (dict(layers=2.5), "layers must be an integer"),
+        (dict(prompt=""), "needs a prompt describing the image"),
+        (dict(image=None), "works on input images: give at least one"),
+        (dict(resolution=640, width=64), "give either resolution or width/height"),
+        (dict(resolution=100), "resolution must be an integer in 256..4096"),
+        (dict(init_image=drawn_image(64, 64, 0)), "does not start from an image"),
+    ],
+)
+def test_bad_layered_requests_are_refused_in_one_line(ours, values, message):
+    values = {"prompt": "a cat", "image": drawn_image(64, 64, 0)} | values
+    with pytest.raises(InputError, match=message) as err:
+        ours["layered"].request(values.pop("prompt"), **values)
+    assert "\n" not in str(err.value)
+
+
+def test_layers_on_a_model_that_does_not_decompose_are_refused():
+    from pipelines.generation_request import resolve_request
+
+    with pytest.raises(InputError, match="does not decompose images into layers"):
+        resolve_request(inspect_checkpoint(None), "a cat", layers=3)
+
+
+def test_a_layered_transformer_under_another_pipeline_class_is_refused(checkpoints, tmp_path):
+    copy = tmp_path / "wrong-class"
+    shutil.copytree(checkpoints["layered"], copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    (copy / "model_index.json").write_text(json.dumps(index | {"_class_name": "QwenImagePipeline"}))
+    for weights in copy.rglob("*.safetensors"):
+        weights.write_bytes(b"not weights")  # refused from the configs: the weights are never read
+    with pytest.raises(CheckpointError, match="use_additional_t_cond, use_layer3d_rope is Qwen-Image-Layered"):
+        inspect_checkpoint(copy)
+
+
+def test_memory_plans_and_ulysses_are_refused_for_layered(checkpoints):
+    spec = inspect_checkpoint(checkpoints["layered"])
+    assert spec.decomposes and spec.images_required and spec.max_images == 1
+    assert not spec.sequence_parallel
+    assert spec.family.memory_profile(spec, 2, 2) is None
+
+
+@pytest.fixture(scope="module")
+def fp8(checkpoints, tmp_path_factory):
+    """The Layered checkpoint quantized on its built-in calibration (the edit set's images and prompts)."""
+    return quantize_checkpoint(
+        checkpoints["layered"], tmp_path_factory.mktemp("q") / "fp8", steps=2, size=64, device="cpu"
+    )
+
+
+def test_fp8_quantize_keeps_layered_and_fused_equals_unfused(fp8):
+    index = json.loads((fp8 / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageLayeredPipeline" and (fp8 / "processor").is_dir()
+    spec = inspect_checkpoint(fp8)
+    assert spec.fp8 and spec.decomposes
+    pipe = load_pipeline(fp8, variant="fp8-fused", device="cpu", dtype="bf16")
+    layers = pipe.transformer.config.num_layers
+    assert f"{4 * layers}/{4 * layers} block paths" in pipe.fusion_summary()
+    args = dict(image=drawn_image(96, 64, 3, "RGBA"), layers=3, num_inference_steps=2, seed=4)
+    fused = pipe.generate("a cat", negative_prompt="blurry", width=96, height=64, **args)
+    pipe.set_variant("fp8-unfused")
+    unfused = pipe.generate("a cat", negative_prompt="blurry", width=96, height=64, **args)
+    assert len(fused) == 3
+    assert [a.tobytes() for a in fused] == [b.tobytes() for b in unfused]
+    assert torch.equal(torch.tensor(np.asarray(fused[0])), torch.tensor(np.asarray(unfused[0])))
