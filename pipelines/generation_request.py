@@ -181,6 +181,8 @@ def resolve_request(
     if control is not None and cache is not None:
         raise InputError("cache: a step cache is not built for ControlNet requests yet: leave it out")
     layers = check_layers(spec, layers, prompts)
+    if layers is not None and cache is not None:
+        raise InputError("cache: a step cache is not built for Qwen-Image-Layered yet: leave it out")
     suggested = suggest_size(images) if images and suggest_size is not None else None
     if resolution is not None:
         suggested = resolution_size(resolution, images, width, height, spec.size_multiple)

@@ -120,8 +120,10 @@ def test_calibration_sets_the_model_cannot_take_are_refused_before_loading(
     drawn_image(40, 40, 1).save(tmp_path / "a.png")
     edit_set.write_text(json.dumps({"prompt": "two", "images": ["a.png", "a.png"]}) + "\n")
     cases = {
-        (str(bf16["edit"]), str(prompts)): f"request 1 ('a red fox'): {bf16['edit']} works on input images: give at "
-        "least one input image",
+        (
+            str(bf16["edit"]),
+            str(prompts),
+        ): f"request 1 ('a red fox'): {bf16['edit']} works on input images: give at least one input image",
         (
             str(bf16["edit"]),
             str(edit_set),

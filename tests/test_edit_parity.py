@@ -80,7 +80,10 @@ def test_fp8_fused_equals_unfused_over_an_edit_set(checkpoints, edit_set, tmp_pa
 def test_sets_the_model_cannot_run_are_refused_before_workers_start(checkpoints, edit_set, capsys) -> None:
     bf16 = checkpoints["bf16"]
     cases = {
-        (str(bf16), "smoke"): f"request 1 ({load_prompts('smoke')[0][:40]!r}): {bf16} works on input images: give at "
+        (
+            str(bf16),
+            "smoke",
+        ): f"request 1 ({load_prompts('smoke')[0][:40]!r}): {bf16} works on input images: give at "
         "least one input image",
         (
             None,

@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 import torch
 from edit_fixtures import drawn_image
-from layered_fixtures import build_layered_checkpoint, diffusers_layered_pipeline, diffusers_layers, small_size
+from layered_fixtures import (
+    build_layered_checkpoint,
+    diffusers_layered_pipeline,
+    diffusers_layers,
+    small_size,
+)
 
 from models.errors import CheckpointError, InputError
 from models.families import inspect_checkpoint
@@ -136,7 +141,9 @@ def test_a_layered_transformer_under_another_pipeline_class_is_refused(checkpoin
     (copy / "model_index.json").write_text(json.dumps(index | {"_class_name": "QwenImagePipeline"}))
     for weights in copy.rglob("*.safetensors"):
         weights.write_bytes(b"not weights")  # refused from the configs: the weights are never read
-    with pytest.raises(CheckpointError, match="use_additional_t_cond, use_layer3d_rope is Qwen-Image-Layered"):
+    with pytest.raises(
+        CheckpointError, match="use_additional_t_cond, use_layer3d_rope is Qwen-Image-Layered"
+    ):
         inspect_checkpoint(copy)
 
 

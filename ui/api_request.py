@@ -61,7 +61,9 @@ BASE_FIELDS = (
     *IGNORED,
 )
 FIELDS = (*BASE_FIELDS, *CONTROL_FIELDS)
-EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength")
+# extension fields of /v1/images/edits for a Qwen-Image-Layered checkpoint (each image's RGBA layers)
+LAYER_FIELDS = ("layers", "resolution")
+EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength", *LAYER_FIELDS)
 # The pipeline's argument names and the API parameters they come from (an error names the parameter).
 API_FIELDS = {name: name for name in (*EDIT_FIELDS, *CONTROL_FIELDS)} | {
     "width": "size",
@@ -185,6 +187,8 @@ def _job_of(
         control_mode=values.get("control_mode"),
         control_guidance_start=_or(number("control_guidance_start", whole=False), 0.0),
         control_guidance_end=_or(number("control_guidance_end", whole=False), 1.0),
+        layers=number("layers", whole=True),
+        resolution=number("resolution", whole=True),
     )
     job = Job(None, variant, request)
     check_work(job, limits)

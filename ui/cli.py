@@ -15,6 +15,7 @@ from models.cache_presets import CACHE_OFF, CACHE_PRESETS
 from models.errors import ParallelError, QwenImageError
 from models.family import DEFAULT_SEQUENCE_LENGTH, DEFAULT_TRUE_CFG_SCALE, MAX_SEQUENCE_LENGTH
 from pipelines.control import CONTROL_MODES
+from pipelines.generation_request import MAX_LAYERS
 from pipelines.launch_env import is_leader_process
 from pipelines.limits import (
     DTYPE_NAMES,
@@ -180,6 +181,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(edit)
     _add_gpus_arg(edit, "edit")
     edit.set_defaults(max_sequence_length=DEFAULT_SEQUENCE_LENGTH)  # Edit prompts ignore it, as in diffusers
+
+    layers = command(
+        "layers", "decompose an image into RGBA layers, one PNG each (a Qwen-Image-Layered checkpoint)"
+    )
+    layers.add_argument("image", metavar="IMAGE", help="the image to decompose (any format Pillow reads)")
+    layers.add_argument(
+        "--prompt",
+        required=True,
+        help="a caption of the image (diffusers captions an empty one with the vision-language model; "
+        "not built here)",
+    )
+    layers.add_argument(
+        "--layers", type=int, default=4, help=f"RGBA layers to decompose it into, 1..{MAX_LAYERS}"
+    )
+    layers.add_argument(
+        "--resolution",
+        type=int,
+        help="the output's area as a square of this side, at the image's aspect (diffusers' buckets: 640 "
+        "and 1024; default 640); or give --width and --height",
+    )
+    _add_sampling_args(
+        layers,
+        "the image's aspect at about 640x640 pixels, as diffusers",
+        (
+            "layers",
+            "output folder (created): layer-0.png, layer-1.png, ... (image-I-layer-J.png for several)",
+        ),
+    )
+    layers.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=DEFAULT_SEQUENCE_LENGTH,
+        help=f"text tokens kept, 1..{MAX_SEQUENCE_LENGTH}",
+    )
+    _add_lora_run_args(layers)
+    _add_model_args(layers)
+    layers.set_defaults(gpus=1)
 
     info = command("info", "components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
@@ -379,11 +417,14 @@ def _positive(kind: type) -> Callable[[str], float]:
     return parse
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser, size_default: str) -> None:
-    """The options `generate` and `edit` share: output, negative prompt, size, steps, CFG, seed, count."""
-    parser.add_argument(
-        "-o", "--out", default="out.png", help="output PNG (index appended for several images)"
-    )
+def _add_sampling_args(
+    parser: argparse.ArgumentParser,
+    size_default: str,
+    out: tuple[str, str] = ("out.png", "output PNG (index appended for several images)"),
+) -> None:
+    """The options `generate`, `edit` and `layers` share: output (default, help), negative prompt, size,
+    steps, CFG, seed, count."""
+    parser.add_argument("-o", "--out", default=out[0], help=out[1])
     parser.add_argument(
         "--negative-prompt",
         help="enables true CFG when --true-cfg-scale > 1 (default: the model's: none for diffusers "

@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 import socket
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,8 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
         "control_guidance_end": getattr(args, "control_end", 1.0),
         "control_mask": None if control_mask is None else open_input_image(control_mask, MAX_INPUT_BYTES),
     }
-    return values | {"strength": getattr(args, "strength", None)}
+    layered = {name: getattr(args, name, None) for name in ("layers", "resolution")}
+    return values | layered | {"strength": getattr(args, "strength", None)}
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
@@ -196,13 +199,40 @@ def cmd_edit(args: argparse.Namespace) -> None:
     run_generation(args, spec, images)
 
 
-def run_generation(args: argparse.Namespace, spec: CheckpointSpec, images: list[PIL.Image.Image]) -> None:
-    """`generate` and `edit` (with input `images`): the request resolved and checked, the ranks started when
-    asked (each reads the image files itself), then the model loaded and the request run. Before loading,
-    the checkpoint's default size stands in for the size input images suggest (the loaded model's)."""
-    image_paths(Path(args.out), args.num_images_per_prompt)
+def cmd_layers(args: argparse.Namespace) -> None:
+    spec = check_model_args(args)
+    if not spec.decomposes:
+        raise InputError(
+            f"{spec.name} does not decompose images into layers: give `qwen-image layers` a "
+            "Qwen-Image-Layered checkpoint (its model_index.json names QwenImageLayeredPipeline)"
+        )
+    images = read_input_images([args.image], spec.max_images, spec.images_required, spec.name)
+    run_generation(args, spec, images, partial(layer_paths, layers=args.layers))
+
+
+def layer_paths(out: Path, count: int, layers: int) -> list[Path]:
+    """Where `count` layers go, `layers` per image: `out/layer-J.png`, or `out/image-I-layer-J.png` for
+    several images. `out` may be new; its parent must exist, and it must not be a file."""
+    if (out.exists() and not out.is_dir()) or not out.parent.is_dir():
+        raise InputError(f"output {out} must be a folder whose parent exists")
+    if count == layers:
+        return [out / f"layer-{j}.png" for j in range(layers)]
+    return [out / f"image-{i}-layer-{j}.png" for i in range(count // layers) for j in range(layers)]
+
+
+def run_generation(
+    args: argparse.Namespace,
+    spec: CheckpointSpec,
+    images: list[PIL.Image.Image],
+    outputs: Callable[[Path, int], list[Path]] = image_paths,
+) -> None:
+    """`generate`, `edit` (with input `images`) and `layers` (writing `outputs`): the request resolved and
+    checked, the ranks started when asked (each reads the image files itself), then the model loaded and the
+    request run. Before loading, the checkpoint's default size stands in for the size input images suggest
+    (the loaded model's)."""
     values = request_values(args, images)
     checked = resolve_request(spec, args.prompt, **values)
+    outputs(Path(args.out), checked.outputs)
     budget = memory_budget(args)
     workload = checked.workload()
     if budget is not None and not (args.device or "cuda").startswith("cpu"):
@@ -221,7 +251,8 @@ def run_generation(args: argparse.Namespace, spec: CheckpointSpec, images: list[
     [result] = pipe.run([pipe.request(args.prompt, **values)], progress=is_leader_process())
     if not is_leader_process():
         return
-    paths = image_paths(Path(args.out), len(result.images))
+    paths = outputs(Path(args.out), len(result.images))
+    paths[0].parent.mkdir(exist_ok=True)
     for image, path in zip(result.images, paths, strict=True):
         save_image(image, path)
     print_run(pipe, paths)
@@ -492,6 +523,7 @@ def serving_message(host: str, port: int, accounts: int, limits: Limits) -> str:
 COMMANDS = {
     "generate": cmd_generate,
     "edit": cmd_edit,
+    "layers": cmd_layers,
     "info": cmd_info,
     "quantize": cmd_quantize,
     "ui": cmd_ui,

@@ -20,10 +20,14 @@ MAX_IMAGES_PER_REQUEST = 10  # images one request may ask for, on the page and i
 EDIT_INPUT_PIXELS = 1024 * 1024
 
 
-def work_of(width: int, height: int, steps: int, images: int, true_cfg: bool, inputs: int = 0) -> float:
+def work_of(
+    width: int, height: int, steps: int, images: int, true_cfg: bool, inputs: int = 0, frames: int = 1
+) -> float:
     """A request's cost in megapixel-steps (true CFG runs the transformer twice per step); `inputs` input
-    images of an edit add their pixels to the output's."""
-    return (width * height + inputs * EDIT_INPUT_PIXELS) / 1e6 * steps * images * (2 if true_cfg else 1)
+    images of an edit add their pixels to the output's; a Layered request denoises `frames` (its layers and
+    the whole image) at the output's size."""
+    pixels = width * height * frames + inputs * EDIT_INPUT_PIXELS
+    return pixels / 1e6 * steps * images * (2 if true_cfg else 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,9 +85,9 @@ class Job:
     @property
     def work(self) -> float:
         r = self.request
-        return work_of(
-            r.width, r.height, r.num_inference_steps, r.num_images_per_prompt, r.true_cfg, len(r.images)
-        )
+        frames = 1 if r.layers is None else r.layers + 1
+        steps, images = r.num_inference_steps, r.num_images_per_prompt
+        return work_of(r.width, r.height, steps, images, r.true_cfg, len(r.images), frames)
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,91 @@
+"""Qwen-Image-Layered through the front doors, on a checkpoint written by diffusers' own classes: the
+`qwen-image layers IMAGE -o DIR` command (one PNG per layer) and the HTTP server's `/v1/images/edits` with
+the `layers` extension field (the official openai client) each give the Python API's bytes; a misfit is one
+clear line."""
+
+import base64
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import PIL.Image
+import pytest
+from edit_fixtures import drawn_image
+from helpers import REPO, png_sha256
+from layered_fixtures import build_layered_checkpoint
+from test_control_front_ends import openai_client
+
+from pipelines import load_pipeline
+
+ARGS = dict(width=64, height=48, num_inference_steps=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_layered_checkpoint(tmp_path_factory.mktemp("layfront") / "layered", seed=3)
+
+
+@pytest.fixture(scope="module")
+def pipe(checkpoint: Path):
+    return load_pipeline(checkpoint, variant="reference", device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("photo") / "poster.png"
+    drawn_image(80, 60, 4, "RGBA").save(path)
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "ui.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_layers_command_writes_one_png_per_layer_with_the_api_bytes(pipe, checkpoint, photo, tmp_path):
+    out = tmp_path / "layers"
+    result = run_cli(
+        "layers", str(photo), "--prompt", "a poster", "--layers", "3", "--model", str(checkpoint),
+        "--device", "cpu", "--dtype", "fp32", "--variant", "reference", "--width", "64", "--height", "48",
+        "--steps", "2", "--seed", "5", "-o", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    written = sorted(out.iterdir())
+    assert [p.name for p in written] == ["layer-0.png", "layer-1.png", "layer-2.png"]
+    expected = pipe.generate("a poster", image=PIL.Image.open(photo), layers=3, **ARGS)
+    for path, image in zip(written, expected, strict=True):
+        assert PIL.Image.open(path).mode == "RGBA"
+        assert png_sha256(PIL.Image.open(path)) == png_sha256(image)
+
+
+def test_layers_command_refusals_are_one_line(checkpoint, photo, tmp_path):
+    cases = [
+        (["--model", str(checkpoint), "--layers", "0"], "layers must be an integer in 1..16"),
+        (["--model", str(checkpoint), "--resolution", "640", "--width", "64"], "either resolution"),
+        ([], "does not decompose images into layers"),  # the embedded text-to-image model
+    ]
+    for extra, message in cases:
+        result = run_cli("layers", str(photo), "--prompt", "a poster", "-o", str(tmp_path / "o"), *extra)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_openai_client_asks_for_layers_as_an_extension_field(pipe, photo):
+    with openai_client(pipe) as client, open(photo, "rb") as file:
+        response = client.images.edit(
+            image=file, prompt="a poster", size="64x48", extra_body={"layers": 2, "seed": 5,
+                                                                    "num_inference_steps": 2},
+        )  # fmt: skip
+        got = [PIL.Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in response.data]
+        expected = pipe.generate("a poster", image=PIL.Image.open(photo), layers=2, **ARGS)
+        assert len(got) == 2 and {g.mode for g in got} == {"RGBA"}
+        assert [png_sha256(g) for g in got] == [png_sha256(e) for e in expected]
+        with open(photo, "rb") as again, pytest.raises(openai.BadRequestError) as caught:
+            client.images.edit(image=again, prompt="a poster", size="64x48", extra_body={"layers": 99})
+        error = caught.value.body["error"] if "error" in caught.value.body else caught.value.body
+        assert error["param"] == "layers" and "1..16" in error["message"], error
