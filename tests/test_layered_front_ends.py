@@ -87,5 +87,5 @@ def test_openai_client_asks_for_layers_as_an_extension_field(pipe, photo):
         assert [png_sha256(g) for g in got] == [png_sha256(e) for e in expected]
         with open(photo, "rb") as again, pytest.raises(openai.BadRequestError) as caught:
             client.images.edit(image=again, prompt="a poster", size="64x48", extra_body={"layers": 99})
-        error = caught.value.body["error"] if "error" in caught.value.body else caught.value.body
+        error = caught.value.body.get("error", caught.value.body)
         assert error["param"] == "layers" and "1..16" in error["message"], error
