@@ -14,11 +14,15 @@ import openai
 import PIL.Image
 import pytest
 from edit_fixtures import drawn_image
+from gradio_client import Client, handle_file
 from helpers import REPO, png_sha256
 from layered_fixtures import build_layered_checkpoint
 from test_control_front_ends import openai_client
 
 from pipelines import load_pipeline
+from ui.app import build_app
+from ui.limits import Limits
+from ui.uploads import upload_options
 
 ARGS = dict(width=64, height=48, num_inference_steps=2, seed=5)
 
@@ -89,3 +93,23 @@ def test_openai_client_asks_for_layers_as_an_extension_field(pipe, photo):
             client.images.edit(image=again, prompt="a poster", size="64x48", extra_body={"layers": 99})
         error = caught.value.body.get("error", caught.value.body)
         assert error["param"] == "layers" and "1..16" in error["message"], error
+
+
+@pytest.mark.slow
+def test_demo_layers_tab_gives_the_python_api_layers(pipe, photo):
+    app = build_app(pipe, Limits.for_device("cpu"))
+    _, url, _ = app.launch(
+        server_name="127.0.0.1", prevent_thread_lock=True, quiet=True, **upload_options(True)
+    )
+    try:
+        client = Client(url, verbose=False, analytics_enabled=False)
+        images, seed, details = client.predict(
+            prompt="a poster", negative_prompt="", size="custom", width=64, height=48, num_inference_steps=2,
+            true_cfg_scale=4.0, seed=5, randomize_seed=False, num_images=1, image_1=handle_file(photo),
+            layers=3, variant=pipe.variant, api_name="/edit",
+        )  # fmt: skip
+    finally:
+        app.close()
+    expected = pipe.generate("a poster", image=PIL.Image.open(photo), layers=3, **ARGS)
+    assert [png_sha256(PIL.Image.open(i["image"])) for i in images] == [png_sha256(e) for e in expected]
+    assert seed == 5 and "2 steps" in details

@@ -17,6 +17,7 @@ from typing import Any
 
 import gradio as gr
 
+from pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
 from ui.controls import settings_controls, settings_fields
 from ui.generation import (
     CUSTOM,
@@ -45,10 +46,12 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
     endpoint (None: private, when another form already offers "/stop")."""
     starts = starts_from_image(pipe)
     controls = starts and getattr(pipe.spec, "takes_control", False)
+    decomposes = getattr(pipe.spec, "decomposes", False)
     count = max(pipe.spec.max_images, 1)
     names = {1: "Start image" if starts else "Input image"} if count == 1 else {}
     start_inputs = {}
-    with gr.Tabs(), gr.Tab("Image to image" if starts else "Edit", id="edit"), gr.Row():
+    title = "Image to image" if starts else "Layers" if decomposes else "Edit"
+    with gr.Tabs(), gr.Tab(title, id="edit"), gr.Row():
         with gr.Column(scale=5):
             with gr.Row():
                 images = [
@@ -89,6 +92,15 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                     label="Strength: the share of the steps that rework the image (1: from noise)",
                     elem_id="edit_strength",
                 )
+            if decomposes:
+                start_inputs["layers"] = gr.Slider(
+                    1,
+                    MAX_LAYERS,
+                    DEFAULT_LAYERS,
+                    step=1,
+                    label="Layers: the RGBA layers the image is decomposed into",
+                    elem_id="edit_layers",
+                )
             if controls:
                 start_inputs["role"] = gr.Radio(
                     list(IMAGE_ROLES),
@@ -107,6 +119,8 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
             choice = (
                 "from the start image"
                 if starts
+                else "from the image (about 640×640, its aspect)"
+                if decomposes
                 else f"from the images (about 1024×1024, the {which} image's aspect)"
             )
             size = gr.Radio(
@@ -118,7 +132,7 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
             settings = settings_controls(pipe, variants, prefix="edit_")
         with gr.Column(scale=6):
             gallery = gr.Gallery(
-                label="Images" if starts else "Edited",
+                label="Images" if starts else "Layers" if decomposes else "Edited",
                 format="png",
                 buttons=["download", "fullscreen"],
                 columns=2,

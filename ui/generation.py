@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from PIL import Image
 
 from models.errors import InputError
-from pipelines.generation_request import DEFAULT_STRENGTH, GenerationRequest
+from pipelines.generation_request import DEFAULT_LAYERS, DEFAULT_STRENGTH, GenerationRequest
 from pipelines.images import MAX_INPUT_BYTES, open_input_image
 from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
 from ui.runner import Job
@@ -200,7 +200,10 @@ def job_from_edit_inputs(
         raise FieldError("size", f"size {size!r} must be {FROM_IMAGES!r} or {CUSTOM!r}")
     form = {**values, "aspect": size}
     if not starts_from_image(pipe):
-        return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images})
+        layers = {}
+        if getattr(pipe.spec, "decomposes", False):
+            layers = {"layers": whole_field("layers", values.get("layers", DEFAULT_LAYERS))}
+        return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images, **layers})
     mask = values.get("mask")
     role = values.get("role", "start")
     if role not in IMAGE_ROLES or (role != "start" and not getattr(pipe.spec, "takes_control", False)):
