@@ -74,6 +74,19 @@ def load(args: argparse.Namespace) -> tuple[object, dict]:
     return pipe, info
 
 
+def side_by_side(images: list) -> object:
+    """The one image a request compares by: its image, or a Layered request's layers left to right (equal
+    bytes only where every layer's are equal)."""
+    if len(images) == 1:
+        return images[0]
+    import PIL.Image
+
+    strip = PIL.Image.new(images[0].mode, (sum(i.width for i in images), images[0].height))
+    for index, image in enumerate(images):
+        strip.paste(image, (index * image.width, 0))
+    return strip
+
+
 def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
     from pipelines.requests import Request
 
@@ -100,7 +113,7 @@ def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
         cache=cache,
         **inputs,
     )
-    images[0].save(request["png"], format="PNG")
+    side_by_side(images).save(request["png"], format="PNG")
     run = pipe.last_run
     return {
         "event": "done",

@@ -6,11 +6,15 @@ every refusal in one line before anything runs."""
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 from edit_fixtures import drawn_image
+from helpers import REPO
 from layered_fixtures import (
     build_layered_checkpoint,
     diffusers_layered_pipeline,
@@ -177,3 +181,19 @@ def test_fp8_quantize_keeps_layered_and_fused_equals_unfused(fp8):
     assert len(fused) == 3
     assert [a.tobytes() for a in fused] == [b.tobytes() for b in unfused]
     assert torch.equal(torch.tensor(np.asarray(fused[0])), torch.tensor(np.asarray(unfused[0])))
+
+
+@pytest.mark.cpu_dtype
+def test_eval_parity_over_the_edit_set_compares_every_layer(fp8, tmp_path):
+    """The built-in `edit` set (drawn images and prompts), each request's layers side by side in its PNG."""
+    command = [sys.executable, "-m", "eval.parity", "--model", str(fp8), "--prompts", "edit", "--a",
+               "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--size", "64x48", "--out",
+               str(tmp_path / "out"), "--expect", "identical"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verdict: PASS (identical on all" in result.stdout
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    first = report["pairs"][0]
+    strip = PIL.Image.open(tmp_path / "out" / first["a"]["image"])
+    assert strip.size == (64 * DEFAULT_LAYERS, 48) and strip.mode == "RGBA"
+    assert len({p["a"]["png_sha256"] for p in report["pairs"]}) == len(report["pairs"]) > 1
