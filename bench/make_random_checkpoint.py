@@ -10,12 +10,15 @@ two of the built-in image + instruction pairs. `--qi21` writes a Qwen-Image 2.1 
 the 32-layer 7B DiT unless `--layers`, Qwen3-VL-8B with its vision tower, the 16x VAE, the Qwen3-VL
 processor), calibrated on one prompt with the family's recipe. `--controlnet N` adds an N-block ControlNet
 (`QwenImageControlNetPipeline`; InstantX's Union has 5; with `--inpaint` an inpainting one), calibrated on a
-prompt and an edge-map request.
+prompt and an edge-map request. `--layered` writes a Qwen-Image-Layered one (`QwenImageLayeredPipeline`: the
+DiT with the layer-3D RoPE and task embedding, the RGBA VAE, the processor), calibrated on two built-in image
++ prompt pairs decomposed into four layers.
 
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60] [--edit]
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-21-random-fp8 --qi21
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8mod --fp8-modulation
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-controlnet-random-fp8 --controlnet 5
+    python bench/make_random_checkpoint.py --out /tmp/qwen-image-layered-random-fp8 --layered
 """
 
 import argparse
@@ -55,6 +58,9 @@ from models.qwen_image_edit.conditioning import load_processor
 from models.qwen_image_edit.config import EDIT_KINDS
 from models.qwen_image_edit.family import FAMILY as EDIT_FAMILY
 from models.qwen_image_edit.model import QwenImageEditModel
+from models.qwen_image_layered.components import LayeredComponents
+from models.qwen_image_layered.family import FAMILY as LAYERED_FAMILY
+from models.qwen_image_layered.model import QwenImageLayeredModel
 from pipelines.pipeline import Pipeline
 from pipelines.quantize import quantize_pipeline
 from pipelines.requests import Request, edit_requests_for
@@ -66,18 +72,22 @@ def full_size_components(
     edit: bool = False,
     controlnet_layers: int = 0,
     controlnet_inpaints: bool = False,
+    layered: bool = False,
 ) -> Components:
     """Random-weight components at the public checkpoint's sizes, built on `device` in bf16 (`edit`: an
     Edit-2511 DiT with `zero_cond_t` and the full vision tower; `controlnet_layers`: a ControlNet of that
-    many blocks, `controlnet_inpaints`: an inpainting one)."""
+    many blocks, `controlnet_inpaints`: an inpainting one; `layered`: Qwen-Image-Layered's DiT and RGBA
+    VAE)."""
     torch.manual_seed(0)
     config = qwen25_vl_7b_config(vision=edit)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval().requires_grad_(False)
-        dit = QwenImageConfig(num_layers=layers, zero_cond_t=edit)
+        dit = QwenImageConfig(
+            num_layers=layers, zero_cond_t=edit, use_additional_t_cond=layered, use_layer3d_rope=layered
+        )
         transformer = QwenImageTransformer(dit).eval().requires_grad_(False)
-        vae = AutoencoderKLQwenImage().eval().requires_grad_(False)
+        vae = AutoencoderKLQwenImage(input_channels=4 if layered else 3).eval().requires_grad_(False)
         controlnet = None
         if controlnet_layers:
             mask_channels = 4 if controlnet_inpaints else 0  # the mask packed 2x2
@@ -134,6 +144,15 @@ def edit_model(components: Components, device: torch.device, work: Path) -> Qwen
     return QwenImageEditModel(edit, device, torch.bfloat16)
 
 
+def layered_model(components: Components, device: torch.device, work: Path) -> QwenImageLayeredModel:
+    """The components as a Qwen-Image-Layered model, with the Qwen2-VL processor its pipeline lists."""
+    Qwen2VLImageProcessorPil().save_pretrained(work)
+    components.tokenizer.save_pretrained(work)
+    shared = {f.name: getattr(components, f.name) for f in fields(Components)}
+    layered = LayeredComponents(**shared, processor=load_processor(work))
+    return QwenImageLayeredModel(layered, device, torch.bfloat16)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -150,6 +169,7 @@ def main() -> None:
     parser.add_argument("--qi21", action="store_true", help="a Qwen-Image 2.1 checkpoint (32 layers)")
     parser.add_argument("--controlnet", type=int, default=0, metavar="N", help="add an N-block ControlNet")
     parser.add_argument("--inpaint", action="store_true", help="with --controlnet: an inpainting ControlNet")
+    parser.add_argument("--layered", action="store_true", help="a Qwen-Image-Layered checkpoint")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
@@ -158,12 +178,17 @@ def main() -> None:
         family, prompts = FAMILY21, ["a red fox in the snow"]
     else:
         layers = args.layers or QwenImageConfig().num_layers
-        components = full_size_components(layers, device, args.edit, args.controlnet, args.inpaint)
+        components = full_size_components(
+            layers, device, args.edit, args.controlnet, args.inpaint, args.layered
+        )
     print(f"built full-size random components in {time.time() - start:.0f} s", flush=True)
     if args.edit:
         model = edit_model(components, device, Path(tempfile.mkdtemp(prefix="processor_")))
         requests = edit_requests_for(3)
         family, prompts = EDIT_FAMILY, [requests[0], requests[-1]]  # a one-image and a three-image pair
+    elif args.layered:
+        model = layered_model(components, device, Path(tempfile.mkdtemp(prefix="processor_")))
+        family, prompts = LAYERED_FAMILY, edit_requests_for(1)[:2]
     elif not args.qi21:
         model = QwenImageModel(components, device, torch.bfloat16)
         family, prompts = FAMILY, ["a red fox in the snow"]
