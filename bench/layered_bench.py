@@ -59,7 +59,7 @@ def main() -> None:
     request = pipe.request("x", resolution=640, **common)
     result["size"] = [request.width, request.height]
     sized = dict(common, width=request.width, height=request.height)
-    result["exact"] = exactness(pipe, common, request.width)
+    result["exact"] = exactness(pipe, dict(image=image, layers=args.layers), request.width)
     print(f"exactness at {request.width}x{request.height}: {result['exact']}", flush=True)
     row = per_image(pipe, args.runs, num_inference_steps=args.full_steps, **sized)
     result["per_image"] = row
