@@ -168,7 +168,7 @@ if stage layered; then
             2>&1 | grep -v Loading | tail -5
     fi
     timeout 480 python3 bench/layered_bench.py --model "$LAYERED_CKPT" --out "$OUT/layered_bench.json" 2>&1 \
-        | grep -v Warn | tail -8 | tee "$OUT/layered_bench.txt"
+        | grep -v Warn | tail -30 | tee "$OUT/layered_bench.txt"
 fi
 if stage cache-qi21; then
     # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on).
