@@ -101,6 +101,7 @@ class CheckpointSpec:
     takes_control: bool = False  # it holds a ControlNet: a request may carry control images
     control_inpaints: bool = False  # an inpainting ControlNet: one control image and its mask
     decomposes: bool = False  # Qwen-Image-Layered: a request's image comes back as `layers` RGBA layers
+    captions: bool = False  # an empty prompt is filled with the model's caption of the input image
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
 
 
@@ -246,6 +247,11 @@ class FamilyModel(ABC):
     def sigmas(self, steps: int) -> np.ndarray:
         """The sigma grid of `steps` steps, before the scheduler's shift (diffusers' Qwen-Image default)."""
         return np.linspace(1.0, 1 / steps, steps)
+
+    def caption(self, image: PIL.Image.Image, width: int, height: int, english: bool) -> str:
+        """For a family whose spec `captions`: its vision-language model's caption of `image` at the output
+        size, in English or Chinese (`english` False), as its diffusers pipeline writes one."""
+        raise NotImplementedError(f"{type(self).__name__} does not caption images")
 
     def time_shift(self, canvas: Any) -> float | None:
         """The scheduler's dynamic shift `mu` for this canvas; None: diffusers' Qwen-Image rule, from the

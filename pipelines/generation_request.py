@@ -63,6 +63,12 @@ class GenerationRequest:
     start: StartImage | None = None  # img2img / inpainting; None: from noise
     control: Control | None = None  # ControlNet control images; None: none
     layers: int | None = None  # Qwen-Image-Layered: RGBA layers per image; None: one image per row
+    use_en_prompt: bool = False  # a captioned empty prompt: the English caption instruction (else Chinese)
+
+    @property
+    def captioned(self) -> bool:
+        """Whether its one prompt is empty, so a model that captions fills it (diffusers' "", " ")."""
+        return len(self.prompts) == 1 and self.prompts[0] in ("", " ")
 
     @property
     def steps_run(self) -> int:
@@ -151,6 +157,7 @@ def resolve_request(
     control_mask: PIL.Image.Image | None = None,
     layers: int | None = None,
     resolution: int | None = None,
+    use_en_prompt: bool = False,
 ) -> GenerationRequest:
     """The request for `spec`'s checkpoint from raw values (docs/API.md, `Pipeline.generate`): each side not
     given is what the input images suggest (`suggest_size`, the loaded model's; without it, or without
@@ -160,7 +167,8 @@ def resolve_request(
     `mask_image` only its white part (inpainting); `control_image`s guide a ControlNet checkpoint
     (pipelines/control.py; the first one's size is the default; `control_mask` the part an inpainting
     ControlNet repaints); `layers` is how many RGBA layers a Qwen-Image-Layered checkpoint decomposes the
-    image into; `resolution` sets the size as a square of that side at the first input image's aspect
+    image into (an empty prompt is then its caption: `use_en_prompt` asks for it in English, else Chinese, as
+    diffusers); `resolution` sets the size as a square of that side at the first input image's aspect
     (diffusers' Layered `resolution`). InputError names the first bad value;
     `loras`, when given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
@@ -180,7 +188,9 @@ def resolve_request(
     cache = get_cache_preset(cache)
     if control is not None and cache is not None:
         raise InputError("cache: a step cache is not built for ControlNet requests yet: leave it out")
-    layers = check_layers(spec, layers, prompts)
+    layers = check_layers(spec, layers)
+    if not isinstance(use_en_prompt, bool) or (use_en_prompt and not spec.captions):
+        raise InputError(f"use_en_prompt: {spec.name} does not caption images (Qwen-Image-Layered does)")
     if layers is not None and cache is not None:
         raise InputError("cache: a step cache is not built for Qwen-Image-Layered yet: leave it out")
     suggested = suggest_size(images) if images and suggest_size is not None else None
@@ -197,8 +207,9 @@ def resolve_request(
     scale = suggested_run.true_cfg_scale if true_cfg_scale is None else true_cfg_scale
     if isinstance(seed, tuple):
         seed = list(seed)
+    captioned = spec.captions and prompts in ([""], [" "])  # the model writes it (diffusers' rule)
     check_generation_args(
-        prompts,
+        ["caption"] if captioned else prompts,
         negatives,
         width,
         height,
@@ -232,6 +243,7 @@ def resolve_request(
         start=start,
         control=control,
         layers=layers,
+        use_en_prompt=use_en_prompt,
     )
 
 
@@ -266,21 +278,15 @@ def check_start(spec: CheckpointSpec, image: object, strength: object, mask: obj
     return StartImage(image, float(strength), mask)
 
 
-def check_layers(spec: CheckpointSpec, layers: object, prompts: list[str]) -> int | None:
+def check_layers(spec: CheckpointSpec, layers: object) -> int | None:
     """The request's layer count: DEFAULT_LAYERS for a checkpoint that `decomposes`, None otherwise;
-    InputError for layers asked of another checkpoint, outside 1..MAX_LAYERS, or an empty prompt (diffusers
-    then captions the image with the vision-language model, which is not built here)."""
+    InputError for layers asked of another checkpoint or outside 1..MAX_LAYERS."""
     if not spec.decomposes:
         if layers is not None:
             raise InputError(
                 f"layers: {spec.name} does not decompose images into layers (Qwen-Image-Layered does)"
             )
         return None
-    if any(not prompt.strip() for prompt in prompts):
-        raise InputError(
-            "prompt: Qwen-Image-Layered needs a prompt describing the image (automatic captioning of an "
-            "empty prompt is not built)"
-        )
     if layers is None:
         return DEFAULT_LAYERS
     if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:

@@ -69,6 +69,7 @@ class RunInfo:
     loras: str = ""  # the LoRAs that ran, with scales and mode ("" without LoRA)
     shared_by: int = 1  # requests that shared its denoising steps (their seconds are in each one's timings)
     cache: str = ""  # the step cache and the steps it skipped ("" without one)
+    caption: str = ""  # the model's caption that stood for an empty prompt ("" when none did)
 
     @property
     def ms_per_step(self) -> float:
@@ -414,6 +415,7 @@ class Pipeline:
         control_mask: PIL.Image.Image | None = None,
         layers: int | None = None,
         resolution: int | None = None,
+        use_en_prompt: bool = False,
     ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `init_image` starts from an
         image (img2img, `strength` of the schedule reworking it), `mask_image` repaints only its white part
@@ -422,10 +424,11 @@ class Pipeline:
         `control_mode="canny"` makes the edge map from a photo; an inpainting ControlNet repaints
         `control_mask`'s white part of its one control image). A Qwen-Image-Layered checkpoint decomposes
         `image` into `layers` RGBA layers (each image's in a row), at `resolution` (the side of a square
-        of the output's area; default 640) or `width` x `height`. `seed` may give one seed per
-        prompt: each prompt's images then start from its own seed's noise, as when generated alone. Details
-        of the run land in `self.last_run`. `output_type="latent"` returns the final packed latents and skips
-        decoding (as diffusers' pipelines do). One request through `run`."""
+        of the output's area; default 640) or `width` x `height`; an empty prompt is its caption of the
+        image (`use_en_prompt`: in English; the caption lands in `last_run.caption`). `seed` may give one
+        seed per prompt: each prompt's images then start from its own seed's noise, as when generated
+        alone. Details of the run land in `self.last_run`. `output_type="latent"` returns the final packed
+        latents and skips decoding (as diffusers' pipelines do). One request through `run`."""
         request = self.request(
             prompt,
             negative_prompt=negative_prompt,
@@ -451,6 +454,7 @@ class Pipeline:
             control_mask=control_mask,
             layers=layers,
             resolution=resolution,
+            use_en_prompt=use_en_prompt,
         )
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
@@ -535,10 +539,14 @@ class Pipeline:
     def _branches(self, request: GenerationRequest) -> "_Encoded":
         """The request's conditioning per CFG branch (its prompts together, each repeated per image)."""
         n, length, images = request.num_images_per_prompt, request.max_sequence_length, list(request.images)
-        branches = [self.encode(list(request.prompts), length, n, images)]
+        prompts, caption = list(request.prompts), ""
+        if self.spec.captions and request.captioned:
+            caption = self.model.caption(images[0], request.width, request.height, request.use_en_prompt)
+            prompts = [caption]
+        branches = [self.encode(prompts, length, n, images)]
         if request.true_cfg:
             branches.append(self.encode(list(request.negative_prompts), length, n, images))
-        return _Encoded(branches)
+        return _Encoded(branches, caption=caption)
 
     def _denoise_group(
         self,
@@ -603,6 +611,7 @@ class Pipeline:
                 loras=self.lora.summary(),
                 shared_by=len(group),
                 cache=cache_summary(first.cache, caches, position * first.rows, first.rows, first.steps_run),
+                caption=encoded[index].caption,
             )
             done.append((index, Generated(out, info)))
         return done
@@ -745,6 +754,7 @@ class _Encoded:
 
     branches: list[Conditioning]
     timings: dict[str, float] = field(default_factory=dict)
+    caption: str = ""
 
     @property
     def shapes(self) -> tuple:

@@ -19,6 +19,7 @@ from layered_fixtures import (
     build_layered_checkpoint,
     diffusers_layered_pipeline,
     diffusers_layers,
+    small_layered_area,
     small_size,
 )
 
@@ -117,7 +118,7 @@ def test_default_request_is_the_640_bucket_with_four_layers(ours):
         (dict(layers=0), f"layers must be an integer in 1..{MAX_LAYERS}"),
         (dict(layers=MAX_LAYERS + 1), "layers must be an integer"),
         (dict(layers=2.5), "layers must be an integer"),
-        (dict(prompt=""), "needs a prompt describing the image"),
+        (dict(use_en_prompt="yes"), "use_en_prompt"),
         (dict(image=None), "works on input images: give at least one"),
         (dict(resolution=640, width=64), "give either resolution or width/height"),
         (dict(resolution=100), "resolution must be an integer in 256..4096"),
@@ -136,6 +137,45 @@ def test_layers_on_a_model_that_does_not_decompose_are_refused():
 
     with pytest.raises(InputError, match="does not decompose images into layers"):
         resolve_request(inspect_checkpoint(None), "a cat", layers=3)
+    with pytest.raises(InputError, match="does not caption images"):
+        resolve_request(inspect_checkpoint(None), "a cat", use_en_prompt=True)
+
+
+def test_caption_prompts_are_diffusers_own():
+    from diffusers import QwenImageLayeredPipeline
+
+    from models.qwen_image_layered.caption import CAPTION_PROMPT_CN, CAPTION_PROMPT_EN
+
+    empty = dict.fromkeys(("scheduler", "vae", "text_encoder", "tokenizer", "processor", "transformer"))
+    theirs = QwenImageLayeredPipeline(**empty)
+    assert (
+        theirs.image_caption_prompt_en,
+        theirs.image_caption_prompt_cn,
+    ) == (CAPTION_PROMPT_EN, CAPTION_PROMPT_CN)
+
+
+@pytest.mark.parametrize(("prompt", "english"), [("", True), (" ", False)])
+def test_an_empty_prompt_is_captioned_as_diffusers_captions_it(checkpoints, ours, prompt, english):
+    """diffusers captions an empty prompt with the text encoder's generation (the instruction and the image
+    resized to the output), then decomposes with that caption: the same caption and the same layers."""
+    picture = drawn_image(100, 70, 2, "RGBA")
+    theirs = diffusers_layered_pipeline(checkpoints["layered"])
+    width, height = small_size(picture)
+    with small_layered_area():
+        caption = theirs.get_image_caption(
+            theirs.image_processor.resize(picture, height, width), use_en_prompt=english, device="cpu"
+        )
+        expected = theirs(
+            image=picture, prompt=prompt, negative_prompt="blurry", layers=2, num_inference_steps=2,
+            use_en_prompt=english, generator=torch.Generator().manual_seed(3),
+        ).images[0]  # fmt: skip
+    pipe = ours["layered"]
+    got = pipe.generate(
+        prompt, image=picture, negative_prompt="blurry", layers=2, width=width, height=height,
+        num_inference_steps=2, seed=3, use_en_prompt=english,
+    )  # fmt: skip
+    assert pipe.last_run.caption == caption
+    assert [a.tobytes() for a in got] == [b.tobytes() for b in expected]
 
 
 def test_a_layered_transformer_under_another_pipeline_class_is_refused(checkpoints, tmp_path):

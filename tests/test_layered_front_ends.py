@@ -113,3 +113,24 @@ def test_demo_layers_tab_gives_the_python_api_layers(pipe, photo):
     expected = pipe.generate("a poster", image=PIL.Image.open(photo), layers=3, **ARGS)
     assert [png_sha256(PIL.Image.open(i["image"])) for i in images] == [png_sha256(e) for e in expected]
     assert seed == 5 and "2 steps" in details
+
+
+def test_an_empty_prompt_is_captioned_through_the_cli_and_http(pipe, checkpoint, photo, tmp_path):
+    expected = pipe.generate("", image=PIL.Image.open(photo), layers=2, use_en_prompt=True, **ARGS)
+    caption = pipe.last_run.caption
+    assert caption
+    out = tmp_path / "captioned"
+    result = run_cli(
+        "layers", str(photo), "--use-en-prompt", "--layers", "2", "--model", str(checkpoint), "--device",
+        "cpu", "--dtype", "fp32", "--variant", "reference", "--width", "64", "--height", "48", "--steps", "2",
+        "--seed", "5", "-o", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    printed = f"caption (the model's, for the empty prompt): {caption}"
+    assert printed.replace("\r\n", "\n").replace("\r", "\n") in result.stdout  # text mode's newlines
+    assert [png_sha256(PIL.Image.open(p)) for p in sorted(out.iterdir())] == [png_sha256(e) for e in expected]
+    with openai_client(pipe) as client, open(photo, "rb") as file:
+        body = {"layers": 2, "seed": 5, "num_inference_steps": 2, "use_en_prompt": "true"}
+        response = client.images.edit(image=file, prompt="", size="64x48", extra_body=body)
+        got = [PIL.Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in response.data]
+        assert [png_sha256(g) for g in got] == [png_sha256(e) for e in expected]

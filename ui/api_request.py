@@ -62,7 +62,7 @@ BASE_FIELDS = (
 )
 FIELDS = (*BASE_FIELDS, *CONTROL_FIELDS)
 # extension fields of /v1/images/edits for a Qwen-Image-Layered checkpoint (each image's RGBA layers)
-LAYER_FIELDS = ("layers", "resolution")
+LAYER_FIELDS = ("layers", "resolution", "use_en_prompt")
 EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength", *LAYER_FIELDS)
 # The pipeline's argument names and the API parameters they come from (an error names the parameter).
 API_FIELDS = {name: name for name in (*EDIT_FIELDS, *CONTROL_FIELDS)} | {
@@ -189,6 +189,7 @@ def _job_of(
         control_guidance_end=_or(number("control_guidance_end", whole=False), 1.0),
         layers=number("layers", whole=True),
         resolution=number("resolution", whole=True),
+        use_en_prompt=_flag(values.get("use_en_prompt"), "use_en_prompt"),
     )
     job = Job(None, variant, request)
     check_work(job, limits)
@@ -211,6 +212,15 @@ def _encoding(output_format: Any, compression: int | None) -> Encoding:
     if not 0 <= compression <= 100:
         raise FieldError("output_compression", f"output_compression {compression} must be between 0 and 100")
     return Encoding(output_format, compression)
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A boolean field: JSON true/false, or the text "true"/"false" of a multipart form (absent: false)."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if value in ("true", "false"):
+        return value == "true"
+    raise FieldError(name, f"{name} must be true or false, not {value!r}")
 
 
 def _or(value: Any, default: float) -> Any:

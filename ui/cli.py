@@ -188,9 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     layers.add_argument("image", metavar="IMAGE", help="the image to decompose (any format Pillow reads)")
     layers.add_argument(
         "--prompt",
-        required=True,
-        help="a caption of the image (diffusers captions an empty one with the vision-language model; "
-        "not built here)",
+        default="",
+        help="a caption of the image; empty: the model's vision-language model writes one (printed), as "
+        "diffusers does",
+    )
+    layers.add_argument(
+        "--use-en-prompt",
+        action="store_true",
+        help="with an empty --prompt: caption in English (default: Chinese, diffusers' default)",
     )
     layers.add_argument(
         "--layers", type=int, default=4, help=f"RGBA layers to decompose it into, 1..{MAX_LAYERS}"

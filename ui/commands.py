@@ -135,6 +135,7 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
         "control_mask": None if control_mask is None else open_input_image(control_mask, MAX_INPUT_BYTES),
     }
     layered = {name: getattr(args, name, None) for name in ("layers", "resolution")}
+    layered["use_en_prompt"] = getattr(args, "use_en_prompt", False)
     return values | layered | {"strength": getattr(args, "strength", None)}
 
 
@@ -284,6 +285,8 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
         f"({run.ms_per_step:.0f} ms/step x {run.num_inference_steps}) | decoding {t['decoding']:.2f} s "
         f"| total {t['total']:.2f} s"
     )
+    if run.caption:
+        print(f"caption (the model's, for the empty prompt): {run.caption}")
     print(run.fusion_summary)
     print(f"parallel: {pipe.parallel_summary()}")
     if pipe.memory is not None and not pipe.memory.plan.resident:

@@ -1,9 +1,8 @@
 """The Qwen-Image-Layered family: its checkpoints read without torch, loaded into `QwenImageLayeredModel`.
 The Qwen-Image family's checks and loaders serve it; a request carries one image and comes back as layers.
 
-Not built (each refused in one line): memory plans (no memory profile: CUDA loads everything), Ulysses
-sequence parallelism, and diffusers' captioning of an empty prompt by the vision-language model (a
-request needs a prompt).
+An empty prompt is captioned by the vision-language model, as diffusers does. Not built (each refused in
+one line): memory plans (no memory profile: CUDA loads everything) and Ulysses sequence parallelism.
 """
 
 from dataclasses import replace
@@ -46,6 +45,7 @@ def _layered(spec: CheckpointSpec) -> CheckpointSpec:
         images_required=True,
         starts_from_image=False,
         decomposes=True,
+        captions=True,
         sequence_parallel=False,
     )
 

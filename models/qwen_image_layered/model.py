@@ -22,6 +22,7 @@ from models.family import Conditioning, StepCall, calculate_dimensions
 from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
 from models.qwen_image.model import LatentCanvas, QwenImageModel, latent_size, latent_statistics
 from models.qwen_image_edit.conditioning import encode_reference_latents
+from models.qwen_image_layered.caption import caption_image
 from models.qwen_image_layered.components import LayeredComponents, load_layered_components
 
 DEFAULT_RESOLUTION = 640  # diffusers' default bucket: the output is about 640 x 640 at the image's aspect
@@ -79,6 +80,13 @@ class QwenImageLayeredModel(QwenImageModel):
         target = latent_size(width, height, self.vae_scale_factor)
         layout = ImageLayout(target.grid, (target.grid,) * layers + grids)
         return LayeredCanvas(target, layers, condition.to(self.dtype), layout)
+
+    def caption(self, image: PIL.Image.Image, width: int, height: int, english: bool) -> str:
+        """diffusers' caption of an empty prompt: the image in its mode, resized to the output size, shown to
+        the text encoder with the instruction prompt."""
+        resized = self.image_processor.resize(image.convert(self.pixel_mode()), height, width)
+        c = self.components
+        return caption_image(c.text_encoder, c.processor, resized, english, self.device)
 
     def sigmas(self, steps: int) -> np.ndarray:
         """From 1 down to 1/steps (diffusers' Layered default: `linspace(1, 0, steps + 1)[:-1]`)."""
