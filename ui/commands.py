@@ -102,8 +102,8 @@ def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int,
 
 
 def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> dict[str, Any]:
-    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`), with `generate`'s
-    start image, mask and control maps read from their files."""
+    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`), with the start image,
+    mask and control maps read from their files."""
     names = (
         "negative_prompt",
         "width",
@@ -132,7 +132,8 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
         "control_guidance_end": getattr(args, "control_end", 1.0),
         "control_mask": None if control_mask is None else open_input_image(control_mask, MAX_INPUT_BYTES),
     }
-    return values | {"strength": getattr(args, "strength", None)}
+    crop = getattr(args, "padding_mask_crop", None)
+    return values | {"strength": getattr(args, "strength", None), "padding_mask_crop": crop}
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:

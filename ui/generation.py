@@ -60,6 +60,7 @@ DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {
     "init_image": "image_1",
     "mask_image": "mask",
     "strength": "strength",
+    "padding_mask_crop": "padding_mask_crop",
     "control_image": "image_1",
     "control_mode": "role",
     "controlnet_conditioning_scale": "control_scale",
@@ -178,6 +179,11 @@ def starts_from_image(pipe: Any) -> bool:
     return spec is not None and spec.max_images == 0 and getattr(spec, "starts_from_image", False)
 
 
+def inpaints_input(pipe: Any) -> bool:
+    """Whether the model repaints a mask's part of its input image (an inpainting edit)."""
+    return getattr(getattr(pipe, "spec", None), "inpaints_input", False)
+
+
 def job_from_edit_inputs(
     session: str | None,
     values: Mapping[str, Any],
@@ -199,9 +205,12 @@ def job_from_edit_inputs(
     if size not in (FROM_IMAGES, CUSTOM):
         raise FieldError("size", f"size {size!r} must be {FROM_IMAGES!r} or {CUSTOM!r}")
     form = {**values, "aspect": size}
-    if not starts_from_image(pipe):
-        return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images})
     mask = values.get("mask")
+    crop = values.get("padding_mask_crop")
+    crop = {"padding_mask_crop": None if crop is None else whole_field("padding_mask_crop", crop)}
+    if not starts_from_image(pipe):
+        inpainting = {} if mask is None else _inpainting(values, mask, uploaded)
+        return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images, **inpainting, **crop})
     role = values.get("role", "start")
     if role not in IMAGE_ROLES or (role != "start" and not getattr(pipe.spec, "takes_control", False)):
         roles = ", ".join(IMAGE_ROLES) if getattr(pipe.spec, "takes_control", False) else "start"
@@ -216,13 +225,17 @@ def job_from_edit_inputs(
             "controlnet_conditioning_scale": number_field("control_scale", values.get("control_scale", 1.0)),
             "control_mask": None if mask is None else _uploaded_image("mask", mask, uploaded),
         }
-        return job_from_inputs(session, form, pipe, {**(extra or {}), **control})
-    start = {
-        "init_image": images[0],
+        return job_from_inputs(session, form, pipe, {**(extra or {}), **control, **crop})
+    start = {"init_image": images[0], **_inpainting(values, mask, uploaded)}
+    return job_from_inputs(session, form, pipe, {**(extra or {}), **start, **crop})
+
+
+def _inpainting(values: Mapping[str, Any], mask: Any, uploaded: Container[str]) -> dict[str, Any]:
+    """An /edit request's mask (an upload; None: none) and strength, as `generate()` arguments."""
+    return {
         "mask_image": None if mask is None else _uploaded_image("mask", mask, uploaded),
         "strength": number_field("strength", values.get("strength", DEFAULT_STRENGTH)),
     }
-    return job_from_inputs(session, form, pipe, {**(extra or {}), **start})
 
 
 def _uploaded_image(name: str, value: Any, uploaded: Container[str]) -> Image.Image:
