@@ -239,25 +239,23 @@ def check_start(
     image (`images`, checked) when given a mask, and takes no `init_image`."""
     named = ((strength, "strength"), (mask, "mask_image"), (padding_mask_crop, "padding_mask_crop"))
     given = [name for value, name in named if value is not None]
+    if image is None and not given:
+        return None
     if spec.inpaints_input:
         if image is not None:
             raise InputError(
                 f"init_image: {spec.name} inpaints its input image: give mask_image (and strength) with the "
                 "image to edit"
             )
-        if mask is None and given:
+        if mask is None:
             raise InputError(
                 f"{given[0]} needs mask_image: {spec.name} starts from its input image to inpaint"
             )
-        if mask is None:
-            return None
         image, source = images[0], "the input image"
-    elif image is None and given and spec.max_images:
+    elif image is None and spec.max_images:
         raise InputError(f"{given[0]}: {spec.name} neither inpaints nor starts from an image")
-    elif image is None and given:
-        raise InputError(f"{given[0]} needs the image it applies to (init_image)")
     elif image is None:
-        return None
+        raise InputError(f"{given[0]} needs the image it applies to (init_image)")
     elif not spec.starts_from_image:
         raise InputError(
             f"{spec.name} does not start from an image: img2img and inpainting run on Qwen-Image "
