@@ -30,7 +30,7 @@ from test_img2img_oracle import ellipse_mask
 
 from ui.app import build_app
 from ui.cli import main
-from ui.generation import FROM_IMAGES
+from ui.generation import FROM_IMAGES, NO_CROP
 from ui.limits import Limits
 from ui.uploads import upload_options
 
@@ -159,7 +159,7 @@ def test_demo_edit_api_gives_the_python_api_bytes(pipe, files, expected) -> None
         with pytest.raises(ValidationError, match="mask_image is 40x30 but the input image is 75x53"):
             client.predict(
                 **FORM, image_1=handle_file(files["image"]), mask=handle_file(files["small_mask"]),
-                strength=0.7, padding_mask_crop=None, variant=pipe.variant, api_name="/edit",
+                strength=0.7, padding_mask_crop=NO_CROP, variant=pipe.variant, api_name="/edit",
             )  # fmt: skip
     finally:
         demo.close()

@@ -25,6 +25,7 @@ from ui.generation import (
     EDIT_INPUT_NAMES,
     FROM_IMAGES,
     IMAGE_ROLES,
+    NO_CROP,
     image_input_names,
     inpaints_input,
     starts_from_image,
@@ -95,10 +96,10 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                     elem_id="edit_strength",
                 )
                 start_inputs["padding_mask_crop"] = gr.Number(
-                    None,
+                    NO_CROP,
                     precision=0,
-                    minimum=0,
-                    label="Padding mask crop (pixels; empty: off): with a mask, generate only the box "
+                    minimum=NO_CROP,
+                    label=f"Padding mask crop (pixels; {NO_CROP}: off): with a mask, generate only the box "
                     "around its white part, that much wider, and paste it back",
                     elem_id="edit_padding_mask_crop",
                 )

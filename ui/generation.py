@@ -23,6 +23,7 @@ FROM_IMAGES = "from the images"  # the edit form's size choice: what the input i
 # control map, or guide by its canny edges (made here)
 IMAGE_ROLES = {"start": None, "control map": None, "canny edges": "canny"}
 RANDOM_SEED = -1  # the seed field's value (and the API default) for "draw a random seed"
+NO_CROP = -1  # the padding_mask_crop field's value (and the API default) for "generate the whole image"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
 ASPECT_RATIOS: dict[str, tuple[int, int]] = {
     "1:1": (1328, 1328),
@@ -207,7 +208,7 @@ def job_from_edit_inputs(
     form = {**values, "aspect": size}
     mask = values.get("mask")
     crop = values.get("padding_mask_crop")
-    crop = {"padding_mask_crop": None if crop is None else whole_field("padding_mask_crop", crop)}
+    crop = {"padding_mask_crop": None if crop in (None, NO_CROP) else whole_field("padding_mask_crop", crop)}
     if not starts_from_image(pipe):
         inpainting = {} if mask is None else _inpainting(values, mask, uploaded)
         return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images, **inpainting, **crop})
