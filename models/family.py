@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch import nn
 
+    from models.mask_crop import MaskCrop
+
 DEFAULTS_KEY = "_generation_defaults"  # model_index.json: this checkpoint's own defaults (diffusers skips _)
 DEFAULT_TRUE_CFG_SCALE = 4.0
 MAX_SEQUENCE_LENGTH = 1024  # text tokens a prompt may keep (diffusers' Qwen-Image pipelines)
@@ -98,6 +100,7 @@ class CheckpointSpec:
     max_images: int = 0  # input images a request may carry (0: text to image only)
     images_required: bool = False  # the model cannot generate without an input image
     starts_from_image: bool = False  # img2img and inpainting: a request may start from an image (+ mask)
+    inpaints_input: bool = False  # inpainting edits: a mask repaints part of the one input image (the start)
     takes_control: bool = False  # it holds a ControlNet: a request may carry control images
     control_inpaints: bool = False  # an inpainting ControlNet: one control image and its mask
     decomposes: bool = False  # Qwen-Image-Layered: a request's image comes back as `layers` RGBA layers
@@ -263,12 +266,30 @@ class FamilyModel(ABC):
         """Seeded starting noise for `batch` images, packed, as diffusers draws it."""
 
     def image_start(
-        self, image: PIL.Image.Image, mask: PIL.Image.Image | None, canvas: Any, batch: int, seed: int
+        self,
+        image: PIL.Image.Image,
+        mask: PIL.Image.Image | None,
+        canvas: Any,
+        batch: int,
+        seed: int,
+        crop: MaskCrop | None = None,
     ) -> ImageStart:
-        """For a family whose spec `starts_from_image`: `image` (and `mask`) at the canvas's size, its
-        latents and the noise for `batch` images drawn from one seeded generator as the family's diffusers
-        img2img and inpainting pipelines draw them."""
+        """For a family whose spec `starts_from_image` or `inpaints_input`: `image` (and `mask`) at the
+        canvas's size (with a `crop`: its box of `crop.image`), its latents and the noise for `batch` images
+        drawn from one seeded generator as the family's diffusers img2img and inpainting pipelines draw
+        them."""
         raise NotImplementedError(f"{type(self).__name__} does not start from an image")
+
+    def mask_crop(self, image: PIL.Image.Image, mask: PIL.Image.Image, canvas: Any, pad: int) -> MaskCrop:
+        """diffusers' `padding_mask_crop` for an inpainting request: the box around `mask`'s white part
+        (`pad` pixels more, widened to the canvas's aspect) and the image and mask the generated box is
+        pasted back onto, as the family's diffusers inpainting pipeline finds them."""
+        raise NotImplementedError(f"{type(self).__name__} does not inpaint")
+
+    def start_canvas(self, canvas: Any, latents: torch.Tensor) -> Any:
+        """The canvas the steps of a request that starts from these packed start `latents` run on: `canvas`
+        itself, unless the family's steps read the start (an inpainting edit's reference latents)."""
+        return canvas
 
     def control_start(
         self,

@@ -29,11 +29,14 @@ MAX_LAYERS = 16  # RGBA layers a request may ask for (each adds a target's worth
 @dataclass(frozen=True)
 class StartImage:
     """img2img and inpainting: the image a request starts from, the share of the schedule that reworks it
-    (`strength`: 1 starts from pure noise), and the mask of what may change (white: repaint; None: all)."""
+    (`strength`: 1 starts from pure noise), the mask of what may change (white: repaint; None: all), and
+    diffusers' `padding_mask_crop` (None: the whole image is generated; pixels: only the mask's box, that
+    much wider, pasted back into the image)."""
 
     image: PIL.Image.Image
     strength: float = DEFAULT_STRENGTH
     mask: PIL.Image.Image | None = None
+    padding_mask_crop: int | None = None
 
     def first_step(self, steps: int) -> int:
         """The index of the first of `steps` steps that runs (diffusers' `get_timesteps`)."""
@@ -149,6 +152,7 @@ def resolve_request(
     init_image: PIL.Image.Image | None = None,
     strength: float | None = None,
     mask_image: PIL.Image.Image | None = None,
+    padding_mask_crop: int | None = None,
     control_image: PIL.Image.Image | Sequence[PIL.Image.Image] | None = None,
     controlnet_conditioning_scale: float | Sequence[float] | None = None,
     control_guidance_start: float = 0.0,
@@ -164,7 +168,9 @@ def resolve_request(
     images, the checkpoint's default size), the negative prompt defaults to the checkpoint's, steps and CFG
     scale to the preset's or the checkpoint's; `cache` names a step-cache preset (or is "off"); `init_image`
     starts from an image (img2img; its size is the default, down to the checkpoint's default area), with
-    `mask_image` only its white part (inpainting); `control_image`s guide a ControlNet checkpoint
+    `mask_image` only its white part (inpainting; on a checkpoint that `inpaints_input`, the part of its
+    input image, at the size the image suggests), `padding_mask_crop` generating only the mask's box that
+    many pixels wider; `control_image`s guide a ControlNet checkpoint
     (pipelines/control.py; the first one's size is the default; `control_mask` the part an inpainting
     ControlNet repaints); `layers` is how many RGBA layers a Qwen-Image-Layered checkpoint decomposes the
     image into (an empty prompt is then its caption: `use_en_prompt` asks for it in English, else Chinese, as
@@ -173,7 +179,7 @@ def resolve_request(
     `loras`, when given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
     images = check_images(image, spec.max_images, spec.images_required, spec.name)
-    start = check_start(spec, init_image, strength, mask_image)
+    start = check_start(spec, init_image, strength, mask_image, padding_mask_crop, images)
     control = check_control(
         spec,
         control_image,
@@ -196,7 +202,9 @@ def resolve_request(
     suggested = suggest_size(images) if images and suggest_size is not None else None
     if resolution is not None:
         suggested = resolution_size(resolution, images, width, height, spec.size_multiple)
-    if start is not None or control is not None:
+    if start is not None and spec.inpaints_input:
+        check_inpainting_edit(width, height, prompts)
+    elif start is not None or control is not None:
         suggested = start_size(start.image if control is None else control.images[0], spec)
     size = suggested or (spec.defaults.width, spec.defaults.height)
     width, height = size[0] if width is None else width, size[1] if height is None else height
@@ -247,20 +255,44 @@ def resolve_request(
     )
 
 
-def check_start(spec: CheckpointSpec, image: object, strength: object, mask: object) -> StartImage | None:
-    """The request's start image (None without one), checked: InputError for a strength or mask without an
-    image, a model that does not start from images, a non-image, a strength outside (0, 1], or a mask of
-    another size than the image."""
-    if image is None:
-        for value, name in ((strength, "strength"), (mask, "mask_image")):
-            if value is not None:
-                raise InputError(f"{name} needs the image it applies to (init_image)")
+def check_start(
+    spec: CheckpointSpec,
+    image: object,
+    strength: object,
+    mask: object,
+    padding_mask_crop: object = None,
+    images: Sequence[PIL.Image.Image] = (),
+) -> StartImage | None:
+    """The request's start image (None without one), checked: InputError for a strength, mask or crop without
+    an image, a model that does not start from images, a non-image, a strength outside (0, 1], a mask of
+    another size than the image, or a bad crop. A checkpoint that `inpaints_input` starts from its one input
+    image (`images`, checked) when given a mask, and takes no `init_image`."""
+    named = ((strength, "strength"), (mask, "mask_image"), (padding_mask_crop, "padding_mask_crop"))
+    given = [name for value, name in named if value is not None]
+    if image is None and not given:
         return None
-    if not spec.starts_from_image:
+    if spec.inpaints_input:
+        if image is not None:
+            raise InputError(
+                f"init_image: {spec.name} inpaints its input image: give mask_image (and strength) with the "
+                "image to edit"
+            )
+        if mask is None:
+            raise InputError(
+                f"{given[0]} needs mask_image: {spec.name} starts from its input image to inpaint"
+            )
+        image, source = images[0], "the input image"
+    elif image is None and spec.max_images:
+        raise InputError(f"{given[0]}: {spec.name} neither inpaints nor starts from an image")
+    elif image is None:
+        raise InputError(f"{given[0]} needs the image it applies to (init_image)")
+    elif not spec.starts_from_image:
         raise InputError(
             f"{spec.name} does not start from an image: img2img and inpainting run on Qwen-Image "
             "text-to-image checkpoints"
         )
+    else:
+        source = "init_image"
     for value, name in ((image, "init_image"), (mask, "mask_image")):
         if value is not None and not isinstance(value, PIL.Image.Image):
             raise InputError(f"{name} is a {type(value).__name__}, not a PIL image")
@@ -272,10 +304,36 @@ def check_start(spec: CheckpointSpec, image: object, strength: object, mask: obj
         raise InputError(f"strength must be a number in (0, 1], got {strength!r}")
     if mask is not None and mask.size != image.size:
         raise InputError(
-            f"mask_image is {mask.width}x{mask.height} but init_image is {image.width}x{image.height}: "
+            f"mask_image is {mask.width}x{mask.height} but {source} is {image.width}x{image.height}: "
             "give a mask of the image's size"
         )
-    return StartImage(image, float(strength), mask)
+    check_mask_crop(padding_mask_crop, mask)
+    return StartImage(image, float(strength), mask, padding_mask_crop)
+
+
+def check_mask_crop(padding_mask_crop: object, mask: PIL.Image.Image | None) -> None:
+    """InputError unless `padding_mask_crop` is None, or a whole number of pixels >= 0 with a mask that has a
+    white (non-black) pixel to crop around."""
+    if padding_mask_crop is None:
+        return
+    if mask is None:
+        raise InputError("padding_mask_crop needs mask_image: it crops to the mask's white part")
+    if isinstance(padding_mask_crop, bool) or not isinstance(padding_mask_crop, int) or padding_mask_crop < 0:
+        raise InputError(
+            f"padding_mask_crop must be a whole number of pixels >= 0, got {padding_mask_crop!r}"
+        )
+    if mask.convert("L").getbbox() is None:
+        raise InputError("padding_mask_crop: mask_image is all black, with no part to crop around")
+
+
+def check_inpainting_edit(width: int | None, height: int | None, prompts: Sequence[str]) -> None:
+    """InputError for a size or several prompts in an inpainting edit: diffusers'
+    `QwenImageEditInpaintPipeline` makes it at the size its image suggests (it ignores width and height) and
+    pairs a prompt batch's rows with other samples of the image, so one prompt runs per request."""
+    if width is not None or height is not None:
+        raise InputError("width and height: an inpainting edit is made at the size its image suggests")
+    if len(prompts) > 1:
+        raise InputError(f"prompt: an inpainting edit takes one prompt per request, got {len(prompts)}")
 
 
 def check_layers(spec: CheckpointSpec, layers: object) -> int | None:

@@ -30,6 +30,7 @@ from models.family import (
 )
 from models.lora import MergeReport
 from models.lora_files import LoraFile
+from models.mask_crop import MaskCrop
 from models.memory import DENOISE, ENCODE, Workload
 from models.step_cache import BranchCache, caching
 from pipelines.control import Control
@@ -407,6 +408,7 @@ class Pipeline:
         init_image: PIL.Image.Image | None = None,
         strength: float | None = None,
         mask_image: PIL.Image.Image | None = None,
+        padding_mask_crop: int | None = None,
         control_image: PIL.Image.Image | list[PIL.Image.Image] | None = None,
         controlnet_conditioning_scale: float | list[float] | None = None,
         control_guidance_start: float = 0.0,
@@ -419,14 +421,15 @@ class Pipeline:
     ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `init_image` starts from an
         image (img2img, `strength` of the schedule reworking it), `mask_image` repaints only its white part
-        (inpainting). `control_image`s guide a ControlNet checkpoint (each scaled by
-        `controlnet_conditioning_scale`, over the `control_guidance_start`..`end` share of the steps;
-        `control_mode="canny"` makes the edge map from a photo; an inpainting ControlNet repaints
-        `control_mask`'s white part of its one control image). A Qwen-Image-Layered checkpoint decomposes
-        `image` into `layers` RGBA layers (each image's in a row), at `resolution` (the side of a square
-        of the output's area; default 640) or `width` x `height`; an empty prompt is its caption of the
-        image (`use_en_prompt`: in English; the caption lands in `last_run.caption`). `seed` may give one
-        seed per prompt: each prompt's images then start from its own seed's noise, as when generated
+        (inpainting; an Edit checkpoint repaints it in its input `image`), `padding_mask_crop` generates
+        only the mask's box, that many pixels wider, and pastes it back. `control_image`s guide a ControlNet
+        checkpoint (each scaled by `controlnet_conditioning_scale`, over the `control_guidance_start`..`end`
+        share of the steps; `control_mode="canny"` makes the edge map from a photo; an inpainting ControlNet
+        repaints `control_mask`'s white part of its one control image). A Qwen-Image-Layered checkpoint
+        decomposes `image` into `layers` RGBA layers (each image's in a row), at `resolution` (the side of a
+        square of the output's area; default 640) or `width` x `height`; an empty prompt is its caption of
+        the image (`use_en_prompt`: in English; the caption lands in `last_run.caption`). `seed` may give
+        one seed per prompt: each prompt's images then start from its own seed's noise, as when generated
         alone. Details of the run land in `self.last_run`. `output_type="latent"` returns the final packed
         latents and skips decoding (as diffusers' pipelines do). One request through `run`."""
         request = self.request(
@@ -446,6 +449,7 @@ class Pipeline:
             init_image=init_image,
             strength=strength,
             mask_image=mask_image,
+            padding_mask_crop=padding_mask_crop,
             control_image=control_image,
             controlnet_conditioning_scale=controlnet_conditioning_scale,
             control_guidance_start=control_guidance_start,
@@ -577,6 +581,7 @@ class Pipeline:
         batch_seeds = seeds[group[0]] if slots <= 1 else [seeds[i] for i in padded]
         steps, scale = first.num_inference_steps, first.true_cfg_scale
         caches = self._step_caches(first.cache, len(branches))
+        crop = self._mask_crop(first.start, canvas)
         latents = self.denoise(
             branches,
             canvas,
@@ -589,6 +594,7 @@ class Pipeline:
             caches,
             first.start,
             first.control,
+            crop,
         )
         timer.lap("denoising")
         shared = dict(timer.timings)
@@ -597,6 +603,8 @@ class Pipeline:
             rows = latents[position * first.rows : (position + 1) * first.rows] if slots > 1 else latents
             decode = _StageTimer(self.device)
             out = rows if output_type == "latent" else self.model.decode(rows, canvas)
+            if crop is not None and output_type != "latent":
+                out = [crop.paste(image) for image in out]
             decode.lap("decoding")
             request, own = requests[index], encoded[index].timings | shared | decode.timings
             info = RunInfo(
@@ -629,13 +637,15 @@ class Pipeline:
         caches: list[BranchCache] | None = None,
         start: StartImage | None = None,
         control: Control | None = None,
+        crop: MaskCrop | None = None,
     ) -> torch.Tensor:
         """The flow-matching Euler loop from seeded noise; `branches` is [positive] or [positive, negative]
         (true CFG); `canvas` is the model's geometry of the request (`model.canvas`); `seed` a list gives
         each prompt's rows their own seed; `scheduler` defaults to the checkpoint's; `caches`, one per
         branch, a step cache (reset here); `start` an image to start from, noised to the first step that
-        runs (img2img), its unmasked part kept (inpainting); `control` the control images of a ControlNet
-        checkpoint. Returns the final packed latents."""
+        runs (img2img), its unmasked part kept (inpainting), only `crop`'s box of it generated (its
+        `padding_mask_crop`); `control` the control images of a ControlNet checkpoint. Returns the final
+        packed latents."""
         scheduler = self.model.scheduler if scheduler is None else scheduler
         batch = branches[0].embeds.shape[0]
         seeds = seed if isinstance(seed, list) else [seed]
@@ -653,8 +663,9 @@ class Pipeline:
             latents = torch.cat([self.model.initial_latents(canvas, rows, s) for s in seeds])
             timesteps = flow_timesteps(scheduler, sigmas, latents.shape[1], self.device, shift)
         else:
-            parts = [self.model.image_start(start.image, start.mask, canvas, rows, s) for s in seeds]
+            parts = [self.model.image_start(start.image, start.mask, canvas, rows, s, crop) for s in seeds]
             image_latents, noise = torch.cat([p.latents for p in parts]), torch.cat([p.noise for p in parts])
+            canvas = self.model.start_canvas(canvas, image_latents)
             flow_timesteps(scheduler, sigmas, noise.shape[1], self.device, shift)
             timesteps = strength_timesteps(scheduler, start.first_step(steps))
             latents = scheduler.scale_noise(image_latents, timesteps[:1].repeat(batch), noise)
@@ -675,6 +686,12 @@ class Pipeline:
             return self.model.combine_cfg(*velocities, true_cfg_scale)
 
         return euler_loop(scheduler, timesteps, latents, velocity, on_step, progress, after_step)
+
+    def _mask_crop(self, start: StartImage | None, canvas: object) -> MaskCrop | None:
+        """The box a start request with `padding_mask_crop` is generated in (None without)."""
+        if start is None or start.padding_mask_crop is None:
+            return None
+        return self.model.mask_crop(start.image, start.mask, canvas, start.padding_mask_crop)
 
     def _step(
         self, canvas: object, branches: list[Conditioning], caches: list[BranchCache] | None = None

@@ -27,7 +27,11 @@ from diffusers import (
     QwenImageEditPlusPipeline,
     QwenImageTransformer2DModel,
 )
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from diffusers.pipelines.qwenimage import (
+    pipeline_qwenimage_edit,
+    pipeline_qwenimage_edit_inpaint,
+    pipeline_qwenimage_edit_plus,
+)
 from helpers import fill_deterministic
 from transformers import Qwen2VLImageProcessorPil
 
@@ -125,21 +129,47 @@ def our_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32, varia
     return pipe
 
 
+def our_inpaint_pipeline(
+    directory: Path, dtype: torch.dtype = torch.float32, variant: str = "reference"
+) -> Any:
+    """`our_edit_pipeline` whose Edit output size is its image's at the small VAE area: diffusers' inpainting
+    edit computes both in one call, which `small_edit_areas` shrinks (at diffusers' areas they are equal)."""
+    pipe = our_edit_pipeline(directory, dtype, variant)
+    pipe.model.default_size = lambda images: pipe.model.prepare(images).condition[0].size
+    return pipe
+
+
 @contextmanager
 def small_edit_areas(
     vae_area: int = SMALL_VAE_AREA, condition_area: int = SMALL_CONDITION_AREA
 ) -> Iterator[None]:
     """Run diffusers' Edit pipelines with smaller image areas than their fixed 1024x1024 (VAE) and 384x384
-    (Plus vision) ones: Plus reads module constants, Edit calls `calculate_dimensions(1024 * 1024, ...)`."""
-    plus, edit = pipeline_qwenimage_edit_plus, pipeline_qwenimage_edit
-    saved = plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE, edit.calculate_dimensions
-    original = edit.calculate_dimensions
+    (Plus vision) ones: Plus reads module constants, Edit and Edit inpainting call
+    `calculate_dimensions(1024 * 1024, ...)`."""
+    plus, edit, inpaint = (
+        pipeline_qwenimage_edit_plus,
+        pipeline_qwenimage_edit,
+        pipeline_qwenimage_edit_inpaint,
+    )
+    saved = (
+        plus.VAE_IMAGE_SIZE,
+        plus.CONDITION_IMAGE_SIZE,
+        edit.calculate_dimensions,
+        inpaint.calculate_dimensions,
+    )
+    originals = edit.calculate_dimensions, inpaint.calculate_dimensions
     plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE = vae_area, condition_area
-    edit.calculate_dimensions = lambda target_area, ratio: original(vae_area, ratio)
+    edit.calculate_dimensions = lambda target_area, ratio: originals[0](vae_area, ratio)
+    inpaint.calculate_dimensions = lambda target_area, ratio: originals[1](vae_area, ratio)
     try:
         yield
     finally:
-        plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE, edit.calculate_dimensions = saved
+        (
+            plus.VAE_IMAGE_SIZE,
+            plus.CONDITION_IMAGE_SIZE,
+            edit.calculate_dimensions,
+            inpaint.calculate_dimensions,
+        ) = saved
 
 
 def diffusers_edit(

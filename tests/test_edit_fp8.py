@@ -1,7 +1,7 @@
 """FP8 Edit checkpoints on the CPU: `quantize` calibrates Edit, Plus (Edit-2509) and Plus with `zero_cond_t`
 (Edit-2511) on the built-in image + instruction pairs, every block path of the result fuses (Edit-2511's
-per-token modulation included), and fp8-fused edits are byte-identical PNGs to fp8-unfused ones. A
-calibration set the model cannot take is refused before anything loads."""
+per-token modulation included), and fp8-fused edits (inpainting edits too) are byte-identical PNGs to
+fp8-unfused ones. A calibration set the model cannot take is refused before anything loads."""
 
 import json
 from pathlib import Path
@@ -17,6 +17,7 @@ from edit_fixtures import (
 )
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
+from test_img2img_oracle import ellipse_mask
 
 from pipelines import load_pipeline
 from pipelines.pipeline import Pipeline
@@ -161,3 +162,24 @@ def test_lora_on_fp8_edit_2511_fused_equals_unfused_in_both_modes(fp8, small_are
         pipe.set_variant("fp8-unfused")
         unfused = png_sha256(pipe.generate("make it red", preset="edit-lightning-4", **args)[0])
         assert fused == unfused, mode
+
+
+@pytest.mark.cpu_dtype
+def test_an_inpainting_edit_fused_equals_unfused(fp8, small_areas, monkeypatch) -> None:
+    """A mask, a strength and `padding_mask_crop` on the FP8 Edit checkpoint: fp8-fused and fp8-unfused give
+    the same PNG bytes, with and without the crop, and the crop changes the image."""
+    monkeypatch.setattr("models.qwen_image_edit.config.VAE_AREA", SMALL_VAE_AREA)  # the output size too
+    pipe = load_pipeline(fp8["edit"][0], device="cpu")
+    image, mask = drawn_image(75, 53, 1), ellipse_mask(75, 53)
+    args = dict(image=image, mask_image=mask, strength=0.8, negative_prompt="blurry", num_inference_steps=3)
+    runs = {}
+    for variant in ("fp8-fused", "fp8-unfused"):
+        pipe.set_variant(variant)
+        assert pipe.variant == variant
+        runs[variant] = [
+            png_sha256(image)
+            for crop in (None, 2)
+            for image in pipe.generate("paint a red ball", padding_mask_crop=crop, seed=5, **args)
+        ]
+    assert runs["fp8-fused"] == runs["fp8-unfused"]
+    assert runs["fp8-fused"][0] != runs["fp8-fused"][1]

@@ -63,7 +63,7 @@ BASE_FIELDS = (
 FIELDS = (*BASE_FIELDS, *CONTROL_FIELDS)
 # extension fields of /v1/images/edits for a Qwen-Image-Layered checkpoint (each image's RGBA layers)
 LAYER_FIELDS = ("layers", "resolution", "use_en_prompt")
-EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength", *LAYER_FIELDS)
+EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength", "padding_mask_crop", *LAYER_FIELDS)
 # The pipeline's argument names and the API parameters they come from (an error names the parameter).
 API_FIELDS = {name: name for name in (*EDIT_FIELDS, *CONTROL_FIELDS)} | {
     "width": "size",
@@ -106,19 +106,20 @@ def read_job(
     variant: str,
     images: list | None = None,
     start: Start | None = None,
+    mask: PIL.Image.Image | None = None,
 ) -> tuple[Job, str, Encoding]:
     """Parse every value of an Images API request into its Job on `variant` (the request fully resolved:
     size, steps, CFG scale, negative prompt, seed and every loaded LoRA's scale, so no earlier request's
     state reaches it), its response format and its images' Encoding; ApiError (400) names the first bad
     one. Multipart values arrive as text; a number field's text is read as a number. An edit brings input
-    `images` (an edit model's) or the image to `start` from and its mask (a text-to-image model's img2img
-    and inpainting)."""
+    `images` (an edit model's, with the `mask` of an inpainting edit) or the image to `start` from and its
+    mask (a text-to-image model's img2img and inpainting)."""
     edit = images is not None or start is not None
     unknown = sorted(set(values) - set(EDIT_FIELDS if edit else FIELDS))
     if unknown:
         raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     try:
-        return _job_of(values, pipe, limits, variant, images, start, text_numbers=edit)
+        return _job_of(values, pipe, limits, variant, images, start, mask, text_numbers=edit)
     except FieldError as err:
         raise ApiError(400, str(err), err.field, "invalid_value") from None
 
@@ -130,6 +131,7 @@ def _job_of(
     variant: str,
     images: list | None,
     start: Start | None,
+    mask: PIL.Image.Image | None,
     text_numbers: bool,
 ) -> tuple[Job, str, Encoding]:
     def number(name: str, whole: bool) -> Any:
@@ -179,8 +181,9 @@ def _job_of(
         lora_scales=_lora_scales(values.get("lora_scales"), getattr(pipe, "loras", {}), text_numbers),
         image=images or None,
         init_image=None if start is None else start[0],
-        mask_image=None if start is None else start[1],
+        mask_image=mask if start is None else start[1],
         strength=number("strength", whole=False),
+        padding_mask_crop=number("padding_mask_crop", whole=True),
         control_image=_control_images(values.get("control_image")),
         control_mask=_one_image(values.get("control_mask"), "control_mask"),
         controlnet_conditioning_scale=values.get("controlnet_conditioning_scale"),

@@ -68,6 +68,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_mask_crop_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--padding-mask-crop",
+        type=int,
+        metavar="PIXELS",
+        help="with --mask: generate only the box around the mask's white part, PIXELS wider on each side and "
+        "widened to the output's aspect, then paste it back into the image (diffusers' padding_mask_crop)",
+    )
+
+
 def _add_gpus_arg(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--gpus",
@@ -115,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="inpainting: repaint only the white part of --init-image (grey levels binarized at 0.5; the "
         "image's size)",
     )
+    _add_mask_crop_arg(gen)
     gen.add_argument(
         "--control-image",
         action="append",
@@ -174,6 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat it for a model that takes several (`qwen-image info` says how many: 3 for Edit-2509/2511, "
         "which call them Picture 1, 2, ... in this order)",
     )
+    edit.add_argument(
+        "--mask",
+        metavar="FILE",
+        help="an inpainting edit (Edit checkpoints, as diffusers' QwenImageEditInpaintPipeline; not Plus): "
+        "repaint only the white part of the input image (grey levels binarized at 0.5; the image's size), "
+        "starting from the image noised to --strength; the output takes the size the image suggests",
+    )
+    edit.add_argument(
+        "--strength",
+        type=float,
+        help="with --mask: the share of the schedule that reworks the image, in (0, 1] (default: 0.6)",
+    )
+    _add_mask_crop_arg(edit)
     _add_sampling_args(
         edit, "the aspect of the first (Edit) or last (Plus) image at about 1024x1024 pixels, as diffusers"
     )

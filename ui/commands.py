@@ -104,8 +104,8 @@ def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int,
 
 
 def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> dict[str, Any]:
-    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`), with `generate`'s
-    start image, mask and control maps read from their files."""
+    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`), with the start image,
+    mask and control maps read from their files."""
     names = (
         "negative_prompt",
         "width",
@@ -136,7 +136,8 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
     }
     layered = {name: getattr(args, name, None) for name in ("layers", "resolution")}
     layered["use_en_prompt"] = getattr(args, "use_en_prompt", False)
-    return values | layered | {"strength": getattr(args, "strength", None)}
+    crop = getattr(args, "padding_mask_crop", None)
+    return values | layered | {"strength": getattr(args, "strength", None), "padding_mask_crop": crop}
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:

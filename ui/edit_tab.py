@@ -1,9 +1,10 @@
 """The demo's Edit tab, shown when the loaded model edits images: one image input per image the model takes
 (Picture 1, 2, ...), the instruction, and generate's settings; its event is the API's "/edit". For a
 text-to-image model that starts from images it is the "Image to image" tab: the start image, an optional
-mask (white: repainted) and the strength, through the same "/edit" event. On a ControlNet checkpoint that
-tab also lets the image guide the model instead: as a control map, or by its canny edges (`role`), at a
-control scale.
+mask (white: repainted) and the strength, through the same "/edit" event; a model that inpaints its input
+image (Edit) takes the same mask, strength and `padding_mask_crop` on its Edit tab. On a ControlNet
+checkpoint the "Image to image" tab also lets the image guide the model instead: as a control map, or by its
+canny edges (`role`), at a control scale.
 
 Uploads are bounded (ui/uploads.py: images only, byte and pixel caps, stated on the tab); each request's
 images are files this server received, opened and checked again before it queues (ui/generation.py's
@@ -25,7 +26,9 @@ from ui.generation import (
     EDIT_INPUT_NAMES,
     FROM_IMAGES,
     IMAGE_ROLES,
+    NO_CROP,
     image_input_names,
+    inpaints_input,
     starts_from_image,
 )
 from ui.uploads import upload_caps
@@ -45,6 +48,7 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
     """The Edit tab and its events (call inside the Blocks layout); `stop_api` names the Stop button's API
     endpoint (None: private, when another form already offers "/stop")."""
     starts = starts_from_image(pipe)
+    masks = starts or inpaints_input(pipe)  # the tab takes a mask (inpainting) and a strength
     controls = starts and getattr(pipe.spec, "takes_control", False)
     decomposes = getattr(pipe.spec, "decomposes", False)
     count = max(pipe.spec.max_images, 1)
@@ -64,11 +68,12 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                     )
                     for i in range(1, count + 1)
                 ]
-                if starts:
+                if masks:
                     start_inputs["mask"] = gr.Image(
                         type="filepath",
                         sources=["upload", "clipboard"],
-                        label="Mask (optional): its white part is repainted, the rest kept",
+                        label="Mask (optional): its white part is repainted, the rest kept"
+                        + ("" if starts else " (an inpainting edit, at the size the image suggests)"),
                         height=220,
                         elem_id="edit_mask",
                     )
@@ -83,14 +88,23 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                 "", label="Prompt" if starts else "Instruction", lines=2, elem_id="edit_prompt"
             )
             negative = gr.Textbox("", label="Negative prompt (true CFG)", lines=1, elem_id="edit_negative")
-            if starts:
+            if masks:
                 start_inputs["strength"] = gr.Slider(
                     0.05,
                     1.0,
                     DEFAULT_STRENGTH,
                     step=0.05,
-                    label="Strength: the share of the steps that rework the image (1: from noise)",
+                    label="Strength: the share of the steps that rework the image (1: from noise)"
+                    + ("" if starts else "; with a mask"),
                     elem_id="edit_strength",
+                )
+                start_inputs["padding_mask_crop"] = gr.Number(
+                    NO_CROP,
+                    precision=0,
+                    minimum=NO_CROP,
+                    label=f"Padding mask crop (pixels; {NO_CROP}: off): with a mask, generate only the box "
+                    "around its white part, that much wider, and paste it back",
+                    elem_id="edit_padding_mask_crop",
                 )
             if decomposes:
                 start_inputs["layers"] = gr.Slider(

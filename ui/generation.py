@@ -23,6 +23,7 @@ FROM_IMAGES = "from the images"  # the edit form's size choice: what the input i
 # control map, or guide by its canny edges (made here)
 IMAGE_ROLES = {"start": None, "control map": None, "canny edges": "canny"}
 RANDOM_SEED = -1  # the seed field's value (and the API default) for "draw a random seed"
+NO_CROP = -1  # the padding_mask_crop field's value (and the API default) for "generate the whole image"
 # DESIGN §2: Qwen-Image's official aspect presets, (width, height).
 ASPECT_RATIOS: dict[str, tuple[int, int]] = {
     "1:1": (1328, 1328),
@@ -60,6 +61,7 @@ DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {
     "init_image": "image_1",
     "mask_image": "mask",
     "strength": "strength",
+    "padding_mask_crop": "padding_mask_crop",
     "control_image": "image_1",
     "control_mode": "role",
     "controlnet_conditioning_scale": "control_scale",
@@ -178,6 +180,11 @@ def starts_from_image(pipe: Any) -> bool:
     return spec is not None and spec.max_images == 0 and getattr(spec, "starts_from_image", False)
 
 
+def inpaints_input(pipe: Any) -> bool:
+    """Whether the model repaints a mask's part of its input image (an inpainting edit)."""
+    return getattr(getattr(pipe, "spec", None), "inpaints_input", False)
+
+
 def job_from_edit_inputs(
     session: str | None,
     values: Mapping[str, Any],
@@ -199,12 +206,14 @@ def job_from_edit_inputs(
     if size not in (FROM_IMAGES, CUSTOM):
         raise FieldError("size", f"size {size!r} must be {FROM_IMAGES!r} or {CUSTOM!r}")
     form = {**values, "aspect": size}
-    if not starts_from_image(pipe):
-        layers = {}
-        if getattr(pipe.spec, "decomposes", False):
-            layers = {"layers": whole_field("layers", values.get("layers", DEFAULT_LAYERS))}
-        return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images, **layers})
     mask = values.get("mask")
+    crop = values.get("padding_mask_crop")
+    crop = {"padding_mask_crop": None if crop in (None, NO_CROP) else whole_field("padding_mask_crop", crop)}
+    if not starts_from_image(pipe):
+        inpainting = {} if mask is None else _inpainting(values, mask, uploaded)
+        if getattr(pipe.spec, "decomposes", False):
+            inpainting["layers"] = whole_field("layers", values.get("layers", DEFAULT_LAYERS))
+        return job_from_inputs(session, form, pipe, {**(extra or {}), "image": images, **inpainting, **crop})
     role = values.get("role", "start")
     if role not in IMAGE_ROLES or (role != "start" and not getattr(pipe.spec, "takes_control", False)):
         roles = ", ".join(IMAGE_ROLES) if getattr(pipe.spec, "takes_control", False) else "start"
@@ -219,13 +228,17 @@ def job_from_edit_inputs(
             "controlnet_conditioning_scale": number_field("control_scale", values.get("control_scale", 1.0)),
             "control_mask": None if mask is None else _uploaded_image("mask", mask, uploaded),
         }
-        return job_from_inputs(session, form, pipe, {**(extra or {}), **control})
-    start = {
-        "init_image": images[0],
+        return job_from_inputs(session, form, pipe, {**(extra or {}), **control, **crop})
+    start = {"init_image": images[0], **_inpainting(values, mask, uploaded)}
+    return job_from_inputs(session, form, pipe, {**(extra or {}), **start, **crop})
+
+
+def _inpainting(values: Mapping[str, Any], mask: Any, uploaded: Container[str]) -> dict[str, Any]:
+    """An /edit request's mask (an upload; None: none) and strength, as `generate()` arguments."""
+    return {
         "mask_image": None if mask is None else _uploaded_image("mask", mask, uploaded),
         "strength": number_field("strength", values.get("strength", DEFAULT_STRENGTH)),
     }
-    return job_from_inputs(session, form, pipe, {**(extra or {}), **start})
 
 
 def _uploaded_image(name: str, value: Any, uploaded: Container[str]) -> Image.Image:

@@ -40,7 +40,7 @@ from ui.api_request import (
     read_image,
     read_job,
 )
-from ui.generation import starts_from_image
+from ui.generation import inpaints_input, starts_from_image
 from ui.image_cache import MEDIA_TYPES, Encoding, ImageCache, encode_all
 from ui.limits import Limits
 from ui.metrics import HttpCounters, prometheus_text
@@ -208,8 +208,9 @@ def build_server(
 
     @app.post("/v1/images/edits")
     async def edits(request: Request) -> dict[str, Any]:
-        """An edit model edits its input images; a text-to-image model that starts from images reworks
-        the one image it is given (img2img, `strength`), only where the `mask` says (inpainting)."""
+        """An edit model edits its input images (one that inpaints: only where the `mask` says); a
+        text-to-image model that starts from images reworks the one image it is given (img2img, `strength`),
+        only where the `mask` says (inpainting)."""
         authorize(request)
         takes = getattr(pipe.spec, "max_images", 0)
         starts = starts_from_image(pipe)
@@ -222,7 +223,7 @@ def build_server(
             max_part_size=int(limits.max_body_mb * mb),
         )
         try:
-            if "mask" in form and not starts:
+            if "mask" in form and not (starts or inpaints_input(pipe)):
                 message = f"mask is not supported by {model_id(pipe)}: it edits whole images"
                 raise ApiError(400, message, "mask")
             files = [item for name in ("image", "image[]") for item in form.getlist(name)]
@@ -246,7 +247,7 @@ def build_server(
             await form.close()
         if starts:
             return await answer(request, *read_job(values, pipe, limits, variant, start=(images[0], mask)))
-        return await answer(request, *read_job(values, pipe, limits, variant, images))
+        return await answer(request, *read_job(values, pipe, limits, variant, images, mask=mask))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -8,6 +8,7 @@ img2img or inpainting start follows `QwenImageImg2ImgPipeline` / `QwenImageInpai
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import PIL.Image
 import torch
@@ -27,6 +28,7 @@ from models.family import (
     StepControl,
     parameter_summary,
 )
+from models.mask_crop import MaskCrop
 from models.qwen_image.components import Components, load_components, save_components
 from models.qwen_image.controlnet import ControlImage
 from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
@@ -98,6 +100,12 @@ def latent_statistics(
     return mean, inv_std
 
 
+def _crop_args(crop: MaskCrop | None) -> dict[str, Any]:
+    """diffusers' preprocessing arguments for a `padding_mask_crop` box: cut it out, then fit it to the size
+    ("fill": aspect kept, the rest filled from the box's edges); none without a crop."""
+    return {} if crop is None else {"crops_coords": crop.box, "resize_mode": "fill"}
+
+
 def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """`uncond + scale * (cond - uncond)`, rescaled per token to the norm of `cond` (DESIGN §2)."""
     combined = uncond + scale * (cond - uncond)
@@ -155,12 +163,16 @@ class QwenImageModel(FamilyModel):
         canvas: LatentCanvas,
         batch: int,
         seed: int,
+        crop: MaskCrop | None = None,
     ) -> ImageStart:
         """The image resized to the canvas and VAE-encoded (its latent distribution sampled), then the
-        noise, from one generator; the mask in grey levels, binarized at 0.5, resized to the latent grid."""
+        noise, from one generator; the mask in grey levels, binarized at 0.5, resized to the latent grid.
+        With a `crop`, its box of its image and mask, fitted to the canvas (diffusers' "fill" resize)."""
         generator = torch.Generator("cpu").manual_seed(seed)
         vae, channels = self.components.vae, self.components.latent_channels
-        pixels = self._pixels(image, canvas).to(torch.float32).unsqueeze(2).to(self.device, self.dtype)
+        if crop is not None:
+            image, mask = crop.image, crop.mask
+        pixels = self._pixels(image, canvas, crop).to(torch.float32).unsqueeze(2).to(self.device, self.dtype)
         sampled = retrieve_latents(vae.encode(pixels.to(vae.dtype)), generator=generator)
         mean, inv_std = latent_statistics(vae, sampled.device, sampled.dtype)
         latents = ((sampled - mean) * inv_std).to(self.dtype)
@@ -169,10 +181,18 @@ class QwenImageModel(FamilyModel):
         if mask is None:
             return ImageStart(latents, noise, None)
         height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
-        grid = self.mask_processor.preprocess(mask, height=height, width=width)
+        grid = self.mask_processor.preprocess(mask, height=height, width=width, **_crop_args(crop))
         grid = F.interpolate(grid, size=(canvas.height, canvas.width))
         grid = grid.to(device=self.device, dtype=self.dtype)
         return ImageStart(latents, noise, pack_latents(grid.repeat(batch, channels, 1, 1)))
+
+    def mask_crop(
+        self, image: PIL.Image.Image, mask: PIL.Image.Image, canvas: LatentCanvas, pad: int
+    ) -> MaskCrop:
+        """The box in the start image itself (`QwenImageInpaintPipeline`): the result comes back at the
+        start image's size."""
+        height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
+        return MaskCrop.around(image, mask, width, height, pad)
 
     def control_start(
         self,
@@ -224,10 +244,14 @@ class QwenImageModel(FamilyModel):
         kept = 1 - F.interpolate(grid, size=latents.shape[-3:])
         return pack_latents(torch.cat([latents, kept], dim=1)[:, :, 0]).to(self.dtype)
 
-    def _pixels(self, image: PIL.Image.Image, canvas: LatentCanvas) -> torch.Tensor:
-        """`image` as RGB at the canvas's pixel size, in [-1, 1] [1, 3, H, W] (diffusers' preprocessing)."""
+    def _pixels(
+        self, image: PIL.Image.Image, canvas: LatentCanvas, crop: MaskCrop | None = None
+    ) -> torch.Tensor:
+        """`image` (or the `crop`'s box of it) as RGB at the canvas's pixel size, in [-1, 1] [1, 3, H, W]
+        (diffusers' preprocessing)."""
         height, width = canvas.height * self.vae_scale_factor, canvas.width * self.vae_scale_factor
-        return self.image_processor.preprocess(image.convert("RGB"), height=height, width=width)
+        rgb = image.convert("RGB")
+        return self.image_processor.preprocess(rgb, height=height, width=width, **_crop_args(crop))
 
     def step_call(
         self,

@@ -1,6 +1,6 @@
 """The Qwen-Image-Edit family (Edit, Edit-2509, Edit-2511): its checkpoints read without torch, loaded into
 `QwenImageEditModel`. The Qwen-Image family's checks and loaders serve it; this adds the processor, the
-vision tower, and how many images a request takes.
+vision tower, how many images a request takes, and whether it inpaints (Edit: `QwenImageEditInpaintPipeline`).
 
 An Edit checkpoint always needs an input image: diffusers' Edit pipelines fail on `image=None` (they read
 its size for the default output), so a request without one is refused in one line before anything runs.
@@ -12,7 +12,7 @@ from pathlib import Path
 from models.checkpoint import read_model_index
 from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
 from models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
-from models.qwen_image_edit.config import EDIT_KINDS, check_processor_fits
+from models.qwen_image_edit.config import EDIT_KINDS, EditKind, check_processor_fits
 from models.qwen_image_edit.presets import EDIT_LIGHTNING_PRESETS
 
 
@@ -26,7 +26,7 @@ class QwenImageEditFamily(QwenImageFamily):
         spec = super().inspect(directory, name)
         check_processor_fits(directory)
         kind = EDIT_KINDS[read_model_index(directory)["_class_name"]]
-        return replace(spec, max_images=kind.max_images, images_required=True, starts_from_image=False)
+        return edit_spec(spec, kind)
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
         from models.qwen_image_edit.model import QwenImageEditModel
@@ -40,8 +40,19 @@ class QwenImageEditFamily(QwenImageFamily):
         return memory_profile(spec.directory, kind, dtype_bytes, vae_dtype_bytes)
 
     def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
-        spec = super().spec_for(model, name, defaults)
-        return replace(spec, max_images=model.kind.max_images, images_required=True, starts_from_image=False)
+        return edit_spec(super().spec_for(model, name, defaults), model.kind)
+
+
+def edit_spec(spec: CheckpointSpec, kind: EditKind) -> CheckpointSpec:
+    """Qwen-Image's spec as an Edit checkpoint of `kind` has it: input images required, no start image of its
+    own; Edit (not Plus: diffusers has no Plus inpainting) inpaints its one input image."""
+    return replace(
+        spec,
+        max_images=kind.max_images,
+        images_required=True,
+        starts_from_image=False,
+        inpaints_input=not kind.plus,
+    )
 
 
 FAMILY = QwenImageEditFamily()

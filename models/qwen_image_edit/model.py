@@ -4,16 +4,18 @@ Each hook follows diffusers' `QwenImageEditPipeline` (one image) or `QwenImageEd
 three) op for op: the input images prepared and seen by the vision tower in the prompt, their VAE latents
 appended after the target's tokens at every step, the transformer's output cut to the target before true
 CFG; noise, CFG rescale and decoding are Qwen-Image's own (this class extends `QwenImageModel`). So the
-`reference` variant's pixels equal diffusers' on the same weights and images.
+`reference` variant's pixels equal diffusers' on the same weights and images. An Edit checkpoint's inpainting
+edit follows `QwenImageEditInpaintPipeline` (diffusers has none for Plus).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import PIL.Image
 import torch
 
-from models.family import Conditioning, StepCall
+from models.family import Conditioning, ImageStart, StepCall
+from models.mask_crop import MaskCrop
 from models.qwen_image.math import ImageLayout
 from models.qwen_image.model import LatentCanvas, QwenImageModel, latent_size
 from models.qwen_image_edit.components import EditComponents, load_edit_components
@@ -111,6 +113,38 @@ class QwenImageEditModel(QwenImageModel):
 
     def initial_latents(self, canvas: EditCanvas, batch: int, seed: int) -> torch.Tensor:
         return super().initial_latents(canvas.target, batch, seed)
+
+    def image_start(
+        self,
+        image: PIL.Image.Image,
+        mask: PIL.Image.Image | None,
+        canvas: EditCanvas,
+        batch: int,
+        seed: int,
+        crop: MaskCrop | None = None,
+    ) -> ImageStart:
+        """An inpainting edit (`QwenImageEditInpaintPipeline`): the input image as the vision tower sees it
+        (resized to the output size), VAE-encoded with its latent distribution sampled, then the noise, and
+        the mask, as Qwen-Image's inpainting prepares them."""
+        if crop is None:
+            image = self.prepare([image]).condition[0]
+        return super().image_start(image, mask, canvas.target, batch, seed, crop)
+
+    def mask_crop(
+        self, image: PIL.Image.Image, mask: PIL.Image.Image, canvas: EditCanvas, pad: int
+    ) -> MaskCrop:
+        """The box in the input image resized to the output size, where diffusers cuts it and pastes the
+        result back (so the edit comes back at the output size). diffusers finds the box in the mask as
+        given, and fails unless that is the output size too; the mask is resized here with the image (no
+        change when it is already that size)."""
+        resized = self.prepare([image]).condition[0]
+        mask = self.image_processor.resize(mask, resized.height, resized.width)
+        return super().mask_crop(resized, mask, canvas.target, pad)
+
+    def start_canvas(self, canvas: EditCanvas, latents: torch.Tensor) -> EditCanvas:
+        """The start latents are the reference latents every step reads (diffusers' inpainting edit feeds
+        its sampled `image_latents` to the transformer, not the distribution's mode an edit reads)."""
+        return replace(canvas, references=latents)
 
     def step_call(
         self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: EditCanvas
