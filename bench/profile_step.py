@@ -16,9 +16,17 @@ from pathlib import Path
 
 import torch
 from step_bench import VARIANTS, build, step_inputs
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from models.fp8 import Fp8Linear
 from models.qwen_image.config import QwenImageConfig
+
+# H200 SXM dense peaks (NVIDIA's datasheet halves its sparse figures): FP8 and BF16 tensor-core TFLOP/s.
+# The roofline columns divide each kind's work by its kernel time and these.
+PEAK_TFLOPS = {"fp8 gemm": 1979.0, "bf16 gemm": 989.5, "attention": 989.5}
+TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp", "txt_in")
+ONE_ROW = ("img_mod", "txt_mod", "time_text_embed", "norm_out.linear")  # read the conditioning vector
 
 KINDS = (  # first match wins: our kernels by name, then FP8 GEMMs (cuBLAS "nvjet_*_qq*", e4m3), then BF16
     ("producers (ours)", ("_layer_norm", "_gated_residual")),
@@ -50,6 +58,24 @@ def clock_power_samples(text: str) -> list[tuple[float, float]]:
             continue
         samples.append((clock, power))
     return samples
+
+
+def step_work(model: nn.Module, batch: int, image: int, text: int) -> dict[str, float]:
+    """FLOPs of one step by kind: each linear's `2 x rows x in x out` (FP8 or BF16 by its weights; image,
+    text or one row per sample by its name) and attention's `4 x S^2 x width` per block (QK^T and PV, S the
+    joint sequence)."""
+    work = {"fp8 gemm": 0.0, "bf16 gemm": 0.0, "attention": 0.0}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear | Fp8Linear):
+            continue
+        rows = text if any(n in name for n in TEXT_STREAM) else image
+        rows = 1 if any(n in name for n in ONE_ROW) else rows
+        out_features, in_features = module.weight.shape
+        kind = "fp8 gemm" if isinstance(module, Fp8Linear) else "bf16 gemm"
+        work[kind] += 2.0 * batch * rows * in_features * out_features
+    blocks, width = len(model.transformer_blocks), model.config.inner_dim
+    work["attention"] = 4.0 * batch * blocks * (image + text) ** 2 * width
+    return work
 
 
 def main() -> None:
@@ -126,6 +152,7 @@ def main() -> None:
         "back_to_back_ms": runs_ms,
         "sm_clock_mhz_power_w": samples,
         "kernels": sorted(kernels, key=lambda k: -k["ms"]),
+        "work_flops": step_work(model, batch, latents.shape[1], args.text),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"profile_{args.variant}{'-graph' if args.graph else ''}_{args.config}"
@@ -157,14 +184,26 @@ def write_tables(report: dict, path: Path) -> str:
             f" max {max(p for _, p in samples):.0f} over {len(samples)} samples",
             "",
         ]
+    work = report.get("work_flops", {})
+
+    def roofline(kind: str, ms: float) -> str:
+        if kind not in work or not ms:
+            return " | |"
+        tflops = work[kind] / ms / 1e9
+        share = 100 * tflops / PEAK_TFLOPS[kind]
+        return f" {work[kind] / 1e12:.2f} TFLOP: {tflops:.0f} TFLOP/s | {share:.0f}% |"
+
     lines += [
-        "| kind | ms | launches |",
-        "|---|---:|---:|",
+        "| kind | ms | launches | work: achieved | of H200 peak |",
+        "|---|---:|---:|---:|---:|",
         *(
-            f"| {kind} | {v['ms']:.2f} | {v['launches']} |"
+            f"| {kind} | {v['ms']:.2f} | {v['launches']} |{roofline(kind, v['ms'])}"
             for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1]["ms"])
         ),
     ]
+    if work:
+        floor = sum(work[k] / PEAK_TFLOPS[k] / 1e9 for k in work)
+        lines += ["", f"At the H200's peaks this work takes at least {floor:.1f} ms (GEMMs and attention)."]
     summary = "\n".join(lines)
     lines += [
         "",
