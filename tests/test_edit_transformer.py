@@ -106,15 +106,18 @@ def test_layout_token_count_must_match():
         ours(latents, prompt, mask, sigma, ImageLayout((1, 4, 4), ((1, 3, 4),)))
 
 
-def test_config_reads_zero_cond_t_and_refuses_layered_flags():
+def test_config_reads_zero_cond_t_and_layered_flags_and_refuses_guidance():
+    """Layered's flags are read (a non-Layered family refuses them: tests/test_layered.py); guidance
+    embeddings, which no Qwen-Image checkpoint has, are refused in one line."""
     raw = {k: v for k, v in config(True).to_dict().items() if not k.startswith("_")}
     assert QwenImageConfig.from_dict(raw).zero_cond_t is True
+    assert not QwenImageConfig.from_dict(raw).layered
     for flag in ("use_additional_t_cond", "use_layer3d_rope"):
-        with pytest.raises(
-            CheckpointError, match=f"enables {flag}: only the Qwen-Image and Qwen-Image-Edit"
-        ) as err:
-            QwenImageConfig.from_dict(raw | {flag: True})
-        assert "\n" not in str(err.value)
+        read = QwenImageConfig.from_dict(raw | {flag: True})
+        assert getattr(read, flag) and read.layered and read.to_dict()[flag] is True
+    with pytest.raises(CheckpointError, match="enables guidance_embeds: only the Qwen-Image") as err:
+        QwenImageConfig.from_dict(raw | {"guidance_embeds": True})
+    assert "\n" not in str(err.value)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +29,7 @@ from test_img2img_oracle import ellipse_mask, photo
 
 from bench.in_thread import InThread
 from models.errors import InputError
-from models.family import GenerationDefaults
+from models.family import CheckpointSpec, GenerationDefaults
 from pipelines import RunInfo, load_pipeline
 from pipelines.generation_request import resolve_request
 from pipelines.pipeline import Generated
@@ -53,9 +54,9 @@ class FakePipe:
     device = torch.device("cpu")
     size_multiple = 16
     defaults = GenerationDefaults(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
-    spec = SimpleNamespace(
-        family=SimpleNamespace(name="fake-edit"), name=model_name, defaults=defaults, size_multiple=16,
-        max_images=3, images_required=False,
+    spec = CheckpointSpec(
+        family=SimpleNamespace(name="fake-edit"), directory=Path(model_name), name=model_name,
+        attention_heads=24, size_multiple=16, defaults=defaults, fp8=False, max_images=3,
     )  # fmt: skip
     model = SimpleNamespace(
         default_size=lambda images: (images[0].width // 16 * 16, images[0].height // 16 * 16)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +28,7 @@ from helpers import wait_for
 from PIL import Image
 
 from models.errors import InputError
-from models.family import GenerationDefaults
+from models.family import CheckpointSpec, GenerationDefaults
 from pipelines import RunInfo
 from pipelines.generation_request import GenerationRequest, resolve_request
 from ui.app import build_app
@@ -54,9 +55,9 @@ class FakePipe:
     device = "cpu"
     size_multiple = 16
     defaults = GenerationDefaults(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
-    spec = SimpleNamespace(
-        family=SimpleNamespace(name="fake"), name="fake", defaults=defaults, size_multiple=16, max_images=0,
-        images_required=False,
+    spec = CheckpointSpec(
+        family=SimpleNamespace(name="fake"), directory=Path("fake"), name="fake", attention_heads=24,
+        size_multiple=16, defaults=defaults, fp8=False,
     )  # fmt: skip
 
     def __init__(self, delay: float = 0.0) -> None:
