@@ -55,6 +55,8 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
     names = {1: "Start image" if starts else "Input image"} if count == 1 else {}
     start_inputs = {}
     title = "Image to image" if starts else "Layers" if decomposes else "Edit"
+    if controls:
+        title = "Image to image / ControlNet"  # a ControlNet checkpoint's tab: start image or control map
     with gr.Tabs(), gr.Tab(title, id="edit"), gr.Row():
         with gr.Column(scale=5):
             with gr.Row():
