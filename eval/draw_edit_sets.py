@@ -8,7 +8,8 @@ each scene's description, so an instruction names what its image shows.
 starts from `edit`'s images with their own captions (a rework at strength 0.6); `inpaint` masks each
 image's first group of shapes (its boxes, with a margin) and asks for it in another colour (strength 0.9).
 `control` guides a ControlNet checkpoint with each image's canny edges (made when it runs) and its caption;
-`control-inpaint` gives an inpainting ControlNet `inpaint`'s images, masks and prompts.
+`control-inpaint` gives an inpainting ControlNet `inpaint`'s images, masks and prompts, and `edit-inpaint`
+gives them to an Edit checkpoint as inpainting edits (the image as its input image, with the mask).
 The files are deterministic: tests/test_edit_sets.py draws them again and compares.
 """
 
@@ -149,6 +150,7 @@ def write_sets(out: Path) -> dict[str, Path]:
         "inpaint": [],
         "control": [],
         "control-inpaint": [],
+        "edit-inpaint": [],
     }
     for size, instruction in SINGLE:
         image, description = draw(index, size)
@@ -161,6 +163,8 @@ def write_sets(out: Path) -> dict[str, Path]:
         sets["control"].append({"prompt": img2img["prompt"], "control": [name], "control_mode": "canny"})
         repaint = {"prompt": inpaint["prompt"], "control": [name], "control_mask": inpaint["mask"]}
         sets["control-inpaint"].append(repaint)
+        inpaint_edit = {"prompt": inpaint["prompt"], "images": [name], "mask": inpaint["mask"]}
+        sets["edit-inpaint"].append(inpaint_edit | {"strength": inpaint["strength"]})
         index += 1
     for sizes, instruction in MULTI:
         names, descriptions = [], []

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE|SET",
         help="prompt file, or an edit set (.jsonl: image + instruction pairs, or start images and masks), "
         "or a built-in set: smoke, diverse; edit, edit-plus (drawn images and instructions, for Edit "
-        "checkpoints); img2img, inpaint (drawn start images and masks, for Qwen-Image text-to-image ones)",
+        "checkpoints); img2img, inpaint (drawn start images and masks, for Qwen-Image text-to-image ones); "
+        "control, control-inpaint (ControlNet checkpoints); edit-inpaint (a one-image Edit checkpoint)",
     )
     parser.add_argument("--a", required=True, metavar="VARIANT", help="variant of side a (grammar below)")
     parser.add_argument("--b", required=True, metavar="VARIANT", help="variant of side b (grammar below)")

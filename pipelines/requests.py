@@ -3,14 +3,16 @@ calibrates on them and `eval.parity` compares over them. Torch-free.
 
 A prompt file (`.txt`) holds one prompt per line. An edit set (`.jsonl`) holds one JSON object per line,
 `{"prompt": "make the sky red", "images": ["photo.png"]}`, image paths relative to the file (blank lines
-skipped); a line may instead start from an image (img2img) and repaint only a mask's white part
-(inpainting): `{"prompt": "a red fox", "init_image": "photo.png", "mask": "mask.png", "strength": 0.8}`
-(mask and strength optional); or be guided by control maps (a ControlNet checkpoint): `{"prompt": "a
-house", "control": ["edges.png"], "control_scale": 0.8}`, with `"control_mode": "canny"` to make the map
-from a photo, and `"control_mask": "mask.png"` for an inpainting ControlNet. The built-in sets (`edit`: one
-image each; `edit-plus`: two or three; `img2img` and `inpaint`: start images and masks; `control`: the
-scenes' canny edges; `control-inpaint`: `inpaint`'s images and masks for an inpainting ControlNet) sit in
-`pipelines/edit_sets/` with images the project draws itself (`python -m eval.draw_edit_sets`).
+skipped); a line may instead start from an image (img2img) and repaint only a mask's white part (inpainting):
+`{"prompt": "a red fox", "init_image": "photo.png", "mask": "mask.png", "strength": 0.8}` (mask and strength
+optional), or, for an Edit checkpoint that inpaints, mask its one input image: `{"prompt": "a red door",
+"images": ["photo.png"], "mask": "mask.png"}`; or be guided by control maps (a ControlNet checkpoint):
+`{"prompt": "a house", "control": ["edges.png"], "control_scale": 0.8}`, with `"control_mode": "canny"` to
+make the map from a photo, and `"control_mask": "mask.png"` for an inpainting ControlNet. The built-in sets
+(`edit`: one image each; `edit-plus`: two or three; `img2img` and `inpaint`: start images and masks;
+`control`: the scenes' canny edges; `control-inpaint`: `inpaint`'s images and masks for an inpainting
+ControlNet; `edit-inpaint`: the same as inpainting edits) sit in `pipelines/edit_sets/` with images the
+project draws itself (`python -m eval.draw_edit_sets`).
 """
 
 import json
@@ -26,7 +28,15 @@ from pipelines.prompts import read_prompt_file
 
 EDIT_SET_SUFFIX = ".jsonl"
 EDIT_SETS_DIR = Path(__file__).parent / "edit_sets"
-BUILTIN_EDIT_SETS = ("edit", "edit-plus", "img2img", "inpaint", "control", "control-inpaint")
+BUILTIN_EDIT_SETS = (
+    "edit",
+    "edit-plus",
+    "img2img",
+    "inpaint",
+    "control",
+    "control-inpaint",
+    "edit-inpaint",
+)
 
 
 @dataclass(frozen=True)
@@ -111,8 +121,8 @@ def _request(entry: dict, base: Path, where: str) -> Request:
     ):
         raise InputError(f'{where}: "control_scale" must be a number')
     names = {"init_image": start, "mask": entry.get("mask"), "control_mask": entry.get("control_mask")}
-    if names["mask"] is not None and start is None:
-        raise InputError(f'{where}: "mask" needs the "init_image" it masks')
+    if names["mask"] is not None and start is None and len(images) != 1:
+        raise InputError(f'{where}: "mask" needs the "init_image" (or the one of "images") it masks')
     if names["control_mask"] is not None and control is None:
         raise InputError(f'{where}: "control_mask" needs the "control" image it masks')
     for key, name in names.items():
@@ -176,16 +186,20 @@ def check_requests(
     model: str,
     starts: bool = False,
     controls: bool = False,
+    inpaints: bool = False,
 ) -> None:
     """InputError naming the first request whose images the model cannot take (before it loads): their
     count, a start image for a model that does not start from images (`starts`), or control images for
-    one without a ControlNet (`controls`)."""
+    one without a ControlNet (`controls`), or a mask on an input image for one that does not inpaint its
+    input image (`inpaints`)."""
     for number, request in enumerate(requests, 1):
         try:
             if request.init_image is not None and not starts:
                 raise InputError(f"{model} does not start from an image (img2img, inpainting)")
             if request.control and not controls:
                 raise InputError(f"{model} holds no ControlNet (control images)")
+            if request.mask is not None and request.init_image is None and not inpaints:
+                raise InputError(f"{model} does not inpaint its input image (a mask with images)")
             check_image_count(len(request.images), max_images, required, model)
         except InputError as err:
             raise InputError(f"request {number} ({request.prompt[:40]!r}): {err}") from None
@@ -200,6 +214,7 @@ def check_requests_for(requests: Sequence[Request], spec: CheckpointSpec) -> Non
         spec.name,
         spec.starts_from_image,
         spec.takes_control,
+        spec.inpaints_input,
     )
 
 

@@ -47,8 +47,10 @@ def small_areas_env(tmp_path: Path) -> dict[str, str]:
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
+        "import models.qwen_image_edit.config as config\n"
         "import models.qwen_image_edit.model as model\n"
         f"model.VAE_AREA, model.CONDITION_AREA = {SMALL_VAE_AREA}, {SMALL_CONDITION_AREA}\n"
+        f"config.VAE_AREA = {SMALL_VAE_AREA}\n"  # the default output size: an inpainting edit's size
     )
     return os.environ | {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
 
@@ -94,9 +96,44 @@ def test_sets_the_model_cannot_run_are_refused_before_workers_start(checkpoints,
             None,
             "nonsense",
         ): "prompt file not found: nonsense (built-in sets: diverse, smoke, edit, edit-plus, img2img, "
-        "inpaint, control, control-inpaint)",
+        "inpaint, control, control-inpaint, edit-inpaint)",
+        (
+            str(bf16),
+            "edit-inpaint",
+        ): f"request 1 ({builtin_edit_set('edit-inpaint')[0].prompt[:40]!r}): {bf16} does not inpaint its "
+        "input image (a mask with images)",
     }
     for (model, prompts), message in cases.items():
         args = ["--prompts", prompts, "--a", "reference", "--b", "reference"]
         assert main([*args, *(["--model", model] if model else [])]) == 2
         assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+@pytest.mark.cpu_dtype
+@pytest.mark.slow
+def test_fp8_fused_equals_unfused_over_the_edit_inpaint_set(tmp_path) -> None:
+    """The built-in `edit-inpaint` set (drawn images, their masks, strength 0.9) on a one-image Edit FP8
+    export: each inpainting edit's PNG is the same fused and unfused."""
+    bf16 = build_edit_checkpoint(tmp_path / "bf16", "QwenImageEditPipeline", False, seed=6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
+        patch.setattr("models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
+        fp8 = quantize_checkpoint(bf16, tmp_path / "fp8", builtin_edit_set("edit")[:1], steps=2, size=32)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "eval.parity", "--model", str(fp8), "--prompts", "edit-inpaint", "--a",
+               "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--negative-prompt", " ", "--out",
+               str(out), "--expect", "identical"]  # fmt: skip
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+        check=False,
+        env=small_areas_env(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verdict: PASS (identical on all 6 pairs)" in result.stdout
+    pairs = json.loads((out / "report.json").read_text(encoding="utf-8"))["pairs"]
+    assert all(p["mask"] and p["images"] and p["init_image"] is None for p in pairs)
+    assert len({p["a"]["png_sha256"] for p in pairs}) == 6

@@ -100,7 +100,7 @@ def test_control_sets_guide_by_the_edit_images() -> None:
             json.dumps({"prompt": "x", "images": ["missing.png"]}),
             "line 2: image .*missing.png does not exist",
         ),
-        (json.dumps({"prompt": "x", "mask": "a.png", "images": ["a.png"]}), '"mask" needs the "init_image"'),
+        (json.dumps({"prompt": "x", "mask": "a.png", "images": ["a.png", "a.png"]}), "needs the .init_image"),
         (json.dumps({"prompt": "x", "init_image": "a.png", "strength": "hi"}), '"strength" must be a number'),
         (json.dumps({"prompt": "x", "init_image": 3}), '"init_image" must be a file name'),
         (json.dumps({"prompt": "x", "init_image": "a.png", "mask": "m.png"}), "image .*m.png does not exist"),
