@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from edit_bench import diffusers_copy, diffusers_transformer
 from PIL import Image
-from start_bench import PROMPT, diffusers_per_step, ours_per_step, per_image
+from start_bench import diffusers_per_step, exactness, ours_per_step, per_image
 
 from pipelines import load_pipeline
 
@@ -48,34 +48,6 @@ def ellipse(size: int) -> Image.Image:
     """The mask of an off-centre ellipse (white: repainted)."""
     y, x = np.mgrid[0:size, 0:size] / size
     return Image.fromarray((255 * (((x - 0.4) / 0.3) ** 2 + ((y - 0.55) / 0.35) ** 2 < 1)).astype(np.uint8))
-
-
-def exactness(pipe, control: dict, size: int) -> dict[str, bool]:
-    """fused == unfused and graphs == eager on the final latents of a short run with `control`."""
-    args = dict(
-        width=size,
-        height=size,
-        num_inference_steps=3,
-        negative_prompt=" ",
-        true_cfg_scale=4.0,
-        seed=5,
-        output_type="latent",
-        **control,
-    )
-    runs = {}
-    for variant in ("fp8-fused", "fp8-unfused"):
-        pipe.set_variant(variant)
-        for graphs in (True, False):
-            pipe.cuda_graphs = graphs
-            runs[variant, graphs] = pipe.generate(PROMPT, **args)
-    pipe.set_variant("fp8-fused")
-    pipe.cuda_graphs = True
-    reference = runs["fp8-fused", True]
-    return {
-        "fused_equals_unfused": torch.equal(reference, runs["fp8-unfused", True]),
-        "graphs_equal_eager": torch.equal(reference, runs["fp8-fused", False])
-        and torch.equal(runs["fp8-unfused", True], runs["fp8-unfused", False]),
-    }
 
 
 def main() -> None:
@@ -102,7 +74,8 @@ def main() -> None:
     if inpaints:
         scene = Image.fromarray(np.asarray(depth)[..., ::-1].copy())  # any RGB image to repaint a part of
         kinds = {"text_to_image": {}, "inpaint": dict(control_image=scene, control_mask=ellipse(args.size))}
-    result["exact"] = exactness(pipe, kinds["inpaint" if inpaints else "two_maps"], args.size)
+    exact_request = kinds["inpaint" if inpaints else "two_maps"]
+    result["exact"] = exactness(pipe, width=args.size, height=args.size, **exact_request)
     print(f"exactness at {args.size}x{args.size}: {result['exact']}", flush=True)
     common = dict(width=args.size, height=args.size, negative_prompt=" ", true_cfg_scale=4.0)
     result["per_image"] = {

@@ -22,28 +22,9 @@ from pathlib import Path
 
 import torch
 from edit_bench import diffusers_transformer
-from start_bench import PROMPT, diffusers_per_step, ours_per_step, per_image, start_images
+from start_bench import diffusers_per_step, exactness, ours_per_step, per_image, start_images
 
 from pipelines import load_pipeline
-
-
-def exactness(pipe, request: dict) -> dict[str, bool]:
-    """fused == unfused and graphs == eager on the final latents of a short inpainting edit."""
-    args = dict(num_inference_steps=5, negative_prompt=" ", true_cfg_scale=4.0, seed=5, output_type="latent")
-    runs = {}
-    for variant in ("fp8-fused", "fp8-unfused"):
-        pipe.set_variant(variant)
-        for graphs in (True, False):
-            pipe.cuda_graphs = graphs
-            runs[variant, graphs] = pipe.generate(PROMPT, **args, **request)
-    pipe.set_variant("fp8-fused")
-    pipe.cuda_graphs = True
-    reference = runs["fp8-fused", True]
-    return {
-        "fused_equals_unfused": torch.equal(reference, runs["fp8-unfused", True]),
-        "graphs_equal_eager": torch.equal(reference, runs["fp8-fused", False])
-        and torch.equal(runs["fp8-unfused", True], runs["fp8-unfused", False]),
-    }
 
 
 def main() -> None:
@@ -62,7 +43,7 @@ def main() -> None:
     result: dict = {"model": args.model, "device": device, "size": args.size, "variant": pipe.variant}
     result["fusion"] = pipe.fusion_summary().splitlines()
     inpaint = dict(image=scene, mask_image=mask, strength=0.6)
-    result["exact"] = exactness(pipe, inpaint)
+    result["exact"] = exactness(pipe, num_inference_steps=5, **inpaint)
     print(f"exactness at {args.size}x{args.size}: {result['exact']}", flush=True)
     common = dict(negative_prompt=" ", true_cfg_scale=4.0)
     kinds = {"edit": dict(image=scene), "inpainting_edit": inpaint}

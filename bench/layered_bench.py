@@ -22,10 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from control_bench import exactness
 from edit_bench import diffusers_transformer
 from PIL import Image
-from start_bench import diffusers_per_step, ours_per_step, per_image
+from start_bench import diffusers_per_step, exactness, ours_per_step, per_image
 
 from pipelines import load_pipeline
 
@@ -59,7 +58,8 @@ def main() -> None:
     request = pipe.request("x", resolution=640, **common)
     result["size"] = [request.width, request.height]
     sized = dict(common, width=request.width, height=request.height)
-    result["exact"] = exactness(pipe, dict(image=image, layers=args.layers), request.width)
+    size = dict(width=request.width, height=request.height)
+    result["exact"] = exactness(pipe, image=image, layers=args.layers, **size)
     print(f"exactness at {request.width}x{request.height}: {result['exact']}", flush=True)
     row = per_image(pipe, args.runs, num_inference_steps=args.full_steps, **sized)
     result["per_image"] = row

@@ -84,6 +84,26 @@ def per_image(pipe: Pipeline, runs: int, **kwargs) -> dict[str, float]:
     }
 
 
+def exactness(pipe: Pipeline, **request) -> dict[str, bool]:
+    """fused == unfused and graphs == eager on the final latents of a short run of `request` (3 steps, true
+    CFG with negative " ", unless it says otherwise)."""
+    args = dict(num_inference_steps=3, negative_prompt=" ", true_cfg_scale=4.0, seed=5, output_type="latent")
+    runs = {}
+    for variant in ("fp8-fused", "fp8-unfused"):
+        pipe.set_variant(variant)
+        for graphs in (True, False):
+            pipe.cuda_graphs = graphs
+            runs[variant, graphs] = pipe.generate(PROMPT, **args | request)
+    pipe.set_variant("fp8-fused")
+    pipe.cuda_graphs = True
+    reference = runs["fp8-fused", True]
+    return {
+        "fused_equals_unfused": torch.equal(reference, runs["fp8-unfused", True]),
+        "graphs_equal_eager": torch.equal(reference, runs["fp8-fused", False])
+        and torch.equal(runs["fp8-unfused", True], runs["fp8-unfused", False]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="FP8 Qwen-Image checkpoint (default: the embedded one, a smoke run)")

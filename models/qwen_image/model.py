@@ -323,3 +323,29 @@ class QwenImageModel(FamilyModel):
 
     def save(self, directory: Path, skip: tuple[str, ...], defaults: GenerationDefaults) -> None:
         save_components(self.components, directory, skip, defaults)
+
+
+class AppendedImageSteps:
+    """The step of a model whose transformer sees the target's tokens followed by a canvas's packed image
+    latents (`canvas.references`, [1, tokens, C], laid out by `canvas.layout`) and whose velocity is the
+    target's part (Edit's input images, Layered's image)."""
+
+    transformer: torch.nn.Module
+
+    def step_call(
+        self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: Any
+    ) -> StepCall:
+        references = canvas.references.expand(latents.shape[0], -1, -1)
+        return StepCall((latents, references, branch.embeds, branch.mask, sigma), (canvas.layout,))
+
+    def run_step(
+        self,
+        latents: torch.Tensor,
+        references: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        sigma: torch.Tensor,
+        layout: ImageLayout,
+    ) -> torch.Tensor:
+        out = self.transformer(torch.cat([latents, references], dim=1), embeds, mask, sigma, layout)
+        return out[:, : latents.shape[1]]

@@ -14,10 +14,10 @@ from pathlib import Path
 import PIL.Image
 import torch
 
-from models.family import Conditioning, ImageStart, StepCall
+from models.family import Conditioning, ImageStart
 from models.mask_crop import MaskCrop
 from models.qwen_image.math import ImageLayout
-from models.qwen_image.model import LatentCanvas, QwenImageModel, latent_size
+from models.qwen_image.model import AppendedImageSteps, LatentCanvas, QwenImageModel, latent_size
 from models.qwen_image_edit.components import EditComponents, load_edit_components
 from models.qwen_image_edit.conditioning import (
     EditImages,
@@ -39,7 +39,7 @@ class EditCanvas:
     layout: ImageLayout
 
 
-class QwenImageEditModel(QwenImageModel):
+class QwenImageEditModel(AppendedImageSteps, QwenImageModel):
     """An Edit checkpoint's components on one device, with the editing hooks of the shared pipeline.
 
     `vae_area` and `condition_area` are diffusers' fixed image areas (1024x1024 for the VAE, 384x384 for
@@ -145,25 +145,6 @@ class QwenImageEditModel(QwenImageModel):
         """The start latents are the reference latents every step reads (diffusers' inpainting edit feeds
         its sampled `image_latents` to the transformer, not the distribution's mode an edit reads)."""
         return replace(canvas, references=latents)
-
-    def step_call(
-        self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: EditCanvas
-    ) -> StepCall:
-        references = canvas.references.expand(latents.shape[0], -1, -1)
-        return StepCall((latents, references, branch.embeds, branch.mask, sigma), (canvas.layout,))
-
-    def run_step(
-        self,
-        latents: torch.Tensor,
-        references: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor | None,
-        sigma: torch.Tensor,
-        layout: ImageLayout,
-    ) -> torch.Tensor:
-        """The velocity of the target tokens: the transformer sees them followed by the reference tokens."""
-        out = self.transformer(torch.cat([latents, references], dim=1), embeds, mask, sigma, layout)
-        return out[:, : latents.shape[1]]
 
     def decode(self, latents: torch.Tensor, canvas: EditCanvas) -> list[PIL.Image.Image]:
         return super().decode(latents, canvas.target)

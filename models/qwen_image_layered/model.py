@@ -18,9 +18,15 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from models.errors import InputError
-from models.family import Conditioning, StepCall, calculate_dimensions
+from models.family import calculate_dimensions
 from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
-from models.qwen_image.model import LatentCanvas, QwenImageModel, latent_size, latent_statistics
+from models.qwen_image.model import (
+    AppendedImageSteps,
+    LatentCanvas,
+    QwenImageModel,
+    latent_size,
+    latent_statistics,
+)
 from models.qwen_image_edit.conditioning import encode_reference_latents
 from models.qwen_image_layered.caption import caption_image
 from models.qwen_image_layered.components import LayeredComponents, load_layered_components
@@ -37,11 +43,11 @@ class LayeredCanvas:
 
     target: LatentCanvas
     layers: int
-    condition: torch.Tensor
+    references: torch.Tensor
     layout: ImageLayout
 
 
-class QwenImageLayeredModel(QwenImageModel):
+class QwenImageLayeredModel(AppendedImageSteps, QwenImageModel):
     """A Layered checkpoint's components on one device, with the shared pipeline's decomposition hooks."""
 
     components: LayeredComponents
@@ -94,7 +100,7 @@ class QwenImageLayeredModel(QwenImageModel):
 
     def time_shift(self, canvas: LayeredCanvas) -> float:
         """`mu = sqrt(image tokens / 256)` from the input image's tokens, as diffusers' Layered sets it."""
-        return (canvas.condition.shape[1] / BASE_TOKENS) ** 0.5
+        return (canvas.references.shape[1] / BASE_TOKENS) ** 0.5
 
     def initial_latents(self, canvas: LayeredCanvas, batch: int, seed: int) -> torch.Tensor:
         """[B, (layers + 1) * tokens, 4C]: one seeded draw of every frame, packed frame after frame."""
@@ -103,25 +109,6 @@ class QwenImageLayeredModel(QwenImageModel):
         generator = torch.Generator("cpu").manual_seed(seed)
         noise = randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
         return pack_latents(noise.flatten(0, 1)).unflatten(0, (batch, frames)).flatten(1, 2)
-
-    def step_call(
-        self, latents: torch.Tensor, sigma: torch.Tensor, branch: Conditioning, canvas: LayeredCanvas
-    ) -> StepCall:
-        condition = canvas.condition.expand(latents.shape[0], -1, -1)
-        return StepCall((latents, condition, branch.embeds, branch.mask, sigma), (canvas.layout,))
-
-    def run_step(
-        self,
-        latents: torch.Tensor,
-        condition: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor | None,
-        sigma: torch.Tensor,
-        layout: ImageLayout,
-    ) -> torch.Tensor:
-        """The velocity of the layers' tokens: the transformer sees them followed by the image's."""
-        out = self.transformer(torch.cat([latents, condition], dim=1), embeds, mask, sigma, layout)
-        return out[:, : latents.shape[1]]
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """`uncond + scale * (cond - uncond)`, not rescaled (diffusers' Layered `cfg_normalize=False`)."""
