@@ -237,3 +237,36 @@ def test_eval_parity_over_the_edit_set_compares_every_layer(fp8, tmp_path):
     strip = PIL.Image.open(tmp_path / "out" / first["a"]["image"])
     assert strip.size == (64 * DEFAULT_LAYERS, 48) and strip.mode == "RGBA"
     assert len({p["a"]["png_sha256"] for p in report["pairs"]}) == len(report["pairs"]) > 1
+
+
+def test_a_lora_on_a_layered_checkpoint_keeps_fused_equal_to_unfused(fp8, tmp_path):
+    """A Lightning-layout LoRA mounts on the Layered transformer as on Qwen-Image's (branch mode): it changes
+    the layers, the blocks stay fused, and fused == unfused."""
+    from lora_files import block_modules, linear_shapes, random_factors, write_lightning
+
+    pipe = load_pipeline(fp8, variant="fp8-fused", device="cpu", dtype="bf16")
+    shapes = linear_shapes(pipe.transformer)
+    modules = block_modules(pipe.transformer.config.num_layers)
+    factors = random_factors(shapes, modules, 8, seed=5, std=0.2, dtype=torch.bfloat16)
+    lora = write_lightning(tmp_path / "lightning.safetensors", factors, 2.0)
+    kwargs = dict(image=drawn_image(64, 48, 1, "RGBA"), layers=2, width=64, height=48, num_inference_steps=2,
+                  negative_prompt="blurry", seed=3, output_type="latent")  # fmt: skip
+    base = pipe.generate("a cat", **kwargs)
+    pipe.load_lora(lora, scale=0.8)
+    assert all(d.fused for d in pipe.transformer.fusion_report.block)
+    fused = pipe.generate("a cat", **kwargs)
+    assert not torch.equal(base, fused) and "lightning x0.8" in pipe.last_run.loras
+    pipe.set_variant("fp8-unfused")
+    assert torch.equal(fused, pipe.generate("a cat", **kwargs))
+
+
+def test_gpu_memory_is_refused_for_layered_in_one_line(checkpoints, tmp_path):
+    """Memory plans do not place Layered's frames yet: an explicit budget is refused before loading."""
+    out = tmp_path / "layers"
+    drawn_image(64, 48, 1).save(tmp_path / "image.png")
+    command = [sys.executable, "-m", "ui.cli", "layers", str(tmp_path / "image.png"), "--prompt", "a cat",
+               "--model", str(checkpoints["layered"]), "--gpu-memory", "24GiB", "-o", str(out)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "memory" in result.stderr, result.stderr
+    assert not out.exists()
