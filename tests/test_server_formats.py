@@ -26,7 +26,7 @@ from test_server import PROMPTS, FakePipe, _client, _serve
 import ui.image_cache
 from pipelines import load_pipeline
 from pipelines.pipeline import Generated
-from ui.image_cache import MEDIA_TYPES, Encoding, encode_all, image_bytes
+from ui.image_cache import MEDIA_TYPES, Encoding, encode_all, image_bytes, png_bytes
 from ui.limits import Limits
 from ui.runner import Runner
 
@@ -149,6 +149,32 @@ def test_encoding_runs_in_parallel_off_the_loop_and_keeps_order(monkeypatch: pyt
     assert files == [encode(image, Encoding("webp", 90)) for image in images]
     assert all(name.startswith("image-encode") for name in threads), threads
     assert most == min(3, ui.image_cache.ENCODER_THREADS)  # at once, as many as the pool has threads
+
+
+@pytest.mark.parametrize(
+    ("mode", "shape"),
+    [("RGB", (48, 64, 3)), ("RGBA", (33, 17, 4)), ("L", (5, 7)), ("LA", (3, 9, 2)), ("RGB", (1, 1, 3))],
+)
+def test_png_writer_keeps_every_pixel(mode: str, shape: tuple[int, ...]) -> None:
+    """Our PNG writer (Up filter + ISA-L) gives back, through Pillow's decoder with its CRC checks, the exact
+    pixels of noise and of a smooth gradient (where the filter's wrap-around differences matter)."""
+    rng = np.random.default_rng(sum(shape))
+    ramp = np.add.outer(np.arange(shape[0]) * 37, np.arange(shape[1]) * 11) % 256
+    for pixels in (
+        rng.integers(0, 256, shape),
+        np.broadcast_to(ramp.reshape(*shape[:2], *([1] * (len(shape) - 2))), shape),
+    ):
+        image = Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8), mode)
+        data = png_bytes(image)
+        Image.open(io.BytesIO(data)).verify()  # every chunk's CRC
+        decoded = _decoded(data)
+        assert (decoded.format, decoded.mode, decoded.size) == ("PNG", mode, image.size)
+        assert decoded.tobytes() == image.tobytes()
+
+
+def test_png_writer_refuses_a_mode_it_cannot_write() -> None:
+    with pytest.raises(ValueError, match="cannot write a CMYK image as PNG"):
+        png_bytes(Image.new("CMYK", (4, 4)))
 
 
 class RgbaPipe(FakePipe):
