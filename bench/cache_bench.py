@@ -96,6 +96,7 @@ def main() -> None:
             "describe": "" if cache is None else cache.describe(),
             "s_per_image": statistics.median(seconds),
             "denoising_s": pipe.last_run.timings["denoising"],
+            "stages_s": pipe.last_run.timings,  # the last run's text encoding, denoising, decoding
             "steps": pipe.last_run.num_inference_steps,
             "skipped": skipped,
             "psnr_vs_exact_random_weights": min(quality) if quality else None,

@@ -11,7 +11,7 @@ The model loads once. For each workload (size, steps or preset, the batch cap wh
 - served: for batching off (every request alone, as generate) and on (--max-batch rows per step, fixed
   batch shapes), the server in-process on 127.0.0.1 and C clients (each one keep-alive connection,
   sending its requests back to back) at each of --clients; images/s over the level's wall time and
-  p50/p90/p99 latency. HTTP overhead = mean latency at one client with batching off - direct generate(),
+  p50/p90/p99 latency. HTTP overhead = median latency at one client with batching off - direct generate(),
   for base64 responses and for URL responses (the image still encoded and cached, not downloaded).
 Prompts all have one token length (CUDA graphs are captured per length); every configuration is warmed
 up first. Writes server_load.json under --out and prints a table.
@@ -42,7 +42,7 @@ from ui.limits import Limits
 from ui.runner import Runner
 from ui.server import build_server
 
-TARGETS = {"http_overhead_ms": 5.0, "batching_speedup_16_clients_512": 1.3}
+TARGETS = {"http_overhead_ms": 20.0, "batching_speedup_16_clients_512": 1.3}  # issue 36
 
 
 @dataclass(frozen=True)
@@ -311,11 +311,11 @@ def main() -> None:
             )
         one = entry["batching_off"]["by_clients"].get("1")
         if one is not None:
-            overhead = one["latency_s"]["mean"] - entry["direct"]["generate_s"]
+            overhead = one["latency_s"]["p50"] - entry["direct"]["generate_s"]  # median against median
             entry["http_overhead_ms"] = 1000 * overhead
             entry["http_overhead_without_encoding_ms"] = 1000 * (overhead - entry["direct"]["encode_s"])
             url = served(pipe, work, False, [1], {1: per_client[1]}, 0.0, "url")["by_clients"]["1"]
-            entry["http_overhead_url_ms"] = 1000 * (url["latency_s"]["mean"] - entry["direct"]["generate_s"])
+            entry["http_overhead_url_ms"] = 1000 * (url["latency_s"]["p50"] - entry["direct"]["generate_s"])
         on, off = entry["batching_on"]["by_clients"], entry["batching_off"]["by_clients"]
         entry["speedup_by_clients"] = {c: on[c]["images_per_s"] / off[c]["images_per_s"] for c in off}
         report["workloads"][work.name] = entry
