@@ -305,11 +305,12 @@ if stage serve; then
     # their deps, as for the ui stage). Batching identity on CUDA (tests/gpu/test_server_gpu.py), then
     # bench/server_load.py on the full-size random FP8 checkpoint: 1024x1024 Lightning-8 and 512x512 8-step
     # requests at 1/4/16/40 clients, batching off vs on, HTTP overhead vs generate(); server_load.json.
+    # SERVE_ARGS passes more options (e.g. "--clients 1,16 --requests 20,32").
     timeout 200 python3 -m pytest tests/gpu/test_server_gpu.py -q -p no:cacheprovider -rA 2>&1 \
         | tee "$OUT/server_gpu_tests.log" | tail -8
     CKPT=/tmp/qwen-image-random-fp8
     random_checkpoint "$CKPT"
-    timeout "${SERVE_TIMEOUT:-480}" python3 bench/server_load.py --model "$CKPT" --out "$OUT" 2>&1 | tail -30
+    timeout "${SERVE_TIMEOUT:-480}" python3 bench/server_load.py --model "$CKPT" --out "$OUT" ${SERVE_ARGS:-} 2>&1 | tail -30
 fi
 if stage qi21; then
     # Qwen-Image 2.1 (issue #23 §6, about 4 min): a full-size random 2.1 pipeline built in memory, ours fp8-fused
