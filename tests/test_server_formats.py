@@ -151,19 +151,23 @@ def test_encoding_runs_in_parallel_off_the_loop_and_keeps_order(monkeypatch: pyt
     assert most == min(3, ui.image_cache.ENCODER_THREADS)  # at once, as many as the pool has threads
 
 
+@pytest.mark.parametrize("slices", [1, 5])
 @pytest.mark.parametrize(
     ("mode", "shape"),
     [("RGB", (48, 64, 3)), ("RGBA", (33, 17, 4)), ("L", (5, 7)), ("LA", (3, 9, 2)), ("RGB", (1, 1, 3))],
 )
-def test_png_writer_keeps_every_pixel(mode: str, shape: tuple[int, ...]) -> None:
-    """Our PNG writer (Up filter + ISA-L) gives back, through Pillow's decoder with its CRC checks, the exact
-    pixels of noise and of a smooth gradient (where the filter's wrap-around differences matter)."""
+def test_png_writer_keeps_every_pixel(
+    monkeypatch: pytest.MonkeyPatch, mode: str, shape: tuple[int, ...], slices: int
+) -> None:
+    """Our PNG writer (Up filter, ISA-L deflate in one piece or in parallel slices joined by sync flushes)
+    gives back, through Pillow's decoder with its CRC checks, the exact pixels of noise and of a smooth
+    gradient (where the filter's wrap-around differences matter)."""
+    monkeypatch.setattr(ui.image_cache, "DEFLATE_THREADS", slices)
+    monkeypatch.setattr(ui.image_cache, "DEFLATE_MIN_SLICE", 1 if slices > 1 else 2**30)
     rng = np.random.default_rng(sum(shape))
     ramp = np.add.outer(np.arange(shape[0]) * 37, np.arange(shape[1]) * 11) % 256
-    for pixels in (
-        rng.integers(0, 256, shape),
-        np.broadcast_to(ramp.reshape(*shape[:2], *([1] * (len(shape) - 2))), shape),
-    ):
+    smooth = np.broadcast_to(ramp.reshape(*shape[:2], *([1] * (len(shape) - 2))), shape)
+    for pixels in (rng.integers(0, 256, shape), smooth):
         image = Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8), mode)
         data = png_bytes(image)
         Image.open(io.BytesIO(data)).verify()  # every chunk's CRC
