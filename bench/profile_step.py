@@ -29,12 +29,14 @@ TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp"
 ONE_ROW = ("img_mod", "txt_mod", "time_text_embed", "norm_out.linear")  # read the conditioning vector
 
 KINDS = (  # first match wins: our kernels by name, then FP8 GEMMs (cuBLAS "nvjet_*_qq*", e4m3), then BF16
-    ("producers (ours)", ("_layer_norm", "_gated_residual")),
+    ("producers (ours)", ("_layer_norm", "_gated_residual", "_tanh_residual")),
     ("gelu (ours)", ("_gelu",)),
+    ("swiglu (ours)", ("_silu_mul",)),
     ("q/k norm+rope (ours)", ("_rms_norm_rope",)),
     ("fp8 quant (ours)", ("_static_quant",)),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
-    ("fp8 gemm", ("_qqtst", "e4m3", "f8f8")),
+    ("convolution", ("fprop", "implicit_gemm", "conv2d", "conv3d", "convolution", "winograd", "cudnn")),
+    ("fp8 gemm", ("_qqtst", "e4m3", "f8f8", "_fp8_gemv")),
     ("bf16 gemm", ("gemm", "nvjet", "cutlass", "xmma")),
     ("copies/cat", ("copy", "cat", "concat", "memcpy")),
 )

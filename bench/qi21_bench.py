@@ -17,7 +17,9 @@ Each configuration runs once to warm up (Triton compiles, CUDA graphs are captur
 timestamp after every step (ms per step), once plain (seconds per image). Targets (issue #23): >= 2x
 diffusers per image; 40 steps <= 2.8 s; Turbo-8 <= 0.7 s; cached step >= 1.8x the uncached one.
 
-    python bench/qi21_bench.py --out DIR [--layers 32] [--steps 40] [--edit-steps 10]
+    python bench/qi21_bench.py --out DIR [--layers 32] [--steps 40] [--edit-steps 10] [--profile]
+
+`--profile`: only ours (fp8) at --steps and Turbo-8, by phase and kernel kind (bench/request_profile.py).
 
 Prints a table and writes DIR/qi21_bench.json.
 """
@@ -38,6 +40,7 @@ import numpy as np
 import PIL.Image
 import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
+from request_profile import markdown, profile_request
 from transformers import Qwen3VLForConditionalGeneration
 
 from models.calibration import fp8_state_dict, quantizable_linears, share_group_amax
@@ -193,6 +196,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--edit-steps", type=int, default=10)
+    parser.add_argument(
+        "--profile", action="store_true", help="only profile ours (fp8) at 40 steps and Turbo-8, by phase"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -201,6 +207,15 @@ def main() -> None:
     components.transformer = None  # the BF16 tensors stay as diffusers' transformer
     print(f"built and calibrated in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
     pipes = {name: our_pipeline(components, model, name) for name, model in fp8.items()}
+    if args.profile:
+        pipe, size = pipes["fp8"], {"width": SIZE, "height": SIZE, "seed": 1}
+        for_steps = profile_request(
+            pipe, f"qi21-{args.steps}-steps_{SIZE}", args.out, num_inference_steps=args.steps, **size
+        )
+        pipe.model.components.sample_sigmas = TURBO_SIGMAS
+        turbo = profile_request(pipe, f"qi21-turbo-8_{SIZE}", args.out, num_inference_steps=8, **size)
+        print(markdown(for_steps), markdown(turbo), sep="\n\n")
+        return
     reference = QwenImage21Pipeline(
         scheduler=copy.deepcopy(components.scheduler),
         vae=components.vae,
