@@ -29,6 +29,7 @@ from models.family import (
     parameter_summary,
 )
 from models.mask_crop import MaskCrop
+from models.pixels import pil_images
 from models.qwen_image.components import Components, load_components, save_components
 from models.qwen_image.controlnet import ControlImage
 from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
@@ -305,7 +306,7 @@ class QwenImageModel(FamilyModel):
         mean, inv_std = latent_statistics(vae, z.device, z.dtype)
         z = z / inv_std + mean
         pixels = vae.decode(z, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(pixels, output_type="pil")
+        return pil_images(self.image_processor, pixels)
 
     def describe(self) -> list[str]:
         c = self.components

@@ -19,6 +19,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from models.env import env_flag
 from models.errors import InputError
 from models.family import FamilyModel, GenerationDefaults, StepCall, calculate_dimensions, parameter_summary
+from models.pixels import pil_images
 from models.qwen_image21.checkpoint import KV_CACHE_ENV, OUTPUT_RESOLUTION, VAE_SCALE
 from models.qwen_image21.components import Components21, load_components21, save_components21
 from models.qwen_image21.conditioning import (
@@ -167,7 +168,7 @@ class QwenImage21Model(FamilyModel):
         std = torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
         pixels = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(pixels, output_type="pil")
+        return pil_images(self.image_processor, pixels)
 
     def describe(self) -> list[str]:
         c = self.components

@@ -19,6 +19,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from models.errors import InputError
 from models.family import calculate_dimensions
+from models.pixels import pil_images
 from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
 from models.qwen_image.model import (
     AppendedImageSteps,
@@ -122,7 +123,7 @@ class QwenImageLayeredModel(AppendedImageSteps, QwenImageModel):
         z = unpack_latents(tokens, target.height, target.width).to(vae.dtype)
         mean, inv_std = latent_statistics(vae, z.device, z.dtype)
         pixels = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(pixels, output_type="pil")
+        return pil_images(self.image_processor, pixels)
 
     def describe(self) -> list[str]:
         return [
