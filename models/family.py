@@ -106,6 +106,7 @@ class CheckpointSpec:
     decomposes: bool = False  # Qwen-Image-Layered: a request's image comes back as `layers` RGBA layers
     captions: bool = False  # an empty prompt is filled with the model's caption of the input image
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
+    shares_text_encoding: bool = False  # a batch's prompts are encoded in shared calls (`encode_batch`)
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,13 @@ class FamilyModel(ABC):
         self, prompts: list[str], max_sequence_length: int, images: list[PIL.Image.Image] | None = None
     ) -> Conditioning:
         """The conditioning of one CFG branch for `prompts` (each seeing the request's input `images`)."""
+
+    def encode_batch(self, prompts: list[str], max_sequence_length: int, rows: int) -> list[Conditioning]:
+        """For a family whose spec `shares_text_encoding`: one CFG branch's conditioning of each of a batch's
+        `prompts` (one per request), from encoder calls of a shape that depends only on `rows` (the batch's
+        fixed size) and each prompt's own tokens, so a prompt's bytes do not depend on its companions; each
+        shaped as `encode([prompt], ...)` shapes it."""
+        raise NotImplementedError(f"{type(self).__name__} encodes each request alone")
 
     @abstractmethod
     def canvas(

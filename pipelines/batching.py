@@ -6,6 +6,8 @@ linear over one row takes another path (GEMV) than over two, and cuBLAS picks ke
 always runs at the fixed number of requests its settings allow (`BatchPlan.slots`), the empty slots filled
 with copies of the first request: a request served alone runs the same shapes as in a full batch, so its
 bytes are the same whichever batch and slot it lands in. The cost: a request alone computes the whole batch.
+A batch's prompts are encoded the same way where the family can: calls of `slots` rows at a token count
+from each prompt's own length (`FamilyModel.encode_batch`).
 """
 
 from dataclasses import dataclass

@@ -94,14 +94,17 @@ class GenerationRequest:
         """Images it returns: one per row, or each row's layers."""
         return self.rows * (self.layers or 1)
 
-    def workload(self, rows: int | None = None, text_tokens: int | None = None) -> Workload:
+    def workload(
+        self, rows: int | None = None, text_tokens: int | None = None, prompts: int | None = None
+    ) -> Workload:
         """This request as a memory plan sees it, at `rows` image rows per step (a batch it shares; it is
-        still decoded alone) and `text_tokens` per prompt (default: its `max_sequence_length`)."""
+        still decoded alone), `text_tokens` per prompt (default: its `max_sequence_length`) and `prompts`
+        per text-encoder call (default: its own; a batch's when they share calls)."""
         return Workload(
             self.width,
             self.height,
             self.rows if rows is None else rows,
-            len(self.prompts),
+            len(self.prompts) if prompts is None else prompts,
             self.max_sequence_length if text_tokens is None else text_tokens,
             self.true_cfg,
             len(self.images),

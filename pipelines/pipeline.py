@@ -474,12 +474,14 @@ class Pipeline:
         """The one way requests run: each request's images and RunInfo, in order (`last_run` is the last's).
 
         One request runs alone. Several (or `slots` above one) share denoising steps: they must agree on
-        `batch_key`; each is encoded and decoded alone, and those whose conditioning has the same shapes
-        denoise as one batch of `slots` requests (default: as many as given), the free slots filled with
-        copies of the first, so a request's bytes do not depend on its companions (kernels may compute a
-        row differently at another row count). Under a memory plan every phase runs inside it: the text
-        encoder brought in, the request checked against the plan (at its batch's rows) and the VAE tiled
-        when it must, the offloaded components prefetched after."""
+        `batch_key`; their prompts are encoded in shared text-encoder calls of `slots` rows where the
+        family can (its spec `shares_text_encoding`; else each alone), each is decoded alone, and those whose
+        conditioning has the same shapes denoise as one batch of `slots` requests (default: as many as
+        given), the free slots filled with copies of the first, so a request's bytes do not depend on its
+        companions (kernels may compute a row differently at another row count): they equal the same
+        request's in any batch of `slots`. Under a memory plan every phase runs inside it: the text encoder
+        brought in, the request checked against the plan (at its batch's rows, and prompts per encoder call)
+        and the VAE tiled when it must, the offloaded components prefetched after."""
         if output_type not in ("pil", "latent"):
             raise InputError(f"output_type {output_type!r} must be 'pil' or 'latent'")
         requests = list(requests)
@@ -493,7 +495,8 @@ class Pipeline:
             asked = [p for r in requests for p in (*r.prompts, *(r.negative_prompts if r.true_cfg else ()))]
             kept = self.model.prompt_tokens(asked)
             tokens = first.max_sequence_length if kept is None else max(kept, first.max_sequence_length)
-            self._limit_graphs(self.memory.request(first.workload(slots * first.rows, tokens)))
+            prompts = slots if self._shares_encoding(slots) else None  # per text-encoder call
+            self._limit_graphs(self.memory.request(first.workload(slots * first.rows, tokens, prompts)))
         if first.cache is not None:
             self._check_cache()
         if first.control is not None:
@@ -503,13 +506,7 @@ class Pipeline:
         preset = get_preset(first.preset, self.spec.family.name)
         scheduler = self.model.scheduler if preset is None else preset.make_scheduler()
         seeds = [self._seed(r) for r in requests]
-        encoded = []
-        for request in requests:
-            timer = _StageTimer(self.device)
-            with in_phase(self.memory, ENCODE):
-                encoded.append(self._branches(request))
-            timer.lap("text_encoding")
-            encoded[-1].timings.update(timer.timings)
+        encoded = self._encode(requests, slots)
         results: list[Generated | None] = [None] * len(requests)
         for group in _same_shapes(encoded):
             for index, generated in self._denoise_group(
@@ -539,6 +536,42 @@ class Pipeline:
             return list(request.seed) if isinstance(request.seed, tuple) else request.seed
         seed = random.randrange(2**31)
         return seed if self.ranks is None else self.ranks.share_seed(seed)
+
+    def _shares_encoding(self, slots: int) -> bool:
+        """Whether a batch of `slots` encodes its prompts in shared calls (the family's spec says it can)."""
+        return slots > 1 and self.spec.shares_text_encoding
+
+    def _encode(self, requests: list[GenerationRequest], slots: int) -> list["_Encoded"]:
+        """Each request's conditioning per CFG branch: a batch (`slots` above one) of a family whose spec
+        `shares_text_encoding` in the family's shared calls of `slots` rows, else each request alone."""
+        if self._shares_encoding(slots):
+            return self._encode_together(requests, slots)
+        encoded = []
+        for request in requests:
+            timer = _StageTimer(self.device)
+            with in_phase(self.memory, ENCODE):
+                encoded.append(self._branches(request))
+            timer.lap("text_encoding")
+            encoded[-1].timings.update(timer.timings)
+        return encoded
+
+    def _encode_together(self, requests: list[GenerationRequest], slots: int) -> list["_Encoded"]:
+        """The batch's prompts, one CFG branch at a time, in `FamilyModel.encode_batch`'s calls of `slots`
+        rows (`batch_key` holds each request of a batch to one prompt: one row each); each request's
+        conditioning is its row, repeated per image, timed with the calls it shared."""
+        first = requests[0]
+        length, copies = first.max_sequence_length, first.num_images_per_prompt
+        branches = [[r.prompts[0] for r in requests]]
+        if first.true_cfg:
+            branches.append([r.negative_prompts[0] for r in requests])
+        timer = _StageTimer(self.device)
+        with in_phase(self.memory, ENCODE):
+            encoded = [self.model.encode_batch(prompts, length, slots) for prompts in branches]
+        timer.lap("text_encoding")
+        return [
+            _Encoded([branch[i].repeat(copies) for branch in encoded], dict(timer.timings))
+            for i in range(len(requests))
+        ]
 
     def _branches(self, request: GenerationRequest) -> "_Encoded":
         """The request's conditioning per CFG branch (its prompts together, each repeated per image)."""

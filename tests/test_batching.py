@@ -58,6 +58,24 @@ def test_requests_keep_their_bytes_in_any_batch_and_slot(pipe) -> None:
     assert [r.info.shared_by for r in together] == [3, 3, 3]
 
 
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
+def test_shared_text_encoding_keeps_each_requests_bytes(pipe, cfg: bool) -> None:
+    """Prompts of two token buckets (one exactly at the 64-token edge), encoded in shared calls of the
+    batch's 4 rows: each request's PNGs are the same bytes alone (3 copies beside it), with any companions
+    and in reverse order."""
+    edge = " ".join(["a"] * 25)  # 64 tokens with the template: the first of the 128 bucket
+    prompts = [PROMPTS[0], edge, PROMPTS[1], "a blue square"]
+    values = dict(width=32, height=32, num_inference_steps=2, negative_prompt=" ")
+    values["true_cfg_scale"] = 4.0 if cfg else 1.0
+    requests = [pipe.request(p, seed=seed, **values) for seed, p in enumerate(prompts)]
+    assert requests[0].true_cfg == cfg
+    alone = [_hashes(pipe.run([r], slots=4))[0] for r in requests]
+    assert _hashes(pipe.run(requests, slots=4)) == alone
+    assert _hashes(pipe.run(requests[::-1], slots=4))[::-1] == alone
+    assert _hashes(pipe.run(requests[1:3], slots=4)) == alone[1:3]
+    assert len({h for hashes in alone for h in hashes}) == 4
+
+
 def test_a_preset_and_several_images_per_request(pipe) -> None:
     first, second = (
         pipe.request(p, width=32, height=48, seed=seed, num_images_per_prompt=2, preset="lightning-4")

@@ -2,7 +2,6 @@
 and bad limits refused before anything loads, and the real command serving the API and the page."""
 
 import base64
-import dataclasses
 import math
 import os
 import signal
@@ -24,7 +23,7 @@ import ui.server
 from models.families import inspect_checkpoint
 from pipelines.memory_plan import minimum_budget
 from ui.cli import main
-from ui.commands import ui_workload
+from ui.commands import serve_workload
 from ui.limits import Limits
 
 KEY = "serve-test-key-0123456789"
@@ -217,7 +216,7 @@ def test_serve_under_a_memory_budget_batches_with_the_bytes_of_requests_alone() 
     streamed; four concurrent requests share denoising steps under it, and each response is the same bytes
     as that request served alone at the same budget and by a server with everything resident."""
     spec = inspect_checkpoint(None)
-    workload = dataclasses.replace(ui_workload(spec), images=4)  # what `serve --max-batch 4` plans for
+    workload = serve_workload(spec, 4)  # what `serve --max-batch 4` plans for
     need = minimum_budget(spec.family.memory_profile(spec, 4, 4), workload, graphs=False, fixed_reserve=0)
     budget = f"{math.ceil(need / 2**20) + 1}MiB"
     common = ["--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--batch-window-ms", "2000"]

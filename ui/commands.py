@@ -413,6 +413,13 @@ def ui_workload(spec: CheckpointSpec) -> Workload:
     return Workload(width, height, input_images=default_workload(spec).input_images, step_cache=True)
 
 
+def serve_workload(spec: CheckpointSpec, max_batch: int) -> Workload:
+    """The request `serve --max-batch` plans for: a full batch of `ui_workload`, its prompts encoded in one
+    call where the family shares text encoding."""
+    prompts = max_batch if spec.shares_text_encoding else 1
+    return dataclasses.replace(ui_workload(spec), images=max_batch, prompts=prompts)
+
+
 def limit_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The Limits fields the command line sets (None: the device's default)."""
     names = {
@@ -448,7 +455,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_listen(args.host, args.port)
     spec = check_model_args(args)
     budget = memory_budget(args)
-    workload = dataclasses.replace(ui_workload(spec), images=args.max_batch)  # a full batch of the largest
+    workload = serve_workload(spec, args.max_batch)
     if budget is not None and not (args.device or "cuda").startswith("cpu"):
         gpu_memory_plan(args, spec, budget, workload)
     lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))

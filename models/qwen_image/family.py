@@ -45,6 +45,7 @@ class QwenImageFamily(ModelFamily):
             defaults=defaults,
             fp8=is_fp8_transformer(directory / "transformer"),
             starts_from_image=True,
+            shares_text_encoding=True,
         )
 
     def check_architecture(self, transformer: QwenImageConfig, directory: Path, pipeline_class: str) -> None:
@@ -72,6 +73,7 @@ class QwenImageFamily(ModelFamily):
             defaults=defaults,
             fp8=model.transformer.is_fp8,
             starts_from_image=True,
+            shares_text_encoding=True,
         )
 
     def meta_transformer(self, spec: CheckpointSpec):

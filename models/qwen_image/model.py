@@ -33,7 +33,7 @@ from models.pixels import pil_images
 from models.qwen_image.components import Components, load_components, save_components
 from models.qwen_image.controlnet import ControlImage
 from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
-from models.qwen_image.text_encoder import encode_prompts
+from models.qwen_image.text_encoder import encode_prompts, encode_prompts_batched
 
 OUTSIDE_BLOCKS = (
     "img_in",
@@ -147,6 +147,14 @@ class QwenImageModel(FamilyModel):
             c.text_encoder, c.tokenizer, prompts, self.device, self.dtype, max_sequence_length
         )
         return Conditioning(embeds, mask)
+
+    def encode_batch(self, prompts: list[str], max_sequence_length: int, rows: int) -> list[Conditioning]:
+        """One call of `rows` rows per token bucket (`encode_prompts_batched`: why the bytes hold)."""
+        c = self.components
+        embeds = encode_prompts_batched(
+            c.text_encoder, c.tokenizer, prompts, rows, self.device, self.dtype, max_sequence_length
+        )
+        return [Conditioning(each, None) for each in embeds]
 
     def canvas(
         self, width: int, height: int, images: list[PIL.Image.Image] | None = None, prompts: int = 1

@@ -20,6 +20,7 @@ from models.qwen_image.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
 LOG = logging.getLogger("qwen_image")
 VOCAB_SIZE = 152064  # Qwen2.5-VL-7B (the 3B model has 151936)
 INIT_STD = 0.02
+TOKEN_BUCKET = 64  # a batched text-encoder call's tokens: the next multiple above each prompt's own count
 
 
 @torch.no_grad()
@@ -36,11 +37,7 @@ def encode_prompts(
     Same ops as diffusers' `QwenImagePipeline.encode_prompt(prompts, device, 1, max_sequence_length=...)`,
     so the result is bit-identical; only the unused logits are skipped (`logits_to_keep=1`).
     """
-    if not prompts:
-        raise InputError("at least one prompt is needed")
-    if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-        raise InputError(f"max_sequence_length must be 1..{MAX_SEQUENCE_LENGTH}, got {max_sequence_length}")
-    texts = [PROMPT_TEMPLATE.format(prompt) for prompt in prompts]
+    texts = templated(prompts, max_sequence_length)
     tokens = tokenizer(
         texts,
         max_length=MAX_SEQUENCE_LENGTH + DROP_TOKENS,
@@ -59,6 +56,73 @@ def encode_prompts(
     embeds = embeds.to(dtype=dtype, device=device)[:, :max_sequence_length].contiguous()
     mask = mask[:, :max_sequence_length].contiguous()
     return embeds, None if mask.all() else mask
+
+
+@torch.no_grad()
+def encode_prompts_batched(
+    text_encoder: Qwen2_5_VLForConditionalGeneration,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    rows: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+) -> list[torch.Tensor]:
+    """Each prompt's embeddings [1, L, hidden], L its own valid length (so no mask), from text-encoder calls
+    of a fixed shape: `rows` rows by the prompt's `token_bucket`, one call per bucket (per `rows` prompts of
+    it), the free rows copies of the call's first prompt.
+
+    Why a prompt's bytes do not depend on the prompts it shares a call with: at a fixed (rows, tokens) shape
+    every op of the encoder is row-independent. Its GEMMs reduce over features only and the library picks
+    the kernel by shape; RMSNorm, RoPE and the elementwise ops work per token; attention is masked per row
+    and head (every row ends in a pad token, so transformers always builds the padding mask and never takes
+    its unmasked causal path); text position ids are the row's own. So a row depends on its own tokens and
+    the shape, and the shape on its own token count, `rows` and `max_sequence_length`. Not on the result of
+    `encode_prompts` for the prompt alone: that runs at another shape. Tokens past the `max_sequence_length`
+    kept ones are cut before the call, not after it: the encoder is causal, so the kept rows mean the same.
+    """
+    texts = templated(prompts, max_sequence_length)
+    ids = tokenizer(texts, max_length=max_sequence_length + DROP_TOKENS, truncation=True).input_ids
+    counts = [len(each) for each in ids]
+    warn_dropped_tokens(tokenizer, texts, counts, max_sequence_length)
+    buckets: dict[int, list[int]] = {}
+    for index, count in enumerate(counts):
+        buckets.setdefault(token_bucket(count, max_sequence_length), []).append(index)
+    embeds: dict[int, torch.Tensor] = {}
+    for tokens, members in buckets.items():
+        for start in range(0, len(members), rows):
+            call = members[start : start + rows]
+            batch = [ids[i] for i in call] + [ids[call[0]]] * (rows - len(call))
+            padded = tokenizer.pad(
+                {"input_ids": batch}, padding="max_length", max_length=tokens, return_tensors="pt"
+            ).to(device)
+            output = text_encoder(
+                input_ids=padded.input_ids,
+                attention_mask=padded.attention_mask,
+                output_hidden_states=True,
+                logits_to_keep=1,
+            )
+            hidden, mask = output.hidden_states[-1], padded.attention_mask
+            for row, index in enumerate(call):
+                own, _ = padded_prompt_rows(hidden[row : row + 1], mask[row : row + 1], DROP_TOKENS)
+                embeds[index] = own.to(dtype=dtype, device=device).contiguous()
+    return [embeds[i] for i in range(len(prompts))]
+
+
+def token_bucket(tokens: int, max_sequence_length: int) -> int:
+    """The token count of the batched call that encodes a templated prompt of `tokens` tokens (after
+    truncation to `max_sequence_length` + the template's dropped ones): the next multiple of TOKEN_BUCKET
+    strictly above it, at most one above the most a prompt keeps, so every row ends in a pad token."""
+    return min((tokens // TOKEN_BUCKET + 1) * TOKEN_BUCKET, max_sequence_length + DROP_TOKENS + 1)
+
+
+def templated(prompts: list[str], max_sequence_length: int) -> list[str]:
+    """The prompts in Qwen-Image's template; InputError for none or a length outside 1..1024."""
+    if not prompts:
+        raise InputError("at least one prompt is needed")
+    if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
+        raise InputError(f"max_sequence_length must be 1..{MAX_SEQUENCE_LENGTH}, got {max_sequence_length}")
+    return [PROMPT_TEMPLATE.format(prompt) for prompt in prompts]
 
 
 def padded_prompt_rows(

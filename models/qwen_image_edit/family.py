@@ -52,6 +52,7 @@ def edit_spec(spec: CheckpointSpec, kind: EditKind) -> CheckpointSpec:
         images_required=True,
         starts_from_image=False,
         inpaints_input=not kind.plus,
+        shares_text_encoding=False,  # its prompts see its input images
     )
 
 

@@ -47,6 +47,7 @@ def _layered(spec: CheckpointSpec) -> CheckpointSpec:
         decomposes=True,
         captions=True,
         sequence_parallel=False,
+        shares_text_encoding=False,  # its prompt may be its caption of the image
     )
 
 

@@ -101,7 +101,8 @@ def test_served_batches_under_a_24_gib_plan_keep_each_requests_bytes() -> None:
     from ui.runner import Runner
     from ui.server import build_server
 
-    pipe = load_pipeline(FULL_SIZE, device="cuda", gpu_memory="24GiB", workload=Workload(512, 512, images=4))
+    largest = Workload(512, 512, images=4, prompts=4)  # as `serve --max-batch 4` plans (shared encoding)
+    pipe = load_pipeline(FULL_SIZE, device="cuda", gpu_memory="24GiB", workload=largest)
     assert pipe.memory.plan.placement("transformer").streamed, pipe.memory.plan.summary()
     runner = Runner(pipe, Limits.for_device("cuda"), BatchPlan.for_device(pipe.device, 4, planned=True), 1.0)
     server = InThread(build_server(pipe, runner))
