@@ -80,3 +80,19 @@ def test_no_import_circles() -> None:
         if module not in state:
             visit(module)
     assert not circles, [" -> ".join(c) for c in circles]
+
+
+def test_an_installed_hub_kernels_is_named_as_the_clash(monkeypatch) -> None:
+    """Hugging Face's `kernels` distribution shares this project's `kernels` import name: importing
+    `models` must say so in one sentence, not fail later inside transformers or our own imports."""
+    import importlib.metadata
+
+    import models
+
+    assert models.hub_kernels_clash() is None  # this machine's install has none (transformers < 5.25)
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "0.19.1" if name == "kernels" else real(name)
+    )
+    message = models.hub_kernels_clash()
+    assert "`kernels` 0.19.1 is installed" in message and "pip uninstall kernels" in message
