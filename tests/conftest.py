@@ -146,3 +146,15 @@ def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("fp8") / "model"
     return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
+
+
+@pytest.fixture(scope="module", params=[("reference", "fp32"), ("contract", "bf16")], ids=lambda p: p[0])
+def bytes_pipe(request: pytest.FixtureRequest):
+    """The embedded default in both variants every CPU serves (`reference` in FP32, `contract` in BF16),
+    run under one thread: CPU kernels may split sums by thread count, and byte comparisons need one."""
+    from pipelines import load_pipeline
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_pipeline(variant=request.param[0], dtype=request.param[1])
+    torch.set_num_threads(threads)

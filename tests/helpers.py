@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import PIL.Image
 import torch
@@ -198,3 +199,36 @@ def diffusers_twin(
     )
     theirs.set_progress_bar_config(disable=True)
     return theirs
+
+
+def check_served_batches(pipe: Any, prompts: list[str], count: int, again: tuple[int, ...]) -> None:
+    """The HTTP server with batching on (4 slots) answers `count` concurrent 128x128 requests (request i:
+    prompt i mod len(prompts), seed i) in shared batches, and asking requests `again` alone gives each the
+    same PNG bytes."""
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from bench.in_thread import InThread
+    from pipelines.batching import BatchPlan
+    from ui.limits import Limits
+    from ui.runner import Runner
+    from ui.server import build_server
+
+    runner = Runner(pipe, Limits.for_device(pipe.device.type), BatchPlan.for_device(pipe.device, 4, False))
+    server = InThread(build_server(pipe, runner))
+
+    def ask(i: int) -> bytes:
+        body = {"prompt": prompts[i % len(prompts)], "size": "128x128", "seed": i, "num_inference_steps": 4}
+        response = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
+        return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+    try:
+        with ThreadPoolExecutor(count) as pool:
+            together = list(pool.map(ask, range(count)))
+        assert runner.counters.batch_requests == count and runner.counters.batches < count
+        assert [ask(i) for i in again] == [together[i] for i in again]
+    finally:
+        server.close()
+        runner.close()

@@ -12,18 +12,9 @@ import torch
 from helpers import png_sha256
 
 from models.errors import InputError
-from pipelines import load_pipeline
 from pipelines.batching import STEP_BYTES_PER_MEGAPIXEL, BatchPlan
 
 PROMPTS = [f"a red circle on the left and a blue square on the right, scene {i}" for i in range(4)]
-
-
-@pytest.fixture(scope="module", params=[("reference", "fp32"), ("contract", "bf16")], ids=lambda p: p[0])
-def pipe(request: pytest.FixtureRequest):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # CPU kernels may split sums by thread count: compare under one
-    yield load_pipeline(variant=request.param[0], dtype=request.param[1])
-    torch.set_num_threads(threads)
 
 
 def _hashes(results: list) -> list[list[str]]:
@@ -31,35 +22,35 @@ def _hashes(results: list) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
-def test_a_request_run_alone_is_generate(pipe, cfg: bool) -> None:
+def test_a_request_run_alone_is_generate(bytes_pipe, cfg: bool) -> None:
     values = dict(
         negative_prompt=" " if cfg else None, width=48, height=32, num_inference_steps=3, seed=5,
         num_images_per_prompt=2, true_cfg_scale=4.0 if cfg else 1.0,
     )  # fmt: skip
-    [result] = pipe.run([pipe.request(PROMPTS[0], **values)])
-    alone = pipe.generate(PROMPTS[0], **values)
+    [result] = bytes_pipe.run([bytes_pipe.request(PROMPTS[0], **values)])
+    alone = bytes_pipe.generate(PROMPTS[0], **values)
     assert _hashes([result]) == [[png_sha256(image) for image in alone]]
     assert set(result.info.timings) == {"text_encoding", "denoising", "decoding", "total"}
     assert result.info.seed == 5 and result.info.shared_by == 1
 
 
-def test_requests_keep_their_bytes_in_any_batch_and_slot(pipe) -> None:
+def test_requests_keep_their_bytes_in_any_batch_and_slot(bytes_pipe) -> None:
     """Three requests alone (each padded to the fixed size of 3), together, and in reverse order: every
     request's PNGs are the same bytes; different prompts and seeds give different images."""
     requests = [
-        pipe.request(prompt, negative_prompt=" ", width=32, height=32, num_inference_steps=2, seed=seed)
+        bytes_pipe.request(prompt, negative_prompt=" ", width=32, height=32, num_inference_steps=2, seed=seed)
         for seed, prompt in enumerate(PROMPTS[:3])
     ]
-    alone = [_hashes(pipe.run([r], slots=3))[0] for r in requests]
-    together = pipe.run(requests, slots=3)
-    reversed_ = _hashes(pipe.run(requests[::-1], slots=3))[::-1]
+    alone = [_hashes(bytes_pipe.run([r], slots=3))[0] for r in requests]
+    together = bytes_pipe.run(requests, slots=3)
+    reversed_ = _hashes(bytes_pipe.run(requests[::-1], slots=3))[::-1]
     assert _hashes(together) == alone == reversed_
     assert len({h for hashes in alone for h in hashes}) == 3
     assert [r.info.shared_by for r in together] == [3, 3, 3]
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
-def test_shared_text_encoding_keeps_each_requests_bytes(pipe, cfg: bool) -> None:
+def test_shared_text_encoding_keeps_each_requests_bytes(bytes_pipe, cfg: bool) -> None:
     """Prompts of two token buckets (one exactly at the 64-token edge), encoded in shared calls of the
     batch's 4 rows: each request's PNGs are the same bytes alone (3 copies beside it), with any companions
     and in reverse order."""
@@ -67,55 +58,56 @@ def test_shared_text_encoding_keeps_each_requests_bytes(pipe, cfg: bool) -> None
     prompts = [PROMPTS[0], edge, PROMPTS[1], "a blue square"]
     values = dict(width=32, height=32, num_inference_steps=2, negative_prompt=" ")
     values["true_cfg_scale"] = 4.0 if cfg else 1.0
-    requests = [pipe.request(p, seed=seed, **values) for seed, p in enumerate(prompts)]
+    requests = [bytes_pipe.request(p, seed=seed, **values) for seed, p in enumerate(prompts)]
     assert requests[0].true_cfg == cfg
-    alone = [_hashes(pipe.run([r], slots=4))[0] for r in requests]
-    assert _hashes(pipe.run(requests, slots=4)) == alone
-    assert _hashes(pipe.run(requests[::-1], slots=4))[::-1] == alone
-    assert _hashes(pipe.run(requests[1:3], slots=4)) == alone[1:3]
+    alone = [_hashes(bytes_pipe.run([r], slots=4))[0] for r in requests]
+    assert _hashes(bytes_pipe.run(requests, slots=4)) == alone
+    assert _hashes(bytes_pipe.run(requests[::-1], slots=4))[::-1] == alone
+    assert _hashes(bytes_pipe.run(requests[1:3], slots=4)) == alone[1:3]
     assert len({h for hashes in alone for h in hashes}) == 4
 
 
-def test_a_preset_and_several_images_per_request(pipe) -> None:
+def test_a_preset_and_several_images_per_request(bytes_pipe) -> None:
     first, second = (
-        pipe.request(p, width=32, height=48, seed=seed, num_images_per_prompt=2, preset="lightning-4")
+        bytes_pipe.request(p, width=32, height=48, seed=seed, num_images_per_prompt=2, preset="lightning-4")
         for seed, p in enumerate(PROMPTS[:2])
     )
     assert first.num_inference_steps == 4 and not first.true_cfg  # the preset's steps and CFG scale
-    together = _hashes(pipe.run([first, second], slots=2))
-    assert together[1] == _hashes(pipe.run([second], slots=2))[0]
-    assert together[0] == _hashes(pipe.run([first], slots=2))[0] and len(together[0]) == 2
-    assert pipe.last_run.num_inference_steps == 4 and pipe.last_run.preset == "lightning-4"
+    together = _hashes(bytes_pipe.run([first, second], slots=2))
+    assert together[1] == _hashes(bytes_pipe.run([second], slots=2))[0]
+    assert together[0] == _hashes(bytes_pipe.run([first], slots=2))[0] and len(together[0]) == 2
+    assert bytes_pipe.last_run.num_inference_steps == 4 and bytes_pipe.last_run.preset == "lightning-4"
 
 
-def test_prompts_of_other_lengths_denoise_apart_in_one_run(pipe) -> None:
+def test_prompts_of_other_lengths_denoise_apart_in_one_run(bytes_pipe) -> None:
     """Conditioning of other shapes cannot stack: one run denoises each shape as its own batch of the
     fixed size, so each request still gets its bytes alone."""
     prompts = ("a red circle", "a red circle at the top left", "a blue circle")
     requests = [
-        pipe.request(p, width=32, height=32, num_inference_steps=2, seed=i) for i, p in enumerate(prompts)
+        bytes_pipe.request(p, width=32, height=32, num_inference_steps=2, seed=i)
+        for i, p in enumerate(prompts)
     ]
-    together = _hashes(pipe.run(requests, slots=3))
-    assert together == [_hashes(pipe.run([r], slots=3))[0] for r in requests]
-    assert [r.info.shared_by for r in pipe.run(requests, slots=3)] == [2, 1, 2]
+    together = _hashes(bytes_pipe.run(requests, slots=3))
+    assert together == [_hashes(bytes_pipe.run([r], slots=3))[0] for r in requests]
+    assert [r.info.shared_by for r in bytes_pipe.run(requests, slots=3)] == [2, 1, 2]
 
 
-def test_requests_that_cannot_share_a_batch_are_refused(pipe) -> None:
-    request = pipe.request("a red circle", width=32, height=32, num_inference_steps=2, seed=0)
+def test_requests_that_cannot_share_a_batch_are_refused(bytes_pipe) -> None:
+    request = bytes_pipe.request("a red circle", width=32, height=32, num_inference_steps=2, seed=0)
     with pytest.raises(InputError, match="3 requests for a batch of 2"):
-        pipe.run([request] * 3, slots=2)
-    other = pipe.request("a red circle", width=48, height=32, num_inference_steps=2, seed=0)
+        bytes_pipe.run([request] * 3, slots=2)
+    other = bytes_pipe.request("a red circle", width=48, height=32, num_inference_steps=2, seed=0)
     with pytest.raises(InputError, match="agree on everything but prompt and seed"):
-        pipe.run([request, other])
-    drawn = pipe.request("a red circle", width=32, height=32, num_inference_steps=2)
+        bytes_pipe.run([request, other])
+    drawn = bytes_pipe.request("a red circle", width=32, height=32, num_inference_steps=2)
     assert drawn.batch_key is None  # a seed drawn at run time: it runs alone
     with pytest.raises(InputError, match="agree on everything but prompt and seed"):
-        pipe.run([drawn], slots=2)
+        bytes_pipe.run([drawn], slots=2)
 
 
-def test_batch_plan_slots_follow_images_and_memory(pipe) -> None:
-    small, big = (pipe.request("x", width=side, height=side, seed=0) for side in (512, 1024))
-    pair = pipe.request("x", width=512, height=512, seed=0, num_images_per_prompt=2)
+def test_batch_plan_slots_follow_images_and_memory(bytes_pipe) -> None:
+    small, big = (bytes_pipe.request("x", width=side, height=side, seed=0) for side in (512, 1024))
+    pair = bytes_pipe.request("x", width=512, height=512, seed=0, num_images_per_prompt=2)
     assert BatchPlan(1).slots(small) == 1
     assert BatchPlan(8).slots(small) == 8 and BatchPlan(8).slots(pair) == 4 and BatchPlan(3).slots(pair) == 1
     budget = math.ceil(4 * 1.048576 * STEP_BYTES_PER_MEGAPIXEL)  # four 1024x1024 rows

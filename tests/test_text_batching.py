@@ -30,18 +30,10 @@ EDGE = words(25)  # 64 tokens with the template: the first prompt of the 128 buc
 BELOW = words(24)  # 63: the last of the 64 bucket
 
 
-@pytest.fixture(scope="module", params=[("reference", "fp32"), ("contract", "bf16")], ids=lambda p: p[0])
-def pipe(request: pytest.FixtureRequest):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # CPU kernels may split sums by thread count: compare under one
-    yield load_pipeline(variant=request.param[0], dtype=request.param[1])
-    torch.set_num_threads(threads)
-
-
 @contextmanager
-def encoder_calls(pipe) -> Iterator[list[torch.Tensor]]:
+def encoder_calls(bytes_pipe) -> Iterator[list[torch.Tensor]]:
     """The attention mask [rows, tokens] of every text-encoder forward while inside."""
-    encoder, calls = pipe.components.text_encoder, []
+    encoder, calls = bytes_pipe.components.text_encoder, []
     forward = encoder.forward
 
     def counted(*args, **kwargs):
@@ -55,8 +47,10 @@ def encoder_calls(pipe) -> Iterator[list[torch.Tensor]]:
         del encoder.forward
 
 
-def test_buckets_sit_strictly_above_each_prompts_own_tokens(pipe) -> None:
-    tokens = [len(pipe.components.tokenizer(PROMPT_TEMPLATE.format(p)).input_ids) for p in (BELOW, EDGE)]
+def test_buckets_sit_strictly_above_each_prompts_own_tokens(bytes_pipe) -> None:
+    tokens = [
+        len(bytes_pipe.components.tokenizer(PROMPT_TEMPLATE.format(p)).input_ids) for p in (BELOW, EDGE)
+    ]
     assert tokens == [63, 64]
     assert [token_bucket(n, 512) for n in (39, 63, 64, 127, 128)] == [64, 64, 128, 128, 192]
     assert token_bucket(512 + 34, 512) == token_bucket(530, 512) == 547  # the cap: one pad past what is kept
@@ -64,10 +58,10 @@ def test_buckets_sit_strictly_above_each_prompts_own_tokens(pipe) -> None:
 
 
 @pytest.mark.parametrize("own", [FOX, EDGE, BELOW], ids=["short", "edge", "below-edge"])
-def test_a_prompts_conditioning_does_not_depend_on_its_companions(pipe, own: str) -> None:
+def test_a_prompts_conditioning_does_not_depend_on_its_companions(bytes_pipe, own: str) -> None:
     """Its row in batches of 4 with companions of its own bucket, of others, at the edge and just below,
     in every position: equal tensors; shaped as `encode` shapes it alone, no mask."""
-    model = pipe.model
+    model = bytes_pipe.model
     [first, *_] = model.encode_batch([own], 512, 4)
     companions = [["b"], ["a blue square", "c", "d"], [EDGE, BELOW], ["long " * 90, EDGE, "x"], [own, own]]
     for others in companions:
@@ -82,10 +76,10 @@ def test_a_prompts_conditioning_does_not_depend_on_its_companions(pipe, own: str
     assert not torch.equal(different.embeds[:, :2], first.embeds[:, :2])
 
 
-def test_long_prompts_are_cut_and_warned_about_as_alone(pipe, caplog) -> None:
+def test_long_prompts_are_cut_and_warned_about_as_alone(bytes_pipe, caplog) -> None:
     """At `max_sequence_length` 16, a 90-word prompt keeps 16 tokens, as alone, whatever its companions,
     and the dropped tokens are still reported."""
-    model, long = pipe.model, "long " * 90
+    model, long = bytes_pipe.model, "long " * 90
     LOG.addHandler(caplog.handler)  # the CLI, run in-process by other tests, stops it propagating
     try:
         [cut, short] = model.encode_batch([long, "b"], 16, 2)
@@ -98,30 +92,30 @@ def test_long_prompts_are_cut_and_warned_about_as_alone(pipe, caplog) -> None:
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
-def test_one_encoder_call_per_branch_and_bucket(pipe, cfg: bool) -> None:
+def test_one_encoder_call_per_branch_and_bucket(bytes_pipe, cfg: bool) -> None:
     """Four requests in two buckets: one call per bucket (and one for the negative prompts, all in one
     bucket), each of `slots` rows, not one per request; every request reports the shared seconds."""
     values = dict(width=32, height=32, num_inference_steps=2, negative_prompt=" ", num_images_per_prompt=2)
     values["true_cfg_scale"] = 4.0 if cfg else 1.0
     prompts = [FOX, EDGE, "a blue square", BELOW]
-    requests = [pipe.request(p, seed=i, **values) for i, p in enumerate(prompts)]
-    with encoder_calls(pipe) as calls:
-        results = pipe.run(requests, slots=5)
+    requests = [bytes_pipe.request(p, seed=i, **values) for i, p in enumerate(prompts)]
+    with encoder_calls(bytes_pipe) as calls:
+        results = bytes_pipe.run(requests, slots=5)
     assert sorted(tuple(m.shape) for m in calls) == sorted([(5, 64), (5, 128)] + ([(5, 64)] if cfg else []))
     assert all((mask == 0).any(dim=1).all() for mask in calls)  # every row ends in a pad: the masked path
     timings = {r.info.timings["text_encoding"] for r in results}
     assert len(timings) == 1 and timings.pop() > 0
     assert [len(r.images) for r in results] == [2] * 4
-    with encoder_calls(pipe) as calls:
-        pipe.run(requests[:1])  # alone (slots 1): as `generate`, its own call per branch
+    with encoder_calls(bytes_pipe) as calls:
+        bytes_pipe.run(requests[:1])  # alone (slots 1): as `generate`, its own call per branch
     assert [len(mask) for mask in calls] == [1] * (2 if cfg else 1)
 
 
-def test_shared_encoding_under_a_memory_plan_keeps_the_bytes(pipe) -> None:
+def test_shared_encoding_under_a_memory_plan_keeps_the_bytes(bytes_pipe) -> None:
     """Under a plan (the CPU standing in for the GPU) the batch's calls run inside it, checked at the batch's
     prompts per call, and give the bytes of the same batch without a plan."""
-    dtype = "fp32" if pipe.dtype == torch.float32 else "bf16"
-    planned = load_pipeline(variant=pipe.variant, device="cpu", dtype=dtype, gpu_memory="1GiB")
+    dtype = "fp32" if bytes_pipe.dtype == torch.float32 else "bf16"
+    planned = load_pipeline(variant=bytes_pipe.variant, device="cpu", dtype=dtype, gpu_memory="1GiB")
     values = dict(width=32, height=32, num_inference_steps=2, negative_prompt=" ")
     requests = [planned.request(p, seed=i, **values) for i, p in enumerate(("b", FOX, EDGE))]
     checked, check = [], planned.memory.request
@@ -130,7 +124,9 @@ def test_shared_encoding_under_a_memory_plan_keeps_the_bytes(pipe) -> None:
         together = planned.run(requests, slots=3)
     assert sorted(tuple(m.shape) for m in calls) == [(3, 64), (3, 64), (3, 128)]
     assert [w.prompts for w in checked] == [3]
-    unplanned = pipe.run([pipe.request(r.prompts[0], seed=r.seed, **values) for r in requests], slots=3)
+    unplanned = bytes_pipe.run(
+        [bytes_pipe.request(r.prompts[0], seed=r.seed, **values) for r in requests], slots=3
+    )
     assert [png_sha256(r.images[0]) for r in together] == [png_sha256(r.images[0]) for r in unplanned]
 
 

@@ -45,14 +45,9 @@ def encode_prompts(
         truncation=True,
         return_tensors="pt",
     ).to(device)
-    output = text_encoder(
-        input_ids=tokens.input_ids,
-        attention_mask=tokens.attention_mask,
-        output_hidden_states=True,
-        logits_to_keep=1,
-    )
+    hidden = last_hidden_states(text_encoder, tokens.input_ids, tokens.attention_mask)
     warn_dropped_tokens(tokenizer, texts, tokens.attention_mask.sum(dim=1).tolist(), max_sequence_length)
-    embeds, mask = padded_prompt_rows(output.hidden_states[-1], tokens.attention_mask, DROP_TOKENS)
+    embeds, mask = padded_prompt_rows(hidden, tokens.attention_mask, DROP_TOKENS)
     embeds = embeds.to(dtype=dtype, device=device)[:, :max_sequence_length].contiguous()
     mask = mask[:, :max_sequence_length].contiguous()
     return embeds, None if mask.all() else mask
@@ -96,17 +91,23 @@ def encode_prompts_batched(
             padded = tokenizer.pad(
                 {"input_ids": batch}, padding="max_length", max_length=tokens, return_tensors="pt"
             ).to(device)
-            output = text_encoder(
-                input_ids=padded.input_ids,
-                attention_mask=padded.attention_mask,
-                output_hidden_states=True,
-                logits_to_keep=1,
-            )
-            hidden, mask = output.hidden_states[-1], padded.attention_mask
+            hidden = last_hidden_states(text_encoder, padded.input_ids, padded.attention_mask)
+            mask = padded.attention_mask
             for row, index in enumerate(call):
                 own, _ = padded_prompt_rows(hidden[row : row + 1], mask[row : row + 1], DROP_TOKENS)
                 embeds[index] = own.to(dtype=dtype, device=device).contiguous()
     return [embeds[i] for i in range(len(prompts))]
+
+
+def last_hidden_states(
+    text_encoder: Qwen2_5_VLForConditionalGeneration, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The encoder's last hidden states [B, L, hidden] as diffusers reads them (`hidden_states[-1]`); only
+    the unused logits are skipped (`logits_to_keep=1`)."""
+    output = text_encoder(
+        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
+    )
+    return output.hidden_states[-1]
 
 
 def token_bucket(tokens: int, max_sequence_length: int) -> int:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import png_sha256
+from helpers import check_served_batches, png_sha256
 
 from pipelines import load_pipeline
 from pipelines.batching import BatchPlan
@@ -45,32 +45,7 @@ def test_fixed_batches_keep_each_requests_bytes_on_gpu(fp8_pipe, cfg: bool) -> N
 
 def test_served_batches_answer_with_the_bytes_of_requests_alone(fp8_pipe) -> None:
     pytest.importorskip("uvicorn")
-    import base64
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
-    from bench.in_thread import InThread
-    from ui.limits import Limits
-    from ui.runner import Runner
-    from ui.server import build_server
-
-    runner = Runner(fp8_pipe, Limits.for_device("cuda"), BatchPlan.for_device(fp8_pipe.device, 4, False))
-    server = InThread(build_server(fp8_pipe, runner))
-    try:
-
-        def ask(i: int) -> bytes:
-            body = {"prompt": PROMPTS[i % 4], "size": "128x128", "seed": i, "num_inference_steps": 4}
-            response = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
-            return base64.b64decode(response.json()["data"][0]["b64_json"])
-
-        with ThreadPoolExecutor(12) as pool:
-            together = list(pool.map(ask, range(12)))
-        assert runner.counters.batch_requests == 12 and runner.counters.batches < 12
-        assert [ask(i) for i in (0, 5, 11)] == [together[i] for i in (0, 5, 11)]
-    finally:
-        server.close()
-        runner.close()
+    check_served_batches(fp8_pipe, PROMPTS, 12, again=(0, 5, 11))
 
 
 def test_memory_bounds_the_batch(fp8_pipe) -> None:

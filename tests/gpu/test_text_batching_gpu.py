@@ -5,10 +5,9 @@ in keep them), and the HTTP server with batching on answers each request with th
 
 import pytest
 import torch
-from helpers import png_sha256
+from helpers import check_served_batches, png_sha256
 
 from pipelines import load_pipeline
-from pipelines.batching import BatchPlan
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [f"a red fox in the snow, picture {i}" for i in range(4)]
@@ -48,30 +47,4 @@ def test_batches_keep_each_requests_bytes_with_shared_encoding_on_gpu(pipe, cfg:
 
 def test_served_batches_with_shared_encoding_answer_with_the_bytes_alone(pipe) -> None:
     pytest.importorskip("uvicorn")
-    import base64
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
-    from bench.in_thread import InThread
-    from ui.limits import Limits
-    from ui.runner import Runner
-    from ui.server import build_server
-
-    runner = Runner(pipe, Limits.for_device("cuda"), BatchPlan.for_device(pipe.device, 4, False))
-    server = InThread(build_server(pipe, runner))
-    prompts = [*PROMPTS, EDGE, LONG]
-    try:
-
-        def ask(i: int) -> bytes:
-            body = {"prompt": prompts[i % 6], "size": "128x128", "seed": i, "num_inference_steps": 4}
-            response = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
-            return base64.b64decode(response.json()["data"][0]["b64_json"])
-
-        with ThreadPoolExecutor(12) as pool:
-            together = list(pool.map(ask, range(12)))
-        assert runner.counters.batch_requests == 12 and runner.counters.batches < 12
-        assert [ask(i) for i in (0, 4, 5, 11)] == [together[i] for i in (0, 4, 5, 11)]
-    finally:
-        server.close()
-        runner.close()
+    check_served_batches(pipe, [*PROMPTS, EDGE, LONG], 12, again=(0, 4, 5, 11))
