@@ -50,8 +50,9 @@ from pipelines.limits import check_size, check_steps
 from pipelines.requests import Request, check_requests_for
 from pipelines.variants import AUTO, VARIANTS
 
-VARIANT_HELP = """variants: NAME[+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]
+VARIANT_HELP = """variants: NAME[+fast-decode][+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]
   NAME    reference | contract | fp8-unfused | fp8-fused | auto   (see docs/API.md)
+  +fast-decode  the VAE's 2D decode: approximate, compare it with the same NAME without
   PRESET  a step cache (fast | faster): approximate, compare it with the same NAME without
   DEVICE  cpu | cuda (cuda:INDEX picks a GPU; not allowed under torchrun on GPUs, where each rank
           uses GPU LOCAL_RANK); default: CUDA when available

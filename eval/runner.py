@@ -99,6 +99,7 @@ class Worker:
         for flag, value in flags.items():
             if value is not None:
                 command += [flag, value]
+        command += ["--fast-decode"] if spec.fast_decode else []
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8", env=env
         )

@@ -1,12 +1,13 @@
 """Variant specs: which pipeline configuration a side of the comparison runs.
 
-Grammar: `NAME[+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]`
+Grammar: `NAME[+fast-decode][+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]`
   NAME    a variant from `pipelines.VARIANTS` (reference, contract, fp8-unfused, fp8-fused) or auto
+  +fast-decode  the VAE's opt-in 2D decode (models/vae_decode.py: approximate); default: the exact decode
   PRESET  a step-cache preset (models/cache_presets.py: fast, faster); default: no cache
   DEVICE  cpu or cuda, optionally with a GPU index (cuda:1); default: the pipeline's (CUDA when available)
   DTYPE   bf16 or fp32; default: the pipeline's (bf16)
 Examples: `contract`, `fp8-fused:cuda`, `reference:cpu:fp32`, `contract:cuda:1:bf16`, `auto:bf16`,
-`fp8-fused+cache:fast`, `contract+cache:faster:cpu:fp32`.
+`fp8-fused+cache:fast`, `contract+cache:faster:cpu:fp32`, `fp8-fused+fast-decode:cuda`.
 """
 
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from models.errors import InputError
 DEVICES = ("cpu", "cuda")
 DTYPES = ("bf16", "fp32")
 CACHE_SUFFIX = "+cache"
+FAST_DECODE = "+fast-decode"
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,14 @@ class VariantSpec:
     device: str | None = None
     dtype: str | None = None
     cache: str | None = None  # a step-cache preset's name
+    fast_decode: bool = False  # the VAE's 2D decode
 
 
 def parse_variant(text: str, known: Sequence[str]) -> VariantSpec:
     """Parse one variant spec; `known` lists the accepted names. Raises InputError."""
     name, *rest = text.strip().split(":")
+    fast_decode = FAST_DECODE in name
+    name = name.replace(FAST_DECODE, "")
     cache = None
     if name.endswith(CACHE_SUFFIX):
         name = name.removesuffix(CACHE_SUFFIX)
@@ -53,4 +58,4 @@ def parse_variant(text: str, known: Sequence[str]) -> VariantSpec:
                 f"bad variant {text!r}: unexpected {token!r}; "
                 "expected NAME[:DEVICE[:INDEX]][:DTYPE] with DEVICE cpu|cuda and DTYPE bf16|fp32"
             )
-    return VariantSpec(text=text, name=name, device=device, dtype=dtype, cache=cache)
+    return VariantSpec(text=text, name=name, device=device, dtype=dtype, cache=cache, fast_decode=fast_decode)

@@ -87,7 +87,7 @@ def side_by_side(images: list) -> object:
     return strip
 
 
-def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
+def generate(pipe: object, request: dict, cache: str | None = None, fast_decode: bool = False) -> dict:
     from pipelines.requests import Request
 
     start = time.perf_counter()
@@ -111,6 +111,7 @@ def generate(pipe: object, request: dict, cache: str | None = None) -> dict:
         true_cfg_scale=request.get("true_cfg_scale", 4.0),
         seed=request["seed"],
         cache=cache,
+        fast_decode=fast_decode,
         **inputs,
     )
     side_by_side(images).save(request["png"], format="PNG")
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--cache", default=None, help="a step-cache preset for every image")
+    parser.add_argument("--fast-decode", action="store_true", help="the VAE's 2D decode (approximate)")
     args = parser.parse_args(argv)
     channel = open_protocol_channel()
     try:
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         request = json.loads(line)
         try:
-            send(channel, generate(pipe, request, args.cache))
+            send(channel, generate(pipe, request, args.cache, args.fast_decode))
         except Exception as exc:
             send_error(channel, exc, id=request.get("id"))
     return 0

@@ -107,6 +107,7 @@ class CheckpointSpec:
     captions: bool = False  # an empty prompt is filled with the model's caption of the input image
     sequence_parallel: bool = True  # its transformer declares a Ulysses plan (models/sequence_parallel.py)
     shares_text_encoding: bool = False  # a batch's prompts are encoded in shared calls (`encode_batch`)
+    fast_decode: bool = False  # its VAE has the opt-in 2D single-frame decode (models/vae_decode.py)
 
 
 @dataclass(frozen=True)
@@ -328,8 +329,9 @@ class FamilyModel(ABC):
         """True CFG from the two branches' velocities, as the family's diffusers pipeline combines them."""
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor, canvas: Any) -> list[PIL.Image.Image]:
-        """Images from final latents, a row's in a run (a family that `decomposes`: each row's layers)."""
+    def decode(self, latents: torch.Tensor, canvas: Any, fast: bool = False) -> list[PIL.Image.Image]:
+        """Images from final latents, a row's in a run (a family that `decomposes`: each row's layers);
+        `fast` (a spec that has `fast_decode`): the VAE's opt-in 2D form, close to exact, not identical."""
 
     def prompt_tokens(self, prompts: list[str]) -> int | None:
         """Tokens of the longest of `prompts`, for a family that keeps every token of a prompt (a memory

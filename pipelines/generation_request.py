@@ -67,6 +67,7 @@ class GenerationRequest:
     control: Control | None = None  # ControlNet control images; None: none
     layers: int | None = None  # Qwen-Image-Layered: RGBA layers per image; None: one image per row
     use_en_prompt: bool = False  # a captioned empty prompt: the English caption instruction (else Chinese)
+    fast_decode: bool = False  # the VAE's 2D single-frame decode (opt-in: close, not identical)
 
     @property
     def captioned(self) -> bool:
@@ -165,6 +166,7 @@ def resolve_request(
     layers: int | None = None,
     resolution: int | None = None,
     use_en_prompt: bool = False,
+    fast_decode: bool = False,
 ) -> GenerationRequest:
     """The request for `spec`'s checkpoint from raw values (docs/API.md, `Pipeline.generate`): each side not
     given is what the input images suggest (`suggest_size`, the loaded model's; without it, or without
@@ -178,7 +180,8 @@ def resolve_request(
     ControlNet repaints); `layers` is how many RGBA layers a Qwen-Image-Layered checkpoint decomposes the
     image into (an empty prompt is then its caption: `use_en_prompt` asks for it in English, else Chinese, as
     diffusers); `resolution` sets the size as a square of that side at the first input image's aspect
-    (diffusers' Layered `resolution`). InputError names the first bad value;
+    (diffusers' Layered `resolution`); `fast_decode` decodes with the VAE's 2D form (opt-in, close to the
+    exact decode, not identical: models/vae_decode.py). InputError names the first bad value;
     `loras`, when given, are the LoRA names `lora_scales` may set."""
     prompts = as_prompt_list(prompt, "prompt")
     images = check_images(image, spec.max_images, spec.images_required, spec.name)
@@ -200,6 +203,10 @@ def resolve_request(
     layers = check_layers(spec, layers)
     if not isinstance(use_en_prompt, bool) or (use_en_prompt and not spec.captions):
         raise InputError(f"use_en_prompt: {spec.name} does not caption images (Qwen-Image-Layered does)")
+    if not isinstance(fast_decode, bool) or (fast_decode and not spec.fast_decode):
+        raise InputError(
+            f"fast_decode: {spec.name}'s VAE has no faster form (its convolutions are 2D already)"
+        )
     if layers is not None and cache is not None:
         raise InputError("cache: a step cache is not built for Qwen-Image-Layered yet: leave it out")
     suggested = suggest_size(images) if images and suggest_size is not None else None
@@ -255,6 +262,7 @@ def resolve_request(
         control=control,
         layers=layers,
         use_en_prompt=use_en_prompt,
+        fast_decode=fast_decode,
     )
 
 

@@ -71,6 +71,7 @@ class RunInfo:
     shared_by: int = 1  # requests that shared its denoising steps (their seconds are in each one's timings)
     cache: str = ""  # the step cache and the steps it skipped ("" without one)
     caption: str = ""  # the model's caption that stood for an empty prompt ("" when none did)
+    fast_decode: bool = False  # the VAE's opt-in 2D decode was asked for (close, not identical)
 
     @property
     def ms_per_step(self) -> float:
@@ -418,6 +419,7 @@ class Pipeline:
         layers: int | None = None,
         resolution: int | None = None,
         use_en_prompt: bool = False,
+        fast_decode: bool = False,
     ) -> list[PIL.Image.Image] | torch.Tensor:
         """Generate (or, with input `image`s, edit) images; see docs/API.md. `init_image` starts from an
         image (img2img, `strength` of the schedule reworking it), `mask_image` repaints only its white part
@@ -428,10 +430,11 @@ class Pipeline:
         repaints `control_mask`'s white part of its one control image). A Qwen-Image-Layered checkpoint
         decomposes `image` into `layers` RGBA layers (each image's in a row), at `resolution` (the side of a
         square of the output's area; default 640) or `width` x `height`; an empty prompt is its caption of
-        the image (`use_en_prompt`: in English; the caption lands in `last_run.caption`). `seed` may give
-        one seed per prompt: each prompt's images then start from its own seed's noise, as when generated
-        alone. Details of the run land in `self.last_run`. `output_type="latent"` returns the final packed
-        latents and skips decoding (as diffusers' pipelines do). One request through `run`."""
+        the image (`use_en_prompt`: in English; the caption lands in `last_run.caption`). `fast_decode`
+        runs the VAE's 2D form (opt-in: close to the exact decode, not identical; models/vae_decode.py).
+        `seed` may give one seed per prompt: each prompt's images then start from its own seed's noise, as
+        when generated alone. Details of the run land in `self.last_run`. `output_type="latent"` returns the
+        final packed latents and skips decoding (as diffusers' pipelines do). One request through `run`."""
         request = self.request(
             prompt,
             negative_prompt=negative_prompt,
@@ -459,6 +462,7 @@ class Pipeline:
             layers=layers,
             resolution=resolution,
             use_en_prompt=use_en_prompt,
+            fast_decode=fast_decode,
         )
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
@@ -635,7 +639,8 @@ class Pipeline:
         for position, index in enumerate(group):
             rows = latents[position * first.rows : (position + 1) * first.rows] if slots > 1 else latents
             decode = _StageTimer(self.device)
-            out = rows if output_type == "latent" else self.model.decode(rows, canvas)
+            fast = requests[index].fast_decode
+            out = rows if output_type == "latent" else self.model.decode(rows, canvas, fast)
             if crop is not None and output_type != "latent":
                 out = [crop.paste(image) for image in out]
             decode.lap("decoding")
@@ -653,6 +658,7 @@ class Pipeline:
                 shared_by=len(group),
                 cache=cache_summary(first.cache, caches, position * first.rows, first.rows, first.steps_run),
                 caption=encoded[index].caption,
+                fast_decode=fast,
             )
             done.append((index, Generated(out, info)))
         return done

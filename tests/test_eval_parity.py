@@ -234,6 +234,11 @@ def test_fp8_unfused_vs_fused_is_identical(prompts: Path, tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     pairs = load(cached)["pairs"]
     assert all(p["a"]["cache"] == p["b"]["cache"] and p["a"]["cache"].startswith("faster: ") for p in pairs)
+    # with the VAE's fast decode (opt-in, approximate) fused and unfused still decode to the same bytes
+    result = parity("--model", str(checkpoint), "--prompts", str(prompts), "--a", "fp8-unfused+fast-decode",
+                    "--b", "fp8-fused+fast-decode", "--size", "64x64", "--steps", "3", "--out",
+                    str(tmp_path / "fast"), "--expect", "identical")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
     # the built-in inpainting set (drawn start images and masks): fused and unfused give the same bytes
     inpaint = tmp_path / "inpaint"
     result = parity("--model", str(checkpoint), "--prompts", "inpaint", "--a", "fp8-unfused",

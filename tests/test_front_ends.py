@@ -42,7 +42,18 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def test_cli_page_and_api_build_the_same_request(runs: list[Any], tmp_path: Any) -> None:
     v = VALUES
     flags = ["--width", "48", "--height", "32", "--steps", "3", "--true-cfg-scale", "3.5", "--seed", "5"]
-    cli = ["generate", PROMPT, "--negative-prompt", NEGATIVE, "--num-images", "2", "--cache", "fast", *flags]
+    cli = [
+        "generate",
+        PROMPT,
+        "--negative-prompt",
+        NEGATIVE,
+        "--num-images",
+        "2",
+        "--cache",
+        "fast",
+        "--fast-decode",
+        *flags,
+    ]
     assert main([*cli, "--device", "cpu", "--dtype", "fp32", "-o", str(tmp_path / "cli.png")]) == 0
     pipe = load_pipeline(device="cpu", dtype="fp32")
     runner = Runner(pipe, Limits.for_device("cpu"))
@@ -57,18 +68,21 @@ def test_cli_page_and_api_build_the_same_request(runs: list[Any], tmp_path: Any)
             PROMPT, **page, seed=v["seed"], api_name="/generate"
         )
         body = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "n": 2, "size": "48x32", "seed": v["seed"]}
-        body |= {"num_inference_steps": 3, "true_cfg_scale": 3.5, "cache": "fast"}
+        body |= {"num_inference_steps": 3, "true_cfg_scale": 3.5, "cache": "fast", "fast_decode": True}
         assert httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120).status_code == 200
     finally:
         server.close()
         demo.close()
         runner.close()
-    pipe.generate(PROMPT, negative_prompt=NEGATIVE, num_images_per_prompt=2, cache="fast", **v)
+    pipe.generate(
+        PROMPT, negative_prompt=NEGATIVE, num_images_per_prompt=2, cache="fast", fast_decode=True, **v
+    )
     assert len(runs) == 4
     cli_request = runs[0]
     assert cli_request.prompts == (PROMPT,) and cli_request.negative_prompts == (NEGATIVE,)
     assert (cli_request.width, cli_request.num_images_per_prompt, cli_request.true_cfg) == (48, 2, True)
-    assert cli_request.cache is CACHE_PRESETS["fast"]
-    assert runs[1] == replace(cli_request, cache=None), "the page (its step cache is a session setting)"
+    assert cli_request.cache is CACHE_PRESETS["fast"] and cli_request.fast_decode
+    page_request = replace(cli_request, cache=None, fast_decode=False)
+    assert runs[1] == page_request, "the page (its step cache is a session setting; no fast decode)"
     assert runs[2] == cli_request, "the HTTP API"
     assert runs[3] == cli_request, "generate()"

@@ -58,6 +58,7 @@ BASE_FIELDS = (
     "preset",
     "lora_scales",
     "cache",
+    "fast_decode",
     *IGNORED,
 )
 FIELDS = (*BASE_FIELDS, *CONTROL_FIELDS)
@@ -193,6 +194,7 @@ def _job_of(
         layers=number("layers", whole=True),
         resolution=number("resolution", whole=True),
         use_en_prompt=_flag(values.get("use_en_prompt"), "use_en_prompt"),
+        fast_decode=_flag(values.get("fast_decode"), "fast_decode"),
     )
     job = Job(None, variant, request)
     check_work(job, limits)

@@ -487,6 +487,12 @@ def _add_sampling_args(
         + " (default: off, every block runs; docs/DESIGN.md §13 gives the measured difference)",
     )
     parser.add_argument(
+        "--fast-decode",
+        action="store_true",
+        help="decode with the VAE's 2D form, opt-in and approximate: about 40%% less decoding time, a few "
+        "pixel levels off the exact decode (BENCHMARKS.md, fast decode); Qwen-Image's VAE only",
+    )
+    parser.add_argument(
         "--num-images",
         type=int,
         default=1,

@@ -117,6 +117,7 @@ def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> d
         "max_sequence_length",
         "preset",
         "cache",
+        "fast_decode",
     )
     values = {name: getattr(args, name) for name in names} | {"image": images or None}
     start, mask = getattr(args, "init_image", None), getattr(args, "mask", None)
@@ -296,6 +297,8 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
         print(f"preset: {get_preset(run.preset).describe()}")
     if run.cache:
         print(f"step cache {run.cache} (approximate)")
+    if run.fast_decode:
+        print("fast decode: the VAE's 2D form (approximate)")
     if run.loras:
         print(run.loras)
     if pipe.lora_merge is not None:

@@ -46,6 +46,7 @@ class QwenImageFamily(ModelFamily):
             fp8=is_fp8_transformer(directory / "transformer"),
             starts_from_image=True,
             shares_text_encoding=True,
+            fast_decode=True,
         )
 
     def check_architecture(self, transformer: QwenImageConfig, directory: Path, pipeline_class: str) -> None:
@@ -74,6 +75,7 @@ class QwenImageFamily(ModelFamily):
             fp8=model.transformer.is_fp8,
             starts_from_image=True,
             shares_text_encoding=True,
+            fast_decode=True,
         )
 
     def meta_transformer(self, spec: CheckpointSpec):

@@ -34,6 +34,7 @@ from models.qwen_image.components import Components, load_components, save_compo
 from models.qwen_image.controlnet import ControlImage
 from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
 from models.qwen_image.text_encoder import encode_prompts, encode_prompts_batched
+from models.vae_decode import decode_frames
 
 OUTSIDE_BLOCKS = (
     "img_in",
@@ -307,14 +308,15 @@ class QwenImageModel(FamilyModel):
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         return true_cfg(cond, uncond, scale)
 
-    def decode(self, latents: torch.Tensor, canvas: LatentCanvas) -> list[PIL.Image.Image]:
+    def decode(
+        self, latents: torch.Tensor, canvas: LatentCanvas, fast: bool = False
+    ) -> list[PIL.Image.Image]:
         """VAE-decode packed latents to PIL images (the VAE config's latent statistics)."""
         vae = self.components.vae
         z = unpack_latents(latents, canvas.height, canvas.width).to(vae.dtype)
         mean, inv_std = latent_statistics(vae, z.device, z.dtype)
         z = z / inv_std + mean
-        pixels = vae.decode(z, return_dict=False)[0][:, :, 0]
-        return pil_images(self.image_processor, pixels)
+        return pil_images(self.image_processor, decode_frames(vae, z, fast))
 
     def describe(self) -> list[str]:
         c = self.components

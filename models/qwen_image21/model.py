@@ -160,8 +160,11 @@ class QwenImage21Model(FamilyModel):
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         return uncond + scale * (cond - uncond)
 
-    def decode(self, latents: torch.Tensor, canvas: RequestSteps) -> list[PIL.Image.Image]:
-        """VAE-decode packed latents (`z * std + mean` with the VAE config's statistics) to PIL images."""
+    def decode(
+        self, latents: torch.Tensor, canvas: RequestSteps, fast: bool = False
+    ) -> list[PIL.Image.Image]:
+        """VAE-decode packed latents (`z * std + mean` with the VAE config's statistics) to PIL images; its
+        VAE's convolutions are 2D already, so there is no `fast` form (the spec refuses it)."""
         vae = self.components.vae
         z = unpack_unpatched(latents, canvas.height, canvas.width).to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)

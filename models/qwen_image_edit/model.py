@@ -146,8 +146,8 @@ class QwenImageEditModel(AppendedImageSteps, QwenImageModel):
         its sampled `image_latents` to the transformer, not the distribution's mode an edit reads)."""
         return replace(canvas, references=latents)
 
-    def decode(self, latents: torch.Tensor, canvas: EditCanvas) -> list[PIL.Image.Image]:
-        return super().decode(latents, canvas.target)
+    def decode(self, latents: torch.Tensor, canvas: EditCanvas, fast: bool = False) -> list[PIL.Image.Image]:
+        return super().decode(latents, canvas.target, fast)
 
     def describe(self) -> list[str]:
         processor = self.components.processor

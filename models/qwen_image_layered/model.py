@@ -31,6 +31,7 @@ from models.qwen_image.model import (
 from models.qwen_image_edit.conditioning import encode_reference_latents
 from models.qwen_image_layered.caption import caption_image
 from models.qwen_image_layered.components import LayeredComponents, load_layered_components
+from models.vae_decode import decode_frames
 
 DEFAULT_RESOLUTION = 640  # diffusers' default bucket: the output is about 640 x 640 at the image's aspect
 BASE_TOKENS = 256  # the time shift's base token count: mu = sqrt(condition tokens / 256)
@@ -115,15 +116,16 @@ class QwenImageLayeredModel(AppendedImageSteps, QwenImageModel):
         """`uncond + scale * (cond - uncond)`, not rescaled (diffusers' Layered `cfg_normalize=False`)."""
         return uncond + scale * (cond - uncond)
 
-    def decode(self, latents: torch.Tensor, canvas: LayeredCanvas) -> list[PIL.Image.Image]:
+    def decode(
+        self, latents: torch.Tensor, canvas: LayeredCanvas, fast: bool = False
+    ) -> list[PIL.Image.Image]:
         """Each row's layers (every frame but the first, the whole image) decoded as RGBA images, row after
         row, in one VAE batch."""
         vae, target, frames = self.components.vae, canvas.target, canvas.layers + 1
         tokens = latents.unflatten(1, (frames, -1))[:, 1:].flatten(0, 1)
         z = unpack_latents(tokens, target.height, target.width).to(vae.dtype)
         mean, inv_std = latent_statistics(vae, z.device, z.dtype)
-        pixels = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
-        return pil_images(self.image_processor, pixels)
+        return pil_images(self.image_processor, decode_frames(vae, z / inv_std + mean, fast))
 
     def describe(self) -> list[str]:
         return [

@@ -1,0 +1,35 @@
+"""The opt-in fast decode on CUDA (models/vae_decode.py): on the full-size `AutoencoderKLQwenImage` in BF16
+its pixels stay within a few 8-bit levels of diffusers' decode, it is deterministic, and the exact decode is
+untouched by it (the frame decoder shares the VAE's tensors but not its causal convolutions)."""
+
+import pytest
+import torch
+from diffusers import AutoencoderKLQwenImage
+
+from models.vae_decode import decode_frames
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def vae():
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoencoderKLQwenImage().to(torch.bfloat16).eval()
+
+
+def levels(pixels: torch.Tensor) -> torch.Tensor:
+    return ((pixels.float() + 1) * 127.5).round()
+
+
+def test_fast_decode_stays_within_a_few_levels_on_gpu(vae) -> None:
+    z = torch.randn(2, 16, 1, 64, 96, device="cuda", dtype=torch.bfloat16)
+    exact = decode_frames(vae, z)
+    fast = decode_frames(vae, z, fast=True)
+    assert fast.shape == exact.shape == (2, 3, 512, 768)
+    diff = (levels(fast) - levels(exact)).abs()
+    moved = (diff > 0).float().mean().item()
+    print(f"fast decode on CUDA: max {diff.max().item():.0f} levels, {moved:.1%} moved")
+    assert diff.max().item() <= 4
+    assert torch.equal(decode_frames(vae, z, fast=True), fast)
+    assert torch.equal(decode_frames(vae, z), exact)

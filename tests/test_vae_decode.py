@@ -1,0 +1,93 @@
+"""The opt-in fast decode (models/vae_decode.py): the 2D form of a single frame's causal convolutions is the
+same mathematics as diffusers' decode (float64 agrees to rounding), shares the VAE's tensors, falls back to
+the exact decode where it does not apply, and reaches a request from every front end (test_front_ends.py)."""
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from diffusers import AutoencoderKLQwenImage
+from edit_fixtures import tiny_vae
+
+from models.errors import InputError
+from models.vae_decode import LastTapConv, decode_frames, frame_decoder
+from pipelines import load_pipeline
+from pipelines.generation_request import resolve_request
+
+
+def exact(vae: AutoencoderKLQwenImage, z: torch.Tensor) -> torch.Tensor:
+    return vae.decode(z, return_dict=False)[0][:, :, 0]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_2d_form_is_the_decode_in_float64(batch: int) -> None:
+    """With the zero terms dropped the sums are the same sums: in float64 only rounding separates them."""
+    vae = tiny_vae(3).double()
+    z = torch.randn(batch, 16, 1, 6, 10, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    reference, fast = exact(vae, z), decode_frames(vae, z, fast=True)
+    assert fast.shape == reference.shape == (batch, 3, 48, 80)
+    assert (fast - reference).abs().max().item() < 1e-12 * max(1.0, reference.abs().max().item())
+    assert reference.abs().max().item() > 0.01  # the VAE is not a constant
+
+
+def test_the_2d_form_in_bf16_stays_within_a_few_levels() -> None:
+    vae = tiny_vae(4).to(torch.bfloat16)
+    z = torch.randn(2, 16, 1, 8, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    levels = lambda x: ((x.float() + 1) * 127.5).round()  # noqa: E731 (the 8-bit levels of [-1, 1] pixels)
+    diff = (levels(decode_frames(vae, z, fast=True)) - levels(exact(vae, z))).abs()
+    print(
+        f"bf16 fast decode: max {diff.max().item():.0f} levels, {(diff > 0).float().mean().item():.1%} moved"
+    )
+    assert diff.max().item() <= 4
+
+
+def test_the_frame_decoder_is_built_once_and_shares_the_vaes_tensors() -> None:
+    vae = tiny_vae(5)
+    decoder = frame_decoder(vae)
+    assert frame_decoder(vae) is decoder
+    own = {id(p) for p in vae.decoder.parameters()}
+    taps = [m for m in decoder.modules() if isinstance(m, LastTapConv)]
+    assert taps and all(m.weight.dim() == 4 for m in taps)
+    tap_weights = {id(m.weight) for m in taps}
+    shared = [p for p in decoder.parameters() if id(p) not in tap_weights]
+    assert shared and all(id(p) in own for p in shared)  # norms, biases, attention, 2D resamplers: the VAE's
+    assert all(id(m.weight) not in own for m in taps)
+
+
+def test_tiled_decoding_and_other_vaes_fall_back_exactly(caplog: pytest.LogCaptureFixture) -> None:
+    vae = tiny_vae(6)
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
+                      tile_sample_stride_width=16)  # fmt: skip
+    z = torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    with caplog.at_level(logging.WARNING, logger="qwen_image"):
+        assert torch.equal(decode_frames(vae, z, fast=True), exact(vae, z))
+    assert "decodes this size in tiles" in caplog.text
+
+
+def test_a_request_asks_for_it_and_the_run_says_so() -> None:
+    pipe = load_pipeline(device="cpu", dtype="fp32")
+    values = {"width": 48, "height": 32, "num_inference_steps": 2, "seed": 3, "output_type": "pil"}
+    plain = pipe.generate("a lighthouse at dusk", **values)
+    assert not pipe.last_run.fast_decode
+    fast = pipe.generate("a lighthouse at dusk", fast_decode=True, **values)
+    assert pipe.last_run.fast_decode
+    a, b = (torch.tensor(list(image[0].getdata()), dtype=torch.int32) for image in (plain, fast))
+    assert (a - b).abs().max().item() <= 2  # FP32: the same sums in another order
+
+
+def test_a_checkpoint_without_the_2d_form_refuses_it() -> None:
+    spec = replace(load_pipeline(device="cpu", dtype="fp32").spec, fast_decode=False)
+    with pytest.raises(InputError, match=r"fast_decode: .* has no faster form"):
+        resolve_request(spec, "x", fast_decode=True)
+    with pytest.raises(InputError, match="fast_decode"):
+        resolve_request(spec, "x", fast_decode="yes")
+
+
+def test_eval_variants_name_it() -> None:
+    from eval.variants import parse_variant
+    from pipelines.variants import VARIANTS
+
+    spec = parse_variant("fp8-fused+fast-decode+cache:fast:cpu:bf16", VARIANTS)
+    assert (spec.name, spec.fast_decode, spec.cache, spec.device) == ("fp8-fused", True, "fast", "cpu")
+    assert not parse_variant("fp8-fused:cuda", VARIANTS).fast_decode
