@@ -12,7 +12,9 @@ The model loads once. For each workload (size, steps or preset, the batch cap wh
   batch shapes), the server in-process on 127.0.0.1 and C clients (each one keep-alive connection,
   sending its requests back to back) at each of --clients; images/s over the level's wall time and
   p50/p90/p99 latency. HTTP overhead = median latency at one client with batching off - direct generate(),
-  for base64 responses and for URL responses (the image still encoded and cached, not downloaded).
+  for base64 responses and for URL responses (the image still encoded and cached, not downloaded); with
+  --paired N also the median of N per-pair differences, each served request beside the same request called
+  directly (drift between the phases cancels).
 Prompts all have one token length (CUDA graphs are captured per length); every configuration is warmed
 up first. Writes server_load.json under --out and prints a table.
 
@@ -91,12 +93,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
-def direct(pipe: Any, work: Workload, runs: int) -> dict[str, float]:
-    """Seconds of one `generate()` call (median) and of encoding its image as the server does."""
-    kwargs = work.body(prompt_for(0), 0)
+def generate_kwargs(work: Workload, index: int) -> dict[str, Any]:
+    """`generate()`'s arguments for the request the server gets as `work.body(prompt_for(index), index)`."""
+    kwargs = work.body(prompt_for(index), index)
     for key in ("size", "response_format", "output_format", "output_compression"):
         kwargs.pop(key, None)
-    kwargs = kwargs | {"width": work.size, "height": work.size}
+    return kwargs | {"width": work.size, "height": work.size}
+
+
+def direct(pipe: Any, work: Workload, runs: int) -> dict[str, float]:
+    """Seconds of one `generate()` call (median) and of encoding its image as the server does."""
+    kwargs = generate_kwargs(work, 0)
     pipe.generate(**kwargs)  # warm-up: graph capture at this shape
     times, encode = [], []
     for i in range(runs):
@@ -107,6 +114,42 @@ def direct(pipe: Any, work: Workload, runs: int) -> dict[str, float]:
         image_bytes(images[0], work.encoding)
         encode.append(time.perf_counter() - start)
     return {"generate_s": statistics.median(times), "encode_s": statistics.median(encode)}
+
+
+def paired_overhead(pipe: Any, work: Workload, pairs: int) -> dict[str, float]:
+    """HTTP overhead by pairs: request i served (one client, batching off) right beside `generate()` of the
+    same request called directly, in alternating order, so the GPU's drift between phases cancels; the
+    median and spread of the per-pair differences (served - direct) in ms."""
+    runner = Runner(pipe, Limits.for_device(pipe.device.type, max_work=1e9, time_limit_s=3600), None, 0.0)
+    server = InThread(build_server(pipe, runner))
+    differences = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as http:
+
+            def served_s(index: int) -> float:
+                start = time.perf_counter()
+                response = http.post("/v1/images/generations", json=work.body(prompt_for(index), index))
+                if response.status_code != 200:
+                    raise RuntimeError(f"request {index}: {response.status_code} {response.text[:300]}")
+                return time.perf_counter() - start
+
+            def direct_s(index: int) -> float:
+                start = _now(pipe)
+                pipe.generate(**generate_kwargs(work, index))
+                return _now(pipe) - start
+
+            served_s(0), direct_s(0)  # warm-up
+            for i in range(1, pairs + 1):
+                if i % 2:
+                    direct, served = direct_s(i), served_s(i)
+                else:
+                    served, direct = served_s(i), direct_s(i)
+                differences.append(1000 * (served - direct))
+    finally:
+        server.close()
+        runner.close()
+    cuts = statistics.quantiles(differences, n=10, method="inclusive")
+    return {"pairs": pairs, "median_ms": statistics.median(differences), "p10_ms": cuts[0], "p90_ms": cuts[8]}
 
 
 def request_for(pipe: Any, work: Workload, index: int) -> Any:
@@ -267,6 +310,9 @@ def main() -> None:
     )
     parser.add_argument("--window-ms", type=float, default=20.0, help="the batching window")
     parser.add_argument("--direct-runs", type=int, default=5)
+    parser.add_argument(
+        "--paired", type=int, default=0, help="also the HTTP overhead from this many served/direct pairs"
+    )
     parser.add_argument("--output-format", default="png", choices=("png", "jpeg", "webp"))
     parser.add_argument(
         "--output-compression",
@@ -316,6 +362,9 @@ def main() -> None:
             entry["http_overhead_without_encoding_ms"] = 1000 * (overhead - entry["direct"]["encode_s"])
             url = served(pipe, work, False, [1], {1: per_client[1]}, 0.0, "url")["by_clients"]["1"]
             entry["http_overhead_url_ms"] = 1000 * (url["latency_s"]["p50"] - entry["direct"]["generate_s"])
+        if args.paired:
+            entry["http_overhead_paired"] = paired_overhead(pipe, work, args.paired)
+            print(f"  {work.name} paired HTTP overhead: {entry['http_overhead_paired']}", flush=True)
         on, off = entry["batching_on"]["by_clients"], entry["batching_off"]["by_clients"]
         entry["speedup_by_clients"] = {c: on[c]["images_per_s"] / off[c]["images_per_s"] for c in off}
         report["workloads"][work.name] = entry
