@@ -130,10 +130,11 @@ def test_ui_lora_dir_is_checked_before_the_model_loads(tmp_path, monkeypatch, ca
 
 
 def test_ui_controls_make_generate_arguments():
-    assert run_kwargs([], NO_PRESET, NO_CACHE, []) == {"preset": None, "cache": None}
-    assert run_kwargs(["a", "b"], "lightning-8", "fast", [0.5, 0]) == {
+    assert run_kwargs([], NO_PRESET, NO_CACHE, False, []) == {"preset": None, "cache": None}
+    assert run_kwargs(["a", "b"], "lightning-8", "fast", True, [0.5, 0]) == {
         "preset": "lightning-8",
         "cache": "fast",
+        "fast_decode": True,
         "lora_scales": {"a": 0.5, "b": 0.0},
     }
     assert preset_settings("lightning-4", 30, 4.0) == (4, 1.0)
@@ -143,6 +144,8 @@ def test_ui_controls_make_generate_arguments():
     assert lora_details(SimpleNamespace(preset="", loras="")) == ""
     run = SimpleNamespace(preset="", cache="fast: middle blocks skipped in 3 of 8 steps", loras="")
     assert lora_details(run) == "\n**Step cache:** fast: middle blocks skipped in 3 of 8 steps  "
+    run = SimpleNamespace(preset="", cache="", loras="", fast_decode=True)
+    assert lora_details(run) == "\n**Fast decode:** the VAE's 2D form (approximate)  "
 
 
 def test_ui_passes_the_lora_scales_and_preset_to_generate():
