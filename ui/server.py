@@ -12,7 +12,6 @@ worker drops its rows after the running step. Parsing a request: ui/api_request.
 """
 
 import asyncio
-import base64
 import json
 import logging
 import math
@@ -23,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pybase64
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
@@ -184,7 +184,7 @@ def build_server(
             base = str(request.base_url)
             data = [{"url": f"{base}v1/images/files/{cache.put(file, encoding.format)}"} for file in files]
         else:
-            data = [{"b64_json": base64.b64encode(file).decode("ascii")} for file in files]
+            data = [{"b64_json": pybase64.b64encode_as_string(file)} for file in files]
         return {
             "created": int(time.time()),
             "data": data,
