@@ -11,7 +11,7 @@ from diffusers import AutoencoderKLQwenImage
 from edit_fixtures import tiny_vae
 
 from models.errors import InputError
-from models.vae_decode import LastTapConv, decode_frames, frame_decoder
+from models.vae_decode import decode_frames
 from pipelines import load_pipeline
 from pipelines.generation_request import resolve_request
 
@@ -42,17 +42,21 @@ def test_the_2d_form_in_bf16_stays_within_a_few_levels() -> None:
     assert diff.max().item() <= 4
 
 
-def test_the_frame_decoder_is_built_once_and_shares_the_vaes_tensors() -> None:
+def test_it_runs_the_vaes_own_modules_and_leaves_them_as_they_were() -> None:
+    """The fast form reads each conv's weight when it runs (a memory plan replaces parameters as it places
+    them: models/streaming.py), and afterwards every conv runs diffusers' forward again."""
     vae = tiny_vae(5)
-    decoder = frame_decoder(vae)
-    assert frame_decoder(vae) is decoder
-    own = {id(p) for p in vae.decoder.parameters()}
-    taps = [m for m in decoder.modules() if isinstance(m, LastTapConv)]
-    assert taps and all(m.weight.dim() == 4 for m in taps)
-    tap_weights = {id(m.weight) for m in taps}
-    shared = [p for p in decoder.parameters() if id(p) not in tap_weights]
-    assert shared and all(id(p) in own for p in shared)  # norms, biases, attention, 2D resamplers: the VAE's
-    assert all(id(m.weight) not in own for m in taps)
+    z = torch.randn(1, 16, 1, 4, 6, generator=torch.Generator().manual_seed(4))
+    reference, fast = exact(vae, z), decode_frames(vae, z, fast=True)
+    assert not any("forward" in vars(m) for m in vae.decoder.modules())
+    assert torch.equal(exact(vae, z), reference)
+    for module in vae.decoder.modules():  # new Parameter objects, as a placement makes them
+        for key, param in list(module._parameters.items()):
+            module._parameters[key] = torch.nn.Parameter(param.detach().clone(), requires_grad=False)
+    assert torch.equal(decode_frames(vae, z, fast=True), fast)
+    conv = vae.decoder.conv_out
+    conv._parameters["weight"] = torch.nn.Parameter(conv.weight.detach() * 2, requires_grad=False)
+    assert not torch.equal(decode_frames(vae, z, fast=True), fast)
 
 
 def test_tiled_decoding_and_other_vaes_fall_back_exactly(caplog: pytest.LogCaptureFixture) -> None:
