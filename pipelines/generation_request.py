@@ -203,7 +203,9 @@ def resolve_request(
     layers = check_layers(spec, layers)
     if not isinstance(use_en_prompt, bool) or (use_en_prompt and not spec.captions):
         raise InputError(f"use_en_prompt: {spec.name} does not caption images (Qwen-Image-Layered does)")
-    if not isinstance(fast_decode, bool) or (fast_decode and not spec.fast_decode):
+    if not isinstance(fast_decode, bool):
+        raise InputError(f"fast_decode must be true or false, not {fast_decode!r}")
+    if fast_decode and not spec.fast_decode:
         raise InputError(
             f"fast_decode: {spec.name}'s VAE has no faster form (its convolutions are 2D already)"
         )

@@ -84,7 +84,7 @@ def test_a_checkpoint_without_the_2d_form_refuses_it() -> None:
     spec = replace(load_pipeline(device="cpu", dtype="fp32").spec, fast_decode=False)
     with pytest.raises(InputError, match=r"fast_decode: .* has no faster form"):
         resolve_request(spec, "x", fast_decode=True)
-    with pytest.raises(InputError, match="fast_decode"):
+    with pytest.raises(InputError, match="fast_decode must be true or false, not 'yes'"):
         resolve_request(spec, "x", fast_decode="yes")
 
 
