@@ -15,7 +15,6 @@ bench/qi21_bench.py --profile calls `profile_request` on its in-memory Qwen-Imag
 
 import argparse
 import json
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from profile_step import kind_of
 from torch.profiler import ProfilerActivity, profile
 
+from eval.metrics import abs_diff, psnr
 from pipelines import load_pipeline
 from pipelines.pipeline import Pipeline
 
@@ -93,11 +93,13 @@ def profile_request(
 
 def level_difference(exact: list[PIL.Image.Image], other: list[PIL.Image.Image]) -> dict[str, float]:
     """How far `other`'s 8-bit levels are from `exact`'s: the largest step, the share moved, PSNR (dB)."""
-    a, b = (np.stack([np.asarray(image, dtype=np.int32) for image in images]) for images in (exact, other))
-    diff = np.abs(a - b)
-    mse = float(np.mean(diff.astype(np.float64) ** 2))
-    psnr = math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
-    return {"max_level_diff": int(diff.max()), "levels_moved": float(np.mean(diff > 0)), "psnr_db": psnr}
+    a, b = (np.stack([np.asarray(image) for image in images]) for images in (exact, other))
+    diff = abs_diff(a, b)
+    return {
+        "max_level_diff": int(diff.max()),
+        "levels_moved": float(np.mean(diff > 0)),
+        "psnr_db": psnr(a, b),
+    }
 
 
 def markdown(report: dict[str, Any]) -> str:
