@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.qwen_image.text_encoder import qwen25_vl_7b_config
+from qwen_image_fusion.models.qwen_image.text_encoder import qwen25_vl_7b_config
 
 
 class LiveBytes(TorchDispatchMode):
@@ -69,8 +69,8 @@ def transformer_peak(
 ) -> int:
     """One call of our transformer in diffusers' arithmetic (`reference`) at `config`, with `references`
     input images of the target's size appended (Edit)."""
-    from models.qwen_image.math import ImageLayout
-    from models.qwen_image.transformer import QwenImageTransformer
+    from qwen_image_fusion.models.qwen_image.math import ImageLayout
+    from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
 
     def build() -> torch.nn.Module:
         model = QwenImageTransformer(config)
@@ -162,8 +162,8 @@ def qi21_transformer_peak(
     `conditions` condition images of the target's size in the prefix; without `cache` the full pass makes
     its keys and values per block and there is no cached step. The KV cache itself is not counted (the
     planner counts it exactly)."""
-    from models.qwen_image21.layout import build_layout, rope_tables
-    from models.qwen_image21.transformer import QwenImage21Transformer
+    from qwen_image_fusion.models.qwen_image21.layout import build_layout, rope_tables
+    from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
 
     grid = image_side // 16
     target = grid * grid
@@ -197,7 +197,7 @@ def qi21_vision_peak(vision: dict, images: int, image_side: int) -> int:
     reads data): give a config of few layers, the peak is one layer's plus the deepstack outputs."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, text_encoder_config
+    from qwen_image_fusion.models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, text_encoder_config
 
     config = text_encoder_config(QWEN3_VL_8B_TEXT, vision).vision_config
     config._attn_implementation = "sdpa"
@@ -216,8 +216,12 @@ def qi21_rows() -> dict[str, list[dict]]:
     from diffusers import AutoencoderKLQwenImage21
     from transformers import Qwen3VLForConditionalGeneration
 
-    from models.qwen_image21.config import QwenImage21Config
-    from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, text_encoder_config
+    from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+    from qwen_image_fusion.models.qwen_image21.synthetic import (
+        QWEN3_VL_8B_TEXT,
+        QWEN3_VL_8B_VISION,
+        text_encoder_config,
+    )
 
     dit = QwenImage21Config(num_layers=2)
     rows: dict[str, list[dict]] = {"transformer": [], "text_encoder": [], "vae": [], "vision_tower": []}
@@ -256,7 +260,7 @@ def qi21_rows() -> dict[str, list[dict]]:
 
 
 def main() -> None:
-    from models.qwen_image.config import QwenImageConfig
+    from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)

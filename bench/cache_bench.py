@@ -28,10 +28,10 @@ import numpy as np
 import PIL.Image
 import torch
 
-from eval import metrics
-from models.cache_presets import CACHE_PRESETS, CachePreset
-from models.memory import Workload
-from pipelines import load_pipeline
+from qwen_image_fusion.eval import metrics
+from qwen_image_fusion.models.cache_presets import CACHE_PRESETS, CachePreset
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.pipelines import load_pipeline
 
 
 def sync() -> None:

@@ -23,9 +23,9 @@ import traceback
 import torch
 from torch import nn
 
-from models.qwen_image.transformer import TransformerBlocks
-from pipelines.load_options import LoadOptions
-from pipelines.pipeline import Pipeline
+from qwen_image_fusion.models.qwen_image.transformer import TransformerBlocks
+from qwen_image_fusion.pipelines.load_options import LoadOptions
+from qwen_image_fusion.pipelines.pipeline import Pipeline
 
 PROMPT = "a red circle at the top left"
 STEPS = 20

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.pipeline import cpu_dtype_override, native_bf16
+from qwen_image_fusion.pipelines.pipeline import cpu_dtype_override, native_bf16
 
 
 def cpu_model() -> str:
@@ -53,7 +53,7 @@ def run(name: str, command: str, runs: int) -> dict:
     """`command` (`qwen-image` meaning this checkout's CLI) timed `runs` times."""
     argv = shlex.split(command)
     if argv[0] == "qwen-image":
-        argv = [sys.executable, "-m", "ui.cli", *argv[1:]]
+        argv = [sys.executable, "-m", "qwen_image_fusion.ui.cli", *argv[1:]]
     seconds = []
     for _ in range(runs):
         with tempfile.TemporaryDirectory() as folder:

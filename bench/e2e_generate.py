@@ -10,7 +10,7 @@ import argparse
 import json
 import statistics
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 
 def main() -> None:

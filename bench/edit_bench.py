@@ -32,12 +32,12 @@ import torch
 from lora_bench import timed, write_random_lora
 from PIL import Image
 
-from models.fp8 import Fp8Linear
-from models.modelopt import SCALE_SUFFIXES
-from models.qwen_image_edit.conditioning import load_edit_image
-from pipelines import load_pipeline
-from pipelines.pipeline import Pipeline
-from pipelines.requests import builtin_edit_set
+from qwen_image_fusion.models.fp8 import Fp8Linear
+from qwen_image_fusion.models.modelopt import SCALE_SUFFIXES
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_edit_image
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines.requests import builtin_edit_set
 
 PROMPT = "a red fox in the snow, detailed fur, golden hour"  # lora_bench.timed's prompt: the instruction
 RELEASE_LINEARS = (  # what the Edit-2509/2511 Lightning files target in every block (720 layers in 60)

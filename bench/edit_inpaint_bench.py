@@ -24,7 +24,7 @@ import torch
 from edit_bench import diffusers_transformer
 from start_bench import diffusers_per_step, exactness, ours_per_step, per_image, start_images
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.header_checkpoint import header_only_checkpoint
-from eval.meaning import (
+from qwen_image_fusion.eval.meaning import (
     CALIBRATION_SEED,
     EvalSettings,
     calibration_prompts,
@@ -22,12 +22,12 @@ from eval.meaning import (
     image_pair_metrics,
     score,
 )
-from eval.scenes import held_out_scenes
-from models.families import inspect_checkpoint
-from models.memory import DENOISE, Workload
-from pipelines import load_pipeline
-from pipelines.memory_plan import GiB, plan_memory
-from pipelines.quantize import quantize_pipeline
+from qwen_image_fusion.eval.scenes import held_out_scenes
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.memory import DENOISE, Workload
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.memory_plan import GiB, plan_memory
+from qwen_image_fusion.pipelines.quantize import quantize_pipeline
 
 
 def full_size(directory: Path) -> dict:

@@ -18,14 +18,18 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from kernels.gelu_quant import gelu_tanh_quant_torch, gelu_tanh_quant_triton, gelu_tanh_triton
-from kernels.norm_modulate import (
+from qwen_image_fusion.kernels.gelu_quant import (
+    gelu_tanh_quant_torch,
+    gelu_tanh_quant_triton,
+    gelu_tanh_triton,
+)
+from qwen_image_fusion.kernels.norm_modulate import (
     gated_residual_layer_norm_modulate_torch,
     gated_residual_layer_norm_modulate_triton,
     layer_norm_modulate_torch,
     layer_norm_modulate_triton,
 )
-from kernels.quant import inverse_scale, static_quant_fp8_triton
+from qwen_image_fusion.kernels.quant import inverse_scale, static_quant_fp8_triton
 
 EPS = 1e-6
 

@@ -17,7 +17,7 @@ STEP_ROUNDS=${STEP_ROUNDS:-1}
 STEP_CONFIGS=${STEP_CONFIGS:-1024x2}
 mkdir -p "$OUT"
 # .whl-ui (gradio, fastapi, starlette and their deps) too: the ui and serve stages need it, and so do the GPU
-# tests that import ui/ (test_parallel_gpu.py: ui.cli -> ui.uploads -> starlette). The device tool carries at
+# tests that import ui/ (test_parallel_gpu.py: ui/cli.py -> ui/uploads.py -> starlette). The device tool carries at
 # most 64 MiB with the tree (24 MB): gradio's wheel alone is 31 MB, so for the other stages copy .whl-ui's
 # wheels without gradio and openai into .whl-ui on the device (the GPU tests need neither; session 12).
 for wheels in .whl .whl-ui; do
@@ -26,6 +26,19 @@ for wheels in .whl .whl-ui; do
             "$wheels"/*.whl || exit 1
     fi
 done
+# The project as installed, `qwen_image_fusion.*` (pyproject's package-dir): a folder of links to this tree's
+# folders, as an editable install maps them, so the device runs exactly the tree it was given.
+python3 - <<'EOF' || exit 1
+import os, tomllib
+mapping = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
+for name, folder in mapping.items():
+    link = os.path.join("/tmp/site", *name.split("."))
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.abspath(folder), link)
+EOF
+# $PWD too: the tests and benchmarks import bench/ and tests/ helpers from the tree's top.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GRADIO_ANALYTICS_ENABLED=False
 # NVLink multicast stays off on the lent machines (.library/device/KINDS.md): NCCL, torch, NVSHMEM
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -88,7 +101,7 @@ if stage e2e; then
     # timed generate() per stage. Parity output stays in /tmp; the report comes back under $OUT.
     CKPT=/tmp/qwen-image-random-fp8
     random_checkpoint "$CKPT"
-    timeout 400 python3 -m eval.parity --model "$CKPT" --prompts smoke --a fp8-unfused:cuda --b fp8-fused:cuda \
+    timeout 400 python3 -m qwen_image_fusion.eval.parity --model "$CKPT" --prompts smoke --a fp8-unfused:cuda --b fp8-fused:cuda \
         --size 1024x1024 --steps "${E2E_STEPS:-10}" --negative-prompt " " --out /tmp/parity --expect identical \
         2>&1 | tail -15
     cp /tmp/parity/report.json "$OUT/parity_report.json" 2>/dev/null
@@ -207,7 +220,7 @@ if stage parallel; then
     start=$SECONDS
     timeout 300 python3 -m pytest tests/gpu/test_parallel_gpu.py -q -p no:cacheprovider -rA -s 2>&1 \
         | tee "$OUT/parallel_tests.log" | tail -25
-    timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m eval.parity --prompts smoke \
+    timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m qwen_image_fusion.eval.parity --prompts smoke \
         --a contract --b contract --size 128x128 --steps 2 --out /tmp/parity2 --expect identical 2>&1 \
         | tee "$OUT/parity_torchrun.log" | tail -6
     echo "NCCL device guesses: $(grep -c 'currently unknown' "$OUT/parity_torchrun.log")" | tee -a "$OUT/parity_torchrun.log"
@@ -287,7 +300,7 @@ fi
 if stage train; then
     # The embedded default model (training/README.md): TRAIN_ARGS adds --probe, --vae-from TAR, step counts.
     # The tar (<= 16 MiB) and the loss log come back under $OUT/train.
-    timeout "${TRAIN_TIMEOUT:-580}" python3 -m training.train_default --out "$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
+    timeout "${TRAIN_TIMEOUT:-580}" python3 -m qwen_image_fusion.training.train_default --out "$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
         | tr '\r' '\n' | grep -v "it/s\]$" | tee "$OUT/train.log" | tail -40
 fi
 if stage ui; then

@@ -21,21 +21,21 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-from models.embedded import DEFAULT_MODEL_DIR
-from models.family import QuantRecipe
-from models.fp8_weight_only import WEIGHT_ONLY_KEY
-from models.modelopt import QuantConfig
-from models.qwen_image.components import SCHEDULER_CONFIG
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.model import QUANTIZATION
-from models.qwen_image.text_encoder import qwen25_vl_7b_config
-from models.qwen_image.transformer import QwenImageTransformer
-from models.qwen_image21 import synthetic
-from models.qwen_image21.checkpoint import PIPELINE_CLASS
-from models.qwen_image21.components import save_processor
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image21.quantization import QUANTIZATION as QUANTIZATION21
-from models.qwen_image21.transformer import QwenImage21Transformer
+from qwen_image_fusion.models.embedded import DEFAULT_MODEL_DIR
+from qwen_image_fusion.models.family import QuantRecipe
+from qwen_image_fusion.models.fp8_weight_only import WEIGHT_ONLY_KEY
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.qwen_image.components import SCHEDULER_CONFIG
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
+from qwen_image_fusion.models.qwen_image.text_encoder import qwen25_vl_7b_config
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.qwen_image21 import synthetic
+from qwen_image_fusion.models.qwen_image21.checkpoint import PIPELINE_CLASS
+from qwen_image_fusion.models.qwen_image21.components import save_processor
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION as QUANTIZATION21
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
 
 DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]

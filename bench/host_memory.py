@@ -38,7 +38,7 @@ def sample():
         time.sleep(0.005)
 
 threading.Thread(target=sample, daemon=True).start()
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 model, device, budget = sys.argv[1] or None, sys.argv[2] or None, sys.argv[3]
 if budget == "baseline":

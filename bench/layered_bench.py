@@ -26,7 +26,7 @@ from edit_bench import diffusers_transformer
 from PIL import Image
 from start_bench import diffusers_per_step, exactness, ours_per_step, per_image
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 
 def rgba_scene(width: int, height: int) -> Image.Image:

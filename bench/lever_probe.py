@@ -66,9 +66,9 @@ def graphed(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor],
 def probe_text() -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from models.qwen_image.prompt_template import PROMPT_TEMPLATE
-    from models.qwen_image.text_encoder import qwen25_vl_7b_config
-    from models.qwen_image.tokenizer import build_qwen2_tokenizer
+    from qwen_image_fusion.models.qwen_image.prompt_template import PROMPT_TEMPLATE
+    from qwen_image_fusion.models.qwen_image.text_encoder import qwen25_vl_7b_config
+    from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
 
     torch.manual_seed(0)
     with torch.device(DEVICE):
@@ -135,7 +135,7 @@ def first_difference(encoder: torch.nn.Module, ids: torch.Tensor) -> dict:
 def probe_decode() -> dict:
     from diffusers import AutoencoderKLQwenImage
 
-    from models.vae_decode import decode_frames
+    from qwen_image_fusion.models.vae_decode import decode_frames
 
     torch.manual_seed(0)
     with torch.device(DEVICE):

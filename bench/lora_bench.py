@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from models.lora import lora_targets
-from pipelines import load_pipeline
-from pipelines.lora import fp8_input_clipping
-from pipelines.pipeline import Pipeline
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.models.lora import lora_targets
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.lora import fp8_input_clipping
+from qwen_image_fusion.pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 PROMPT = "a red fox in the snow, detailed fur, golden hour"
 BLOCK_LINEARS = (

@@ -38,33 +38,33 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-from models.family import GenerationDefaults
-from models.qwen_image.components import Components, default_scheduler
-from models.qwen_image.config import ControlNetConfig, QwenImageConfig
-from models.qwen_image.controlnet import QwenImageControlNet
-from models.qwen_image.controlnet_family import FAMILY as CONTROLNET_FAMILY
-from models.qwen_image.family import FAMILY
-from models.qwen_image.model import QwenImageModel
-from models.qwen_image.text_encoder import qwen25_vl_7b_config
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from models.qwen_image.transformer import QwenImageTransformer
-from models.qwen_image21 import synthetic
-from models.qwen_image21.components import Components21
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image21.family import FAMILY as FAMILY21
-from models.qwen_image21.model import QwenImage21Model
-from models.qwen_image21.transformer import QwenImage21Transformer
-from models.qwen_image_edit.components import EditComponents
-from models.qwen_image_edit.conditioning import load_processor
-from models.qwen_image_edit.config import EDIT_KINDS
-from models.qwen_image_edit.family import FAMILY as EDIT_FAMILY
-from models.qwen_image_edit.model import QwenImageEditModel
-from models.qwen_image_layered.components import LayeredComponents
-from models.qwen_image_layered.family import FAMILY as LAYERED_FAMILY
-from models.qwen_image_layered.model import QwenImageLayeredModel
-from pipelines.pipeline import Pipeline
-from pipelines.quantize import quantize_pipeline
-from pipelines.requests import Request, edit_requests_for
+from qwen_image_fusion.models.family import GenerationDefaults
+from qwen_image_fusion.models.qwen_image.components import Components, default_scheduler
+from qwen_image_fusion.models.qwen_image.config import ControlNetConfig, QwenImageConfig
+from qwen_image_fusion.models.qwen_image.controlnet import QwenImageControlNet
+from qwen_image_fusion.models.qwen_image.controlnet_family import FAMILY as CONTROLNET_FAMILY
+from qwen_image_fusion.models.qwen_image.family import FAMILY
+from qwen_image_fusion.models.qwen_image.model import QwenImageModel
+from qwen_image_fusion.models.qwen_image.text_encoder import qwen25_vl_7b_config
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.qwen_image21 import synthetic
+from qwen_image_fusion.models.qwen_image21.components import Components21
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.family import FAMILY as FAMILY21
+from qwen_image_fusion.models.qwen_image21.model import QwenImage21Model
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
+from qwen_image_fusion.models.qwen_image_edit.components import EditComponents
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
+from qwen_image_fusion.models.qwen_image_edit.config import EDIT_KINDS
+from qwen_image_fusion.models.qwen_image_edit.family import FAMILY as EDIT_FAMILY
+from qwen_image_fusion.models.qwen_image_edit.model import QwenImageEditModel
+from qwen_image_fusion.models.qwen_image_layered.components import LayeredComponents
+from qwen_image_fusion.models.qwen_image_layered.family import FAMILY as LAYERED_FAMILY
+from qwen_image_fusion.models.qwen_image_layered.model import QwenImageLayeredModel
+from qwen_image_fusion.pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_pipeline
+from qwen_image_fusion.pipelines.requests import Request, edit_requests_for
 
 
 def full_size_components(

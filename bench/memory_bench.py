@@ -32,12 +32,12 @@ from pathlib import Path
 import PIL.Image
 import torch
 
-from models.memory import Workload
-from models.streaming import CudaLink
-from pipelines import load_pipeline, memory_plan
-from pipelines.memory_plan import GiB
-from pipelines.presets import get_preset, presets_for
-from pipelines.requests import builtin_edit_set
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.models.streaming import CudaLink
+from qwen_image_fusion.pipelines import load_pipeline, memory_plan
+from qwen_image_fusion.pipelines.memory_plan import GiB
+from qwen_image_fusion.pipelines.presets import get_preset, presets_for
+from qwen_image_fusion.pipelines.requests import builtin_edit_set
 
 PROMPT = "a red fox in the snow, detailed fur, golden hour"
 SIZE = 1024

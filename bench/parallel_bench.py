@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eval.metrics import abs_diff, psnr
-from pipelines import load_pipeline
-from pipelines.parallel import ParallelPlan, join_ranks
+from qwen_image_fusion.eval.metrics import abs_diff, psnr
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.parallel import ParallelPlan, join_ranks
 
 PROMPT = "a red fox in the snow, detailed fur, morning light"
 NEGATIVE = " "  # true CFG on, as Qwen-Image is usually run

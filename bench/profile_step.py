@@ -19,8 +19,8 @@ from step_bench import VARIANTS, build, step_inputs
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from models.fp8 import Fp8Linear
-from models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.fp8 import Fp8Linear
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
 
 # H200 SXM dense peaks (NVIDIA's datasheet halves its sparse figures): FP8 and BF16 tensor-core TFLOP/s.
 # The roofline columns divide each kind's work by its kernel time and these.
@@ -109,7 +109,7 @@ def main() -> None:
 
     step = eager
     if args.graph:
-        from pipelines.cuda_graph import GraphedStep
+        from qwen_image_fusion.pipelines.cuda_graph import GraphedStep
 
         graphed = GraphedStep(lambda lat, emb, sig: model(lat, emb, None, sig, grid))
 

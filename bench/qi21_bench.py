@@ -43,21 +43,21 @@ from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21
 from request_profile import markdown, profile_request
 from transformers import Qwen3VLForConditionalGeneration
 
-from models.calibration import fp8_state_dict, quantizable_linears, share_group_amax
-from models.family import GenerationDefaults
-from models.loading import transformer_from_state
-from models.modelopt import QuantConfig
-from models.qwen_image.components import default_scheduler
-from models.qwen_image21 import synthetic
-from models.qwen_image21.components import Components21
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image21.family import FAMILY
-from models.qwen_image21.model import QwenImage21Model
-from models.qwen_image21.quantization import QUANTIZATION
-from models.qwen_image21.transformer import QwenImage21Transformer
-from pipelines.pipeline import Pipeline
-from pipelines.quantize import calibrate
-from pipelines.requests import as_requests
+from qwen_image_fusion.models.calibration import fp8_state_dict, quantizable_linears, share_group_amax
+from qwen_image_fusion.models.family import GenerationDefaults
+from qwen_image_fusion.models.loading import transformer_from_state
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.qwen_image.components import default_scheduler
+from qwen_image_fusion.models.qwen_image21 import synthetic
+from qwen_image_fusion.models.qwen_image21.components import Components21
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.family import FAMILY
+from qwen_image_fusion.models.qwen_image21.model import QwenImage21Model
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
+from qwen_image_fusion.pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines.quantize import calibrate
+from qwen_image_fusion.pipelines.requests import as_requests
 
 CUDA = torch.device("cuda")
 PROMPT = "a capybara wearing a wizard hat, reading a book by candlelight, oil painting"

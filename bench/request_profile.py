@@ -26,9 +26,9 @@ import torch
 from profile_step import kind_of
 from torch.profiler import ProfilerActivity, profile
 
-from eval.metrics import abs_diff, psnr
-from pipelines import load_pipeline
-from pipelines.pipeline import Pipeline
+from qwen_image_fusion.eval.metrics import abs_diff, psnr
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Pipeline
 
 PROMPT = "a red fox in the snow, detailed fur"
 

@@ -37,12 +37,12 @@ import httpx
 import torch
 
 from bench.in_thread import InThread
-from pipelines import load_pipeline
-from pipelines.batching import BatchPlan
-from ui.image_cache import Encoding, image_bytes
-from ui.limits import Limits
-from ui.runner import Runner
-from ui.server import build_server
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.batching import BatchPlan
+from qwen_image_fusion.ui.image_cache import Encoding, image_bytes
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.runner import Runner
+from qwen_image_fusion.ui.server import build_server
 
 TARGETS = {"http_overhead_ms": 20.0, "batching_speedup_16_clients_512": 1.3}  # issue 36
 

@@ -24,8 +24,8 @@ import torch
 from edit_bench import diffusers_transformer, step_gaps
 from PIL import Image
 
-from pipelines import load_pipeline
-from pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Pipeline
 
 PROMPT = "a red fox in the snow, detailed fur, golden hour"
 

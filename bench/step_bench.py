@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from models.calibration import record_input_amax
-from models.loading import transformer_from_state
-from models.modelopt import QuantConfig
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.model import QUANTIZATION
-from models.qwen_image.transformer import QwenImageTransformer
-from pipelines.quantize import fp8_state_dict, quantizable_linears, share_group_amax
+from qwen_image_fusion.models.calibration import record_input_amax
+from qwen_image_fusion.models.loading import transformer_from_state
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.pipelines.quantize import fp8_state_dict, quantizable_linears, share_group_amax
 
 DEFAULT_BF16_FALLBACK = QUANTIZATION.bf16_fallback
 ALL_BLOCKS_FP8 = tuple(p for p in DEFAULT_BF16_FALLBACK if p != "*.img_mlp.net.2")
@@ -129,7 +129,7 @@ def time_step(model, variant: str, inputs, runs: int, warmup: int, graph: bool) 
                 return_dict=False,
             )[0]
     elif graph:
-        from pipelines.cuda_graph import GraphedStep
+        from qwen_image_fusion.pipelines.cuda_graph import GraphedStep
 
         graphed = GraphedStep(lambda lat, emb, sig: model(lat, emb, None, sig, grid))
 

@@ -26,10 +26,10 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError, ValidationError
 from gradio_client.utils import QueueError, Status
 
-from pipelines import load_pipeline
-from ui.app import build_app
-from ui.generation import Pipeline
-from ui.limits import Limits
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.generation import Pipeline
+from qwen_image_fusion.ui.limits import Limits
 
 SUBMITTED = (Status.STARTING, Status.JOINING_QUEUE)  # still on the way to the server's queue
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eval import metrics
-from eval.scenes import held_out_scenes
-from pipelines import load_pipeline
+from qwen_image_fusion.eval import metrics
+from qwen_image_fusion.eval.scenes import held_out_scenes
+from qwen_image_fusion.pipelines import load_pipeline
 
 
 def decoded_both_ways(pipe, latents: torch.Tensor, canvas) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 (coloured shapes at named positions, some stretched to other aspect ratios) and instructions written from
 each scene's description, so an instruction names what its image shows.
 
-    python -m eval.draw_edit_sets [--out DIR]     (default: pipelines/edit_sets, the committed files)
+    python -m qwen_image_fusion.eval.draw_edit_sets [--out DIR]  (default: pipelines/edit_sets, committed)
 
 `edit` has one image per request (Edit and Plus checkpoints), `edit-plus` two or three (Plus). `img2img`
 starts from `edit`'s images with their own captions (a rework at strength 0.6); `inpaint` masks each
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from eval.scenes import (
+from qwen_image_fusion.eval.scenes import (
     BACKGROUNDS,
     COLOUR_ZH,
     COLOURS,
@@ -34,7 +34,7 @@ from eval.scenes import (
     pixel_box,
     render,
 )
-from pipelines.requests import EDIT_SET_SUFFIX, EDIT_SETS_DIR
+from qwen_image_fusion.pipelines.requests import EDIT_SET_SUFFIX, EDIT_SETS_DIR
 
 SEED = 22_022  # the scene stream of the edit sets (issue 22)
 DRAW_SIDE = 512  # scenes are drawn square at this side, then resized to each request's size

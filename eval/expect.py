@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from models.errors import InputError
+from qwen_image_fusion.models.errors import InputError
 
 METRICS = {
     "psnr": "psnr_db",

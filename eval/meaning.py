@@ -1,8 +1,8 @@
 """Does an image show what its scene description asks? Colour masks, regions and connected components.
 
-    python -m eval.meaning --model DIR --out out/meaning            # 100 held-out scenes, EN and ZH
-    python -m eval.meaning --model DIR --fp8 --out out/meaning-fp8  # plus FP8 (quantize + fused) vs BF16
-    python -m eval.meaning --truth                                  # the checker on the true drawings
+    python -m qwen_image_fusion.eval.meaning --model DIR --out out/meaning  # 100 held-out scenes, EN and ZH
+    python -m qwen_image_fusion.eval.meaning --model DIR --fp8 --out out/fp8  # FP8 (quantized) vs BF16
+    python -m qwen_image_fusion.eval.meaning --truth                      # the checker on the true drawings
 
 For each group of a description (count, colour, shape, position) the checker classifies every pixel to
 the nearest colour of the scene palette (object colours, backgrounds, sign plate; a pixel farther than
@@ -33,9 +33,9 @@ from PIL import Image
 from skimage.measure import label, regionprops
 from tqdm.auto import tqdm
 
-from eval import metrics
-from eval.report import write_json
-from eval.scenes import (
+from qwen_image_fusion.eval import metrics
+from qwen_image_fusion.eval.report import write_json
+from qwen_image_fusion.eval.scenes import (
     ANCHORS,
     BACKGROUNDS,
     COLOURS,
@@ -52,8 +52,8 @@ from eval.scenes import (
     held_out_scenes,
     render,
 )
-from models.cache_presets import get_cache_preset
-from models.errors import InputError, QwenImageError
+from qwen_image_fusion.models.cache_presets import get_cache_preset
+from qwen_image_fusion.models.errors import InputError, QwenImageError
 
 MAX_COLOUR_DISTANCE = 90.0
 MIN_BLOB_FRACTION = 0.0006  # a quarter of the smallest drawn shape (a star of side 0.085)
@@ -285,7 +285,8 @@ def calibration_prompts(count: int) -> list[str]:
 
 
 def image_pair_metrics(a: dict[str, list[np.ndarray]], b: dict[str, list[np.ndarray]]) -> dict:
-    """PSNR and SSIM (eval.metrics) of every image pair, with their min / median / mean / max."""
+    """PSNR and SSIM (qwen_image_fusion.eval.metrics) of every image pair, with their min / median / mean /
+    max."""
     psnrs, ssims = [], []
     for lang in a:
         for x, y in zip(a[lang], b[lang], strict=True):
@@ -327,7 +328,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         images = {lang: [np.asarray(render(s, settings.size)) for s in scenes] for lang in settings.languages}
         return report | {"model": "ground-truth renders"} | score(images, scenes)
 
-    from pipelines import load_pipeline
+    from qwen_image_fusion.pipelines import load_pipeline
 
     pipe = load_pipeline(args.model, variant=args.variant, device=args.device, dtype=args.dtype)
     start = time.perf_counter()
@@ -367,8 +368,8 @@ def compare_fp8(
 ) -> dict:
     """Quantize this BF16 model (static FP8, calibrated on training captions), regenerate the held-out set
     with fp8-fused (the gate may fall back to unfused, e.g. on CPU), check it, and compare to BF16."""
-    from pipelines import load_pipeline
-    from pipelines.quantize import quantize_pipeline
+    from qwen_image_fusion.pipelines import load_pipeline
+    from qwen_image_fusion.pipelines.quantize import quantize_pipeline
 
     with tempfile.TemporaryDirectory() as tmp:
         source = None if args.model is None else Path(args.model)
@@ -441,7 +442,9 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m eval.meaning", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m qwen_image_fusion.eval.meaning", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", help="checkpoint directory (default: the embedded default)")
     parser.add_argument(
         "--variant", default="auto", help="pipeline variant for the BF16 model (default auto)"

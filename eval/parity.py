@@ -1,15 +1,18 @@
 """Pixel-parity harness: generate every prompt x seed with two pipeline variants and compare the images.
 
-    python -m eval.parity --a contract --b reference --prompts smoke --size 64x64 --steps 2
-    python -m eval.parity --model EDIT_DIR --a fp8-unfused --b fp8-fused --prompts edit --expect identical
-    torchrun --nproc_per_node 8 -m eval.parity --model DIR --a fp8-unfused --b fp8-fused --prompts diverse
-    python -m eval.parity --model BF16_DIR --model-b FP8_DIR --a reference --b fp8-fused --expect "psnr>=30"
+    python -m qwen_image_fusion.eval.parity --a contract --b reference --prompts smoke --size 64x64 --steps 2
+    python -m qwen_image_fusion.eval.parity --model EDIT_DIR --a fp8-unfused --b fp8-fused --prompts edit \\
+        --expect identical
+    torchrun --nproc_per_node 8 -m qwen_image_fusion.eval.parity --model DIR --a fp8-unfused --b fp8-fused \\
+        --prompts diverse
+    python -m qwen_image_fusion.eval.parity --model BF16_DIR --model-b FP8_DIR --a reference --b fp8-fused \\
+        --expect "psnr>=30"
 
-Each variant runs in its own worker process (eval.worker); pairs alternate ABBA. Under torchrun
-the pairs are sharded round-robin over the ranks (gloo on CPU; nccl on GPUs, where each rank's
+Each variant runs in its own worker process (qwen_image_fusion.eval.worker); pairs alternate ABBA. Under
+torchrun the pairs are sharded round-robin over the ranks (gloo on CPU; nccl on GPUs, where each rank's
 workers use GPU LOCAL_RANK); each rank writes shard-RANK.json and its images, rank 0 merges them into
-report.json and report.html. Exit status: 0 pass (or no --expect), 1 --expect failed, 2 usage or
-input error, 3 a worker crashed.
+report.json and report.html. Exit status: 0 pass (or no --expect), 1 --expect failed, 2 usage or input error,
+3 a worker crashed.
 """
 
 import argparse
@@ -19,10 +22,10 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from eval.expect import Term, judge, parse_expect
-from eval.metrics import Lpips, load_lpips
-from eval.prompts import load_requests
-from eval.report import (
+from qwen_image_fusion.eval.expect import Term, judge, parse_expect
+from qwen_image_fusion.eval.metrics import Lpips, load_lpips
+from qwen_image_fusion.eval.prompts import load_requests
+from qwen_image_fusion.eval.report import (
     SCHEMA,
     SCHEMA_VERSION,
     decode_pair,
@@ -32,7 +35,7 @@ from eval.report import (
     write_json,
     write_report,
 )
-from eval.runner import (
+from qwen_image_fusion.eval.runner import (
     Settings,
     WorkerCrash,
     close_workers,
@@ -42,13 +45,13 @@ from eval.runner import (
     start_workers,
     worker_env,
 )
-from eval.variants import VariantSpec, parse_variant
-from models.errors import InputError, QwenImageError
-from models.families import inspect_checkpoint
-from pipelines.images import open_input_image
-from pipelines.limits import check_size, check_steps
-from pipelines.requests import Request, check_requests_for
-from pipelines.variants import AUTO, VARIANTS
+from qwen_image_fusion.eval.variants import VariantSpec, parse_variant
+from qwen_image_fusion.models.errors import InputError, QwenImageError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.pipelines.images import open_input_image
+from qwen_image_fusion.pipelines.limits import check_size, check_steps
+from qwen_image_fusion.pipelines.requests import Request, check_requests_for
+from qwen_image_fusion.pipelines.variants import AUTO, VARIANTS
 
 VARIANT_HELP = """variants: NAME[+fast-decode][+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]
   NAME    reference | contract | fp8-unfused | fp8-fused | auto   (see docs/API.md)
@@ -94,7 +97,7 @@ class Rank:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m eval.parity",
+        prog="python -m qwen_image_fusion.eval.parity",
         description="Compare two pipeline variants image by image over a prompt set.",
         epilog=VARIANT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -310,7 +313,7 @@ def merge(config: Config, world: int) -> dict:
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": ["python", "-m", "eval.parity", *config.argv],
+        "command": ["python", "-m", "qwen_image_fusion.eval.parity", *config.argv],
         "model": {slot: shards[0]["workers"][slot]["model_name"] for slot in "ab"},
         "prompts": {"source": config.prompt_source, "count": len(config.prompts)},
         "settings": {**shards[0]["settings"], "seeds": config.seeds},

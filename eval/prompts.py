@@ -9,9 +9,15 @@ part of the prompt.
 from importlib import resources
 from pathlib import Path
 
-from models.errors import InputError
-from pipelines.prompts import parse_prompts, read_prompt_file
-from pipelines.requests import BUILTIN_EDIT_SETS, Request, as_requests, builtin_edit_set, read_requests
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines.prompts import parse_prompts, read_prompt_file
+from qwen_image_fusion.pipelines.requests import (
+    BUILTIN_EDIT_SETS,
+    Request,
+    as_requests,
+    builtin_edit_set,
+    read_requests,
+)
 
 
 def builtin_sets() -> list[str]:

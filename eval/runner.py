@@ -1,8 +1,8 @@
 """Drive the two variant workers over a share of the prompt x seed pairs, in ABBA order.
 
-Each variant runs in its own `eval.worker` process (the pipeline loads once per worker); the pairs
-alternate which side generates first (pair 0: a then b, pair 1: b then a, ...) so that warm-up and
-drift do not favour one side. Metrics are computed here, as each pair completes.
+Each variant runs in its own `qwen_image_fusion.eval.worker` process (the pipeline loads once per worker); the
+pairs alternate which side generates first (pair 0: a then b, pair 1: b then a, ...) so that warm-up and drift
+do not favour one side. Metrics are computed here, as each pair completes.
 """
 
 import contextlib
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from PIL import Image
 
-from eval.metrics import Lpips, compare, decode_png, diff_heatmap
-from eval.variants import VariantSpec
-from models.errors import QwenImageError
-from pipelines.requests import Request, as_requests
+from qwen_image_fusion.eval.metrics import Lpips, compare, decode_png, diff_heatmap
+from qwen_image_fusion.eval.variants import VariantSpec
+from qwen_image_fusion.models.errors import QwenImageError
+from qwen_image_fusion.pipelines.requests import Request, as_requests
 
 SLOTS = ("a", "b")
 
@@ -90,11 +90,11 @@ def shard(jobs: list[Job], rank: int, world: int) -> list[Job]:
 
 
 class Worker:
-    """A `python -m eval.worker` subprocess for one side of the comparison."""
+    """A `python -m qwen_image_fusion.eval.worker` subprocess for one side of the comparison."""
 
     def __init__(self, slot: str, spec: VariantSpec, model: str | None, env: dict[str, str]):
         self.slot, self.spec = slot, spec
-        command = [sys.executable, "-m", "eval.worker", "--variant", spec.name]
+        command = [sys.executable, "-m", "qwen_image_fusion.eval.worker", "--variant", spec.name]
         flags = {"--model": model, "--device": spec.device, "--dtype": spec.dtype, "--cache": spec.cache}
         for flag, value in flags.items():
             if value is not None:

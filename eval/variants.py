@@ -1,7 +1,8 @@
 """Variant specs: which pipeline configuration a side of the comparison runs.
 
 Grammar: `NAME[+fast-decode][+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]`
-  NAME    a variant from `pipelines.VARIANTS` (reference, contract, fp8-unfused, fp8-fused) or auto
+  NAME    a variant of `qwen_image_fusion.pipelines.VARIANTS` (reference, contract, fp8-unfused,
+          fp8-fused) or auto
   +fast-decode  the VAE's opt-in 2D decode (models/vae_decode.py: approximate); default: the exact decode
   PRESET  a step-cache preset (models/cache_presets.py: fast, faster); default: no cache
   DEVICE  cpu or cuda, optionally with a GPU index (cuda:1); default: the pipeline's (CUDA when available)
@@ -13,8 +14,8 @@ Examples: `contract`, `fp8-fused:cuda`, `reference:cpu:fp32`, `contract:cuda:1:b
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from models.cache_presets import CACHE_PRESETS
-from models.errors import InputError
+from qwen_image_fusion.models.cache_presets import CACHE_PRESETS
+from qwen_image_fusion.models.errors import InputError
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("bf16", "fp32")

@@ -1,4 +1,5 @@
-"""One pipeline in its own process, driven over JSON lines: `python -m eval.worker --variant NAME ...`.
+"""One pipeline in its own process, driven over JSON lines: `python -m qwen_image_fusion.eval.worker --variant
+NAME ...`.
 
 Protocol: one ASCII JSON object per line (so no locale matters); stdout carries only these replies,
 everything else the pipeline prints goes to stderr.
@@ -23,7 +24,7 @@ import time
 import traceback
 from typing import TextIO
 
-from models.errors import QwenImageError
+from qwen_image_fusion.models.errors import QwenImageError
 
 
 def open_protocol_channel() -> TextIO:
@@ -54,7 +55,7 @@ def dtype_name(dtype: object) -> str:
 
 
 def load(args: argparse.Namespace) -> tuple[object, dict]:
-    from pipelines import load_pipeline
+    from qwen_image_fusion.pipelines import load_pipeline
 
     start = time.perf_counter()
     pipe = load_pipeline(model=args.model, variant=args.variant, device=args.device, dtype=args.dtype)
@@ -88,7 +89,7 @@ def side_by_side(images: list) -> object:
 
 
 def generate(pipe: object, request: dict, cache: str | None = None, fast_decode: bool = False) -> dict:
-    from pipelines.requests import Request
+    from qwen_image_fusion.pipelines.requests import Request
 
     start = time.perf_counter()
     inputs = Request(
@@ -130,7 +131,9 @@ def generate(pipe: object, request: dict, cache: str | None = None, fast_decode:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m qwen_image_fusion.eval.worker", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--variant", default="auto")
     parser.add_argument("--device", default=None)

@@ -12,7 +12,7 @@ streamed and resident runs give the same bytes.
 
 import torch
 
-from kernels._triton_common import FP8_DTYPE, FusedOp, jit, launchable, tl, triton
+from qwen_image_fusion.kernels._triton_common import FP8_DTYPE, FusedOp, jit, launchable, tl, triton
 
 MAX_ROWS = 16
 _BLOCK_N = 32

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from kernels._triton_common import (
+from qwen_image_fusion.kernels._triton_common import (
     NO_FMA,
     FusedOp,
     dummy,
@@ -28,7 +28,7 @@ from kernels._triton_common import (
     tl,
     triton,
 )
-from kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
+from qwen_image_fusion.kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
 
 SQRT_2_OVER_PI = 0.7978845608028654
 GELU_CUBIC = 0.044715

@@ -18,9 +18,17 @@ a per-sample launch) get a dummy pointer of the same dtype.
 
 import torch
 
-from kernels._triton_common import FusedOp, dummy, jit, row_launch, row_outputs, row_producer_ok, tl
-from kernels.fp32 import div_rn, row_sum, sqrt_rn
-from kernels.quant import quant_fp8, static_quant_fp8_torch
+from qwen_image_fusion.kernels._triton_common import (
+    FusedOp,
+    dummy,
+    jit,
+    row_launch,
+    row_outputs,
+    row_producer_ok,
+    tl,
+)
+from qwen_image_fusion.kernels.fp32 import div_rn, row_sum, sqrt_rn
+from qwen_image_fusion.kernels.quant import quant_fp8, static_quant_fp8_torch
 
 
 def layer_norm_torch(x: torch.Tensor, eps: float) -> torch.Tensor:

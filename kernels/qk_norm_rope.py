@@ -24,8 +24,8 @@ another grouping): tests/test_qk_norm_rope.py states the tolerance.
 
 import torch
 
-from kernels._triton_common import NO_FMA, FusedOp, jit, launchable, tl, triton
-from kernels.fp32 import div_rn, row_sum, sqrt_rn
+from qwen_image_fusion.kernels._triton_common import NO_FMA, FusedOp, jit, launchable, tl, triton
+from qwen_image_fusion.kernels.fp32 import div_rn, row_sum, sqrt_rn
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 512

@@ -8,7 +8,16 @@ round-to-nearest-even (`cvt.rn.satfinite` on sm_89+).
 
 import torch
 
-from kernels._triton_common import FP8_DTYPE, NO_FMA, FusedOp, inverse_scale_ok, jit, launchable, tl, triton
+from qwen_image_fusion.kernels._triton_common import (
+    FP8_DTYPE,
+    NO_FMA,
+    FusedOp,
+    inverse_scale_ok,
+    jit,
+    launchable,
+    tl,
+    triton,
+)
 
 FP8_MAX = 448.0
 _QUANT_BLOCK = 4096

@@ -21,9 +21,17 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton_common import FusedOp, dummy, jit, row_launch, row_outputs, row_producer_ok, tl
-from kernels.norm_modulate import layer_norm_torch
-from kernels.quant import quant_fp8, static_quant_fp8_torch
+from qwen_image_fusion.kernels._triton_common import (
+    FusedOp,
+    dummy,
+    jit,
+    row_launch,
+    row_outputs,
+    row_producer_ok,
+    tl,
+)
+from qwen_image_fusion.kernels.norm_modulate import layer_norm_torch
+from qwen_image_fusion.kernels.quant import quant_fp8, static_quant_fp8_torch
 
 
 class ModulationRows(NamedTuple):

@@ -11,11 +11,15 @@ arithmetic. Modulation rows (`shift`, `scale`, `gate`) are per sample [B, D], or
 import torch
 import torch.nn.functional as F
 
-from kernels.gelu_quant import gelu_tanh, gelu_tanh_quant
-from kernels.norm_modulate import gated_residual, gated_residual_layer_norm_modulate, layer_norm_modulate
-from kernels.numerics import Numerics
-from kernels.qk_norm_rope import rms_norm_rope
-from kernels.reference import (
+from qwen_image_fusion.kernels.gelu_quant import gelu_tanh, gelu_tanh_quant
+from qwen_image_fusion.kernels.norm_modulate import (
+    gated_residual,
+    gated_residual_layer_norm_modulate,
+    layer_norm_modulate,
+)
+from qwen_image_fusion.kernels.numerics import Numerics
+from qwen_image_fusion.kernels.qk_norm_rope import rms_norm_rope
+from qwen_image_fusion.kernels.reference import (
     gated_residual_reference,
     layer_norm_modulate_reference,
     layer_norm_scale_reference,
@@ -23,14 +27,14 @@ from kernels.reference import (
     swiglu_reference,
     tanh_gated_residual_reference,
 )
-from kernels.scale_modulate import (
+from qwen_image_fusion.kernels.scale_modulate import (
     ModulationRows,
     TanhGate,
     layer_norm_scale,
     tanh_gated_residual,
     tanh_residual_layer_norm_scale,
 )
-from kernels.swiglu_quant import silu_mul, silu_mul_quant
+from qwen_image_fusion.kernels.swiglu_quant import silu_mul, silu_mul_quant
 
 
 def _contract(numerics: Numerics, x: torch.Tensor) -> bool:

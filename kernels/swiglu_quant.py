@@ -14,7 +14,7 @@ agree exactly.
 
 import torch
 
-from kernels._triton_common import (
+from qwen_image_fusion.kernels._triton_common import (
     NO_FMA,
     FusedOp,
     dummy,
@@ -26,7 +26,7 @@ from kernels._triton_common import (
     tl,
     triton,
 )
-from kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
+from qwen_image_fusion.kernels.quant import FP8_DTYPE, quant_fp8, static_quant_fp8_torch
 
 _BLOCK = 2048  # 8 warps: 8 elements a thread, as the GELU kernel
 

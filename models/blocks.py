@@ -4,11 +4,11 @@ q/k RMSNorm + RoPE module, and the gate run over a transformer's blocks after lo
 import torch
 from torch import nn
 
-from kernels.numerics import Numerics
-from kernels.seam import norm_rope
-from models.fp8 import Fp8Linear, QuantizedActivation
-from models.fusion import FusionReport, ProducerQuant, fusion_enabled_by_env
-from models.numerics import NumericsAware, set_numerics
+from qwen_image_fusion.kernels.numerics import Numerics
+from qwen_image_fusion.kernels.seam import norm_rope
+from qwen_image_fusion.models.fp8 import Fp8Linear, QuantizedActivation
+from qwen_image_fusion.models.fusion import FusionReport, ProducerQuant, fusion_enabled_by_env
+from qwen_image_fusion.models.numerics import NumericsAware, set_numerics
 
 EPS = 1e-6
 

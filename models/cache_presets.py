@@ -4,7 +4,7 @@ BENCHMARKS.md give its measured quality and speed."""
 
 from dataclasses import dataclass
 
-from models.errors import InputError
+from qwen_image_fusion.models.errors import InputError
 
 
 @dataclass(frozen=True)

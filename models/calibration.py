@@ -8,10 +8,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from kernels.quant import FP8_MAX
-from models.fp8 import MIN_AMAX, quantize_weight
-from models.fp8_weight_only import quantize_per_channel
-from models.modelopt import QuantConfig
+from qwen_image_fusion.kernels.quant import FP8_MAX
+from qwen_image_fusion.models.fp8 import MIN_AMAX, quantize_weight
+from qwen_image_fusion.models.fp8_weight_only import quantize_per_channel
+from qwen_image_fusion.models.modelopt import QuantConfig
 
 
 @contextmanager

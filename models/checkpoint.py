@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.errors import CheckpointError
+from qwen_image_fusion.models.errors import CheckpointError
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -8,17 +8,17 @@ import importlib
 from functools import cache
 from pathlib import Path
 
-from models.checkpoint import read_model_index
-from models.embedded import DEFAULT_MODEL_DIR, EMBEDDED_NAME
-from models.errors import CheckpointError
-from models.family import CheckpointSpec, ModelFamily
+from qwen_image_fusion.models.checkpoint import read_model_index
+from qwen_image_fusion.models.embedded import DEFAULT_MODEL_DIR, EMBEDDED_NAME
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.family import CheckpointSpec, ModelFamily
 
 FAMILY_MODULES = (
-    "models.qwen_image.family",
-    "models.qwen_image.controlnet_family",
-    "models.qwen_image_edit.family",
-    "models.qwen_image21.family",
-    "models.qwen_image_layered.family",
+    "qwen_image_fusion.models.qwen_image.family",
+    "qwen_image_fusion.models.qwen_image.controlnet_family",
+    "qwen_image_fusion.models.qwen_image_edit.family",
+    "qwen_image_fusion.models.qwen_image21.family",
+    "qwen_image_fusion.models.qwen_image_layered.family",
 )
 
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from models.errors import CheckpointError
-from models.presets import Preset
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.presets import Preset
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch import nn
 
-    from models.mask_crop import MaskCrop
+    from qwen_image_fusion.models.mask_crop import MaskCrop
 
 DEFAULTS_KEY = "_generation_defaults"  # model_index.json: this checkpoint's own defaults (diffusers skips _)
 DEFAULT_TRUE_CFG_SCALE = 4.0
@@ -196,17 +196,18 @@ class FusionBlock(Protocol):
         ...
 
     def post_load_weights(self, fuse: bool, prefix: str) -> list[Any]:
-        """The gate's decision (models.fusion.PathDecision) for each of its paths, fusing where allowed."""
+        """The gate's decision (qwen_image_fusion.models.fusion.PathDecision) for each of its paths, fusing
+        where allowed."""
         ...
 
 
 @runtime_checkable
 class FamilyTransformer(Protocol):
     """The transformer's part of the family contract, what the shared machinery calls: its numerics
-    (`set_numerics`: reference or contract, for every numerics-aware module), the FP8 fusion gate decided
-    once after loading (`post_load_weights`, over its `transformer_blocks`, each a `FusionBlock`; it returns
-    its models.fusion.FusionReport and keeps it as `fusion_report`), whether it holds ModelOpt FP8 weights,
-    and the checkpoint's config (diffusers' parameter names; `config.num_attention_heads`...)."""
+    (`set_numerics`: reference or contract, for every numerics-aware module), the FP8 fusion gate decided once
+    after loading (`post_load_weights`, over its `transformer_blocks`, each a `FusionBlock`; it returns its
+    qwen_image_fusion.models.fusion.FusionReport and keeps it as `fusion_report`), whether it holds ModelOpt
+    FP8 weights, and the checkpoint's config (diffusers' parameter names; `config.num_attention_heads`...)."""
 
     config: Any
     transformer_blocks: nn.ModuleList
@@ -393,10 +394,10 @@ class ModelFamily(ABC):
         """diffusers' key conversion of a LoRA file for this family (to `transformer.<module>.lora_A/B`)."""
 
     def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int) -> Any:
-        """Torch-free: a `models.memory.MemoryProfile` (which imports this module, hence `Any`) of its
-        components' device bytes (from the safetensors headers, loaded at `dtype_bytes` per element, the VAE
-        at `vae_dtype_bytes`) and activations, for the GPU-memory planner; None: this family plans no
-        memory (everything is loaded onto the device)."""
+        """Torch-free: a `qwen_image_fusion.models.memory.MemoryProfile` (which imports this module, hence
+        `Any`) of its components' device bytes (from the safetensors headers, loaded at `dtype_bytes` per
+        element, the VAE at `vae_dtype_bytes`) and activations, for the GPU-memory planner; None: this family
+        plans no memory (everything is loaded onto the device)."""
         return None
 
 

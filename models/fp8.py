@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.quant import FP8_DTYPE, FP8_MAX, inverse_scale, static_quant_fp8
+from qwen_image_fusion.kernels.quant import FP8_DTYPE, FP8_MAX, inverse_scale, static_quant_fp8
 
 FP8_STATIC_KEY = "fp8_e4m3fn/per-tensor/static"
 MIN_AMAX = 1e-8  # an all-zero weight still gets a positive scale

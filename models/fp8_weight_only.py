@@ -11,9 +11,9 @@ globs, this project's extension of the ModelOpt format: other ModelOpt consumers
 import torch
 from torch import nn
 
-from kernels.fp8_gemv import fp8_gemv
-from kernels.quant import FP8_DTYPE, FP8_MAX
-from models.fp8 import MIN_AMAX
+from qwen_image_fusion.kernels.fp8_gemv import fp8_gemv
+from qwen_image_fusion.kernels.quant import FP8_DTYPE, FP8_MAX
+from qwen_image_fusion.models.fp8 import MIN_AMAX
 
 WEIGHT_ONLY_KEY = "weight_only_per_channel"  # quantization_config: globs of the weight-only FP8 linears
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.quant import inverse_scale
-from models.env import env_flag
-from models.fp8 import QuantSpec, quant_consumer_spec
+from qwen_image_fusion.kernels.quant import inverse_scale
+from qwen_image_fusion.models.env import env_flag
+from qwen_image_fusion.models.fp8 import QuantSpec, quant_consumer_spec
 
 FUSION_ENV = "QWEN_IMAGE_FP8_FUSION"
 

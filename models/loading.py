@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.utils import logging as transformers_logging
 
-from models.checkpoint import read_hf_quant_config, read_json, weight_files
-from models.errors import CheckpointError
-from models.modelopt import (
+from qwen_image_fusion.models.checkpoint import read_hf_quant_config, read_json, weight_files
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.modelopt import (
     SCALE_SUFFIXES,
     QuantConfig,
     parse_quant_config,

@@ -17,9 +17,9 @@ declares that it needs the unquantized input, so the fusion gate keeps the produ
 output (`q` for the FP8 GEMM, `y` for the branch). Unfused, the base quantizes `x` itself and the branch
 reads the same `x`: fused and unfused stay byte-identical.
 
-Files are read and validated by models/lora_files.py and only then mounted: a bad file changes nothing.
-Each adapter's user scale lives once, in the mapping the owner (pipelines.lora.LoraSet) shares with
-every wrapper; after changing a scale the owner calls `refresh()` on the wrappers holding that adapter.
+Files are read and validated by models/lora_files.py and only then mounted: a bad file changes nothing. Each
+adapter's user scale lives once, in the mapping the owner (qwen_image_fusion.pipelines.lora.LoraSet) shares
+with every wrapper; after changing a scale the owner calls `refresh()` on the wrappers holding that adapter.
 """
 
 from collections.abc import Mapping
@@ -29,13 +29,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.numerics import Numerics
-from kernels.quant import FP8_MAX
-from models.errors import CheckpointError
-from models.fp8 import Fp8Linear, QuantizedActivation, QuantSpec, quant_consumer_spec, quantize_weight
-from models.fp8_weight_only import Fp8WeightOnlyLinear, quantize_per_channel
-from models.lora_files import DOWN, LoraFactors, LoraFile
-from models.numerics import NumericsAware
+from qwen_image_fusion.kernels.numerics import Numerics
+from qwen_image_fusion.kernels.quant import FP8_MAX
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.fp8 import (
+    Fp8Linear,
+    QuantizedActivation,
+    QuantSpec,
+    quant_consumer_spec,
+    quantize_weight,
+)
+from qwen_image_fusion.models.fp8_weight_only import Fp8WeightOnlyLinear, quantize_per_channel
+from qwen_image_fusion.models.lora_files import DOWN, LoraFactors, LoraFile
+from qwen_image_fusion.models.numerics import NumericsAware
 
 
 @dataclass(frozen=True)

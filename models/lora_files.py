@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from models.errors import CheckpointError, InputError
+from qwen_image_fusion.models.errors import CheckpointError, InputError
 
 DOWN, UP = ".lora_A.weight", ".lora_B.weight"
 TRANSFORMER_PREFIX = "transformer."
@@ -80,7 +80,7 @@ def _to_diffusers_keys(
 ) -> dict[str, torch.Tensor]:
     """diffusers' own conversion (it folds kohya alphas into the factors, as diffusers loads them), then
     the names of our transformer's modules (without the `transformer.` prefix)."""
-    from models.loading import quiet_loading
+    from qwen_image_fusion.models.loading import quiet_loading
 
     try:
         with quiet_loading():

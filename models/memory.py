@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from models.checkpoint import weight_files
-from models.errors import CheckpointError
-from models.family import MAX_SEQUENCE_LENGTH
+from qwen_image_fusion.models.checkpoint import weight_files
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.family import MAX_SEQUENCE_LENGTH
 
 ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"
 PHASES = (ENCODE, DENOISE, DECODE)

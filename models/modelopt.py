@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.quant import FP8_DTYPE
-from models.errors import CheckpointError
-from models.fp8 import Fp8Linear
-from models.fp8_weight_only import WEIGHT_ONLY_KEY, Fp8WeightOnlyLinear
+from qwen_image_fusion.kernels.quant import FP8_DTYPE
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.fp8 import Fp8Linear
+from qwen_image_fusion.models.fp8_weight_only import WEIGHT_ONLY_KEY, Fp8WeightOnlyLinear
 
 SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 

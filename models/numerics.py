@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from kernels.numerics import Numerics
+from qwen_image_fusion.kernels.numerics import Numerics
 
 
 class NumericsAware:

@@ -1,12 +1,13 @@
 """Ulysses sequence parallelism: the joint [text, image] rows split over a group of ranks, attention over
 head shards.
 
-A model declares a `SequencePlan`: the module whose keyword inputs split (image rows, text rows, their
-RoPE rows and the image rows' per-token modulation index; the key mask stays whole) and the module whose
-output gathers the image rows back. `shard_sequence(model, group)` installs hooks from that plan, so the
-block code stays as it is: projections, fused FP8 producers, q/k norm+RoPE and MLPs run on the local rows
-unchanged. The all-to-all that trades sequence shards for head shards around attention sits in
-`models.qwen_image.math.joint_attention`, which asks `active_shards()` whether the running forward is sharded.
+A model declares a `SequencePlan`: the module whose keyword inputs split (image rows, text rows, their RoPE
+rows and the image rows' per-token modulation index; the key mask stays whole) and the module whose output
+gathers the image rows back. `shard_sequence(model, group)` installs hooks from that plan, so the block code
+stays as it is: projections, fused FP8 producers, q/k norm+RoPE and MLPs run on the local rows unchanged. The
+all-to-all that trades sequence shards for head shards around attention sits in
+`qwen_image_fusion.models.qwen_image.math.joint_attention`, which asks `active_shards()` whether the running
+forward is sharded.
 
 The split: the text rows and the image rows are each cut into contiguous, nearly equal parts (the first
 `n % size` parts one row longer), and rank r keeps [text part r, image part r]. Splitting the text too,
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.errors import InputError, ParallelError
+from qwen_image_fusion.models.errors import InputError, ParallelError
 
 Collective = Callable[[], None]
 

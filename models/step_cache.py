@@ -27,8 +27,8 @@ from typing import Protocol
 
 import torch
 
-from models.cache_presets import CachePreset
-from models.errors import InputError
+from qwen_image_fusion.models.cache_presets import CachePreset
+from qwen_image_fusion.models.errors import InputError
 
 Streams = tuple[torch.Tensor, ...]  # the block loop's carried tensors, image rows first
 RunBlock = Callable[[int, Streams], Streams]  # block i over the streams

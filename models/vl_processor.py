@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
-from models.errors import CheckpointError
+from qwen_image_fusion.models.errors import CheckpointError
 
 BACKENDS = ("auto", "pil", "torchvision")
 

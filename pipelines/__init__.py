@@ -7,14 +7,14 @@ torch, diffusers and transformers.
 import importlib
 from typing import Any
 
-from pipelines.variants import VARIANTS
+from qwen_image_fusion.pipelines.variants import VARIANTS
 
 _LAZY = {
-    "GenerationDefaults": "models.family",
-    "Pipeline": "pipelines.pipeline",
-    "RunInfo": "pipelines.pipeline",
-    "generate": "pipelines.pipeline",
-    "load_pipeline": "pipelines.pipeline",
+    "GenerationDefaults": "qwen_image_fusion.models.family",
+    "Pipeline": "qwen_image_fusion.pipelines.pipeline",
+    "RunInfo": "qwen_image_fusion.pipelines.pipeline",
+    "generate": "qwen_image_fusion.pipelines.pipeline",
+    "load_pipeline": "qwen_image_fusion.pipelines.pipeline",
 }
 __all__ = ["VARIANTS", *_LAZY]
 

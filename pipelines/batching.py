@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines.generation_request import GenerationRequest
+from qwen_image_fusion.pipelines.generation_request import GenerationRequest
 
 # Estimated device memory one image row of a denoising step needs per megapixel (activations of a
 # Qwen-Image-sized DiT in BF16 plus a captured CUDA graph's pool); bench/server_load.py prints the peak.

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import PIL.Image
 
-from models.errors import InputError
-from models.family import CheckpointSpec
-from pipelines.limits import check_pixels
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import CheckpointSpec
+from qwen_image_fusion.pipelines.limits import check_pixels
 
 CONTROL_MODES = ("canny",)  # the maps made here from a photo; others are given as maps
 MAPS_BROUGHT = ("depth", "pose", "soft_edge")  # Union modes whose detectors are not part of this project

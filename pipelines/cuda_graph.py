@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from models.env import env_flag
-from models.errors import InputError
-from models.sequence_parallel import Collective, cut_at_collectives
-from models.step_cache import BranchCache, branch_points, caching, owned_by, warming_up
+from qwen_image_fusion.models.env import env_flag
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.sequence_parallel import Collective, cut_at_collectives
+from qwen_image_fusion.models.step_cache import BranchCache, branch_points, caching, owned_by, warming_up
 
 GRAPHS_ENV = "QWEN_IMAGE_CUDA_GRAPHS"
 COLLECTIVES_ENV = "QWEN_IMAGE_GRAPH_COLLECTIVES"

@@ -12,13 +12,18 @@ from dataclasses import dataclass
 
 import PIL.Image
 
-from models.cache_presets import CachePreset, get_cache_preset
-from models.errors import InputError
-from models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec, calculate_dimensions
-from models.memory import Workload
-from pipelines.control import Control, check_control
-from pipelines.limits import as_prompt_list, check_generation_args, check_images, check_pixels
-from pipelines.presets import check_lora_scale, get_preset
+from qwen_image_fusion.models.cache_presets import CachePreset, get_cache_preset
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec, calculate_dimensions
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.pipelines.control import Control, check_control
+from qwen_image_fusion.pipelines.limits import (
+    as_prompt_list,
+    check_generation_args,
+    check_images,
+    check_pixels,
+)
+from qwen_image_fusion.pipelines.presets import check_lora_scale, get_preset
 
 SizeSuggestion = Callable[[list[PIL.Image.Image]], tuple[int, int] | None]
 DEFAULT_STRENGTH = 0.6  # diffusers' img2img and inpainting default

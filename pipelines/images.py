@@ -7,8 +7,8 @@ from pathlib import Path
 import PIL.Image
 import PIL.ImageOps
 
-from models.errors import InputError
-from pipelines.limits import check_image_count, check_pixels
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines.limits import check_image_count, check_pixels
 
 MAX_INPUT_BYTES = 40 * 1024 * 1024  # an input image file larger than this is refused (the demo's upload cap)
 
@@ -39,6 +39,7 @@ def open_input_image(path: str | Path, max_bytes: int | None = None) -> PIL.Imag
 def read_input_images(
     paths: list[str | Path], max_images: int, required: bool, model: str, max_bytes: int | None = None
 ) -> list[PIL.Image.Image]:
-    """The images of `paths`, after checking that the model takes that many (pipelines.limits)."""
+    """The images of `paths`, after checking that the model takes that many
+    (qwen_image_fusion.pipelines.limits)."""
     check_image_count(len(paths), max_images, required, model)
     return [open_input_image(path, max_bytes) for path in paths]

@@ -1,12 +1,12 @@
 """A human-readable description of a loaded pipeline for `qwen-image info`."""
 
-from models.embedded import EMBEDDED_NAME, training_record
-from models.errors import InputError
-from models.family import CheckpointSpec
-from models.fp8 import Fp8Linear
-from models.fp8_weight_only import Fp8WeightOnlyLinear
-from pipelines.parallel import check_supported, plan_for
-from pipelines.pipeline import Pipeline
+from qwen_image_fusion.models.embedded import EMBEDDED_NAME, training_record
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import CheckpointSpec
+from qwen_image_fusion.models.fp8 import Fp8Linear
+from qwen_image_fusion.models.fp8_weight_only import Fp8WeightOnlyLinear
+from qwen_image_fusion.pipelines.parallel import check_supported, plan_for
+from qwen_image_fusion.pipelines.pipeline import Pipeline
 
 
 def _quantization(pipe: Pipeline) -> str:

@@ -5,8 +5,8 @@ Cheap to import (no torch), so the CLI and the UI refuse a bad call before any m
 
 import math
 
-from models.errors import InputError
-from models.family import MAX_SEQUENCE_LENGTH
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import MAX_SEQUENCE_LENGTH
 
 MAX_SIDE = 2048
 DTYPE_NAMES = ("bf16", "fp32")

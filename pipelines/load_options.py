@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.memory import Workload
-from pipelines.variants import AUTO
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.pipelines.variants import AUTO
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from typing import Any
 
 from torch import nn
 
-from kernels.quant import FP8_MAX
-from models.calibration import record_input_amax
-from models.errors import InputError
-from models.fp8 import Fp8Linear
-from models.lora import (
+from qwen_image_fusion.kernels.quant import FP8_MAX
+from qwen_image_fusion.models.calibration import record_input_amax
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.fp8 import Fp8Linear
+from qwen_image_fusion.models.lora import (
     MergeReport,
     bake_loras,
     configure_loras,
@@ -26,9 +26,9 @@ from models.lora import (
     mount_lora,
     unmount_lora,
 )
-from models.lora_files import LoraConverter, LoraFile, read_lora_file
-from pipelines.memory import check_host_room
-from pipelines.presets import LORA_MODES, check_lora_scale, lora_name
+from qwen_image_fusion.models.lora_files import LoraConverter, LoraFile, read_lora_file
+from qwen_image_fusion.pipelines.memory import check_host_room
+from qwen_image_fusion.pipelines.presets import LORA_MODES, check_lora_scale, lora_name
 
 
 @dataclass(frozen=True)

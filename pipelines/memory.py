@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import torch
 
-from models.errors import InputError
-from models.family import CheckpointSpec, FamilyModel
-from models.memory import DECODE, MemoryProfile, PartSizes, Workload
-from models.streaming import Link, PlacedWeights, link_for, moving_tensors, still_bytes
-from pipelines.cuda_graph import cuda_graphs_enabled_by_env
-from pipelines.memory_plan import (
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel
+from qwen_image_fusion.models.memory import DECODE, MemoryProfile, PartSizes, Workload
+from qwen_image_fusion.models.streaming import Link, PlacedWeights, link_for, moving_tensors, still_bytes
+from qwen_image_fusion.pipelines.cuda_graph import cuda_graphs_enabled_by_env
+from qwen_image_fusion.pipelines.memory_plan import (
     OFFLOAD,
     RESERVE_BYTES,
     MemoryPlan,

@@ -19,9 +19,9 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from models.errors import InputError
-from models.family import CheckpointSpec
-from models.memory import DECODE, DENOISE, ENCODE, MemoryProfile, PartSizes, Workload
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import CheckpointSpec
+from qwen_image_fusion.models.memory import DECODE, DENOISE, ENCODE, MemoryProfile, PartSizes, Workload
 
 GiB = 1024**3
 UNITS = {

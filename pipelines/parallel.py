@@ -22,11 +22,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.errors import InputError
-from models.families import inspect_checkpoint
-from models.family import CheckpointSpec
-from models.sequence_parallel import SequenceParallel, all_gather, run_collective, shard_sequence
-from pipelines.launch_env import LEADER_RANK, launched_world_size
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.family import CheckpointSpec
+from qwen_image_fusion.models.sequence_parallel import (
+    SequenceParallel,
+    all_gather,
+    run_collective,
+    shard_sequence,
+)
+from qwen_image_fusion.pipelines.launch_env import LEADER_RANK, launched_world_size
 
 TIMEOUT_ENV = "QWEN_IMAGE_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0

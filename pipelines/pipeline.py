@@ -18,31 +18,42 @@ import PIL.Image
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from models.cache_presets import CachePreset
-from models.errors import InputError
-from models.families import inspect_checkpoint
-from models.family import (
+from qwen_image_fusion.models.cache_presets import CachePreset
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.family import (
     DEFAULT_SEQUENCE_LENGTH,
     CheckpointSpec,
     Conditioning,
     FamilyModel,
     StepControl,
 )
-from models.lora import MergeReport
-from models.lora_files import LoraFile
-from models.mask_crop import MaskCrop
-from models.memory import DENOISE, ENCODE, Workload
-from models.step_cache import BranchCache, caching
-from pipelines.control import Control
-from pipelines.cuda_graph import MAX_GRAPHS, GraphedStep, cuda_graphs_enabled_by_env, cut_collectives_by_env
-from pipelines.generation_request import GenerationRequest, StartImage, resolve_request
-from pipelines.load_options import LoadOptions
-from pipelines.lora import LoadedLora, LoraSet
-from pipelines.memory import GpuMemory, in_phase, plan_for
-from pipelines.memory_plan import MemoryPlan
-from pipelines.parallel import ParallelPlan, Ranks, check_supported, join_ranks, resolve_plan
-from pipelines.presets import get_preset
-from pipelines.sampling import (
+from qwen_image_fusion.models.lora import MergeReport
+from qwen_image_fusion.models.lora_files import LoraFile
+from qwen_image_fusion.models.mask_crop import MaskCrop
+from qwen_image_fusion.models.memory import DENOISE, ENCODE, Workload
+from qwen_image_fusion.models.step_cache import BranchCache, caching
+from qwen_image_fusion.pipelines.control import Control
+from qwen_image_fusion.pipelines.cuda_graph import (
+    MAX_GRAPHS,
+    GraphedStep,
+    cuda_graphs_enabled_by_env,
+    cut_collectives_by_env,
+)
+from qwen_image_fusion.pipelines.generation_request import GenerationRequest, StartImage, resolve_request
+from qwen_image_fusion.pipelines.load_options import LoadOptions
+from qwen_image_fusion.pipelines.lora import LoadedLora, LoraSet
+from qwen_image_fusion.pipelines.memory import GpuMemory, in_phase, plan_for
+from qwen_image_fusion.pipelines.memory_plan import MemoryPlan
+from qwen_image_fusion.pipelines.parallel import (
+    ParallelPlan,
+    Ranks,
+    check_supported,
+    join_ranks,
+    resolve_plan,
+)
+from qwen_image_fusion.pipelines.presets import get_preset
+from qwen_image_fusion.pipelines.sampling import (
     Step,
     branch_velocities,
     euler_loop,
@@ -50,7 +61,7 @@ from pipelines.sampling import (
     inpaint_blend,
     strength_timesteps,
 )
-from pipelines.variants import AUTO, Variant, get_variant, resolve_variant, variants_for
+from qwen_image_fusion.pipelines.variants import AUTO, Variant, get_variant, resolve_variant, variants_for
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.errors import InputError
-from models.families import registered_families
-from models.presets import Preset
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import registered_families
+from qwen_image_fusion.models.presets import Preset
 
 LORA_MODES = ("branch", "merge")
 # every registered family's presets, by name (a preset belongs to the families that list it)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from models.errors import InputError
+from qwen_image_fusion.models.errors import InputError
 
 
 def parse_prompts(text: str) -> list[str]:

@@ -18,16 +18,27 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
-from models.errors import InputError
-from models.families import inspect_checkpoint
-from models.family import CheckpointSpec
-from models.fp8_weight_only import WEIGHT_ONLY_KEY
-from models.loading import save_tensors
-from models.lora_files import LoraFile
-from pipelines.pipeline import Pipeline, load_pipeline
-from pipelines.presets import get_preset
-from pipelines.requests import Request, as_requests, builtin_edit_set, check_requests_for, edit_requests_for
+from qwen_image_fusion.models.calibration import (
+    fp8_state_dict,
+    quantizable_linears,
+    record_input_amax,
+    share_group_amax,
+)
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.family import CheckpointSpec
+from qwen_image_fusion.models.fp8_weight_only import WEIGHT_ONLY_KEY
+from qwen_image_fusion.models.loading import save_tensors
+from qwen_image_fusion.models.lora_files import LoraFile
+from qwen_image_fusion.pipelines.pipeline import Pipeline, load_pipeline
+from qwen_image_fusion.pipelines.presets import get_preset
+from qwen_image_fusion.pipelines.requests import (
+    Request,
+    as_requests,
+    builtin_edit_set,
+    check_requests_for,
+    edit_requests_for,
+)
 
 DEFAULT_CALIBRATION_PROMPTS = (
     "a red fox in fresh snow at sunrise, detailed fur",

@@ -1,5 +1,5 @@
 """Requests of a prompt set: a prompt and its input image files (none for text to image), as `quantize`
-calibrates on them and `eval.parity` compares over them. Torch-free.
+calibrates on them and `qwen_image_fusion.eval.parity` compares over them. Torch-free.
 
 A prompt file (`.txt`) holds one prompt per line. An edit set (`.jsonl`) holds one JSON object per line,
 `{"prompt": "make the sky red", "images": ["photo.png"]}`, image paths relative to the file (blank lines
@@ -12,7 +12,7 @@ make the map from a photo, and `"control_mask": "mask.png"` for an inpainting Co
 (`edit`: one image each; `edit-plus`: two or three; `img2img` and `inpaint`: start images and masks;
 `control`: the scenes' canny edges; `control-inpaint`: `inpaint`'s images and masks for an inpainting
 ControlNet; `edit-inpaint`: the same as inpainting edits) sit in `pipelines/edit_sets/` with images the
-project draws itself (`python -m eval.draw_edit_sets`).
+project draws itself (`python -m qwen_image_fusion.eval.draw_edit_sets`).
 """
 
 import json
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.errors import InputError
-from models.family import CheckpointSpec
-from pipelines.images import open_input_image
-from pipelines.limits import check_image_count
-from pipelines.prompts import read_prompt_file
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import CheckpointSpec
+from qwen_image_fusion.pipelines.images import open_input_image
+from qwen_image_fusion.pipelines.limits import check_image_count
+from qwen_image_fusion.pipelines.prompts import read_prompt_file
 
 EDIT_SET_SUFFIX = ".jsonl"
 EDIT_SETS_DIR = Path(__file__).parent / "edit_sets"

@@ -11,8 +11,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from tqdm.auto import tqdm
 
-from models.family import Conditioning
-from pipelines.parallel import CfgExchange
+from qwen_image_fusion.models.family import Conditioning
+from qwen_image_fusion.pipelines.parallel import CfgExchange
 
 # step(latents, conditioning, sigma) -> velocity, one transformer call
 Step = Callable[[torch.Tensor, Conditioning, torch.Tensor], torch.Tensor]

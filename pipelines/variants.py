@@ -1,13 +1,14 @@
 """The pipeline variants as a typed table (torch-free, so the CLI checks `--variant` before loading).
 
 A variant names the weights it runs on (BF16 or a ModelOpt FP8 export), the numerics of every producer
-(kernels.numerics) and whether FP8 producers write quantized activations straight for their consumers.
+(qwen_image_fusion.kernels.numerics) and whether FP8 producers write quantized activations straight for their
+consumers.
 """
 
 from dataclasses import dataclass
 
-from kernels.numerics import Numerics
-from models.errors import InputError
+from qwen_image_fusion.kernels.numerics import Numerics
+from qwen_image_fusion.models.errors import InputError
 
 AUTO = "auto"
 

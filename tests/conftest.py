@@ -60,7 +60,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """A test without the `cpu_dtype` mark cannot read the CPU's default dtype (setup, call, teardown and
     the processes it starts): the pipeline refuses the value it finds in `QWEN_IMAGE_CPU_DTYPE`."""
-    from pipelines.pipeline import CPU_DTYPE_ENV  # after TRITON_INTERPRET is set (kernels read it)
+    from qwen_image_fusion.pipelines.pipeline import (
+        CPU_DTYPE_ENV,  # after TRITON_INTERPRET is set (kernels read it)
+    )
 
     saved = os.environ.get(CPU_DTYPE_ENV)
     if "cpu_dtype" not in item.keywords:
@@ -113,8 +115,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def missing_tool(item: pytest.Item) -> str | None:
     """Why `item` cannot run its real check on this machine, or None."""
     if "interpreter" in item.keywords:
-        from kernels._triton_common import interpreted
-        from kernels.quant import _static_quant_fp8_kernel
+        from qwen_image_fusion.kernels._triton_common import interpreted
+        from qwen_image_fusion.kernels.quant import _static_quant_fp8_kernel
 
         if not interpreted(_static_quant_fp8_kernel):
             setting = os.environ.get("TRITON_INTERPRET")
@@ -142,7 +144,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default quantized to FP8 (calibrated on two prompts, 2 steps at 32x32), shared by the
     FP8 tests of a worker; a module with another calibration defines its own `fp8_dir`."""
-    from pipelines.quantize import quantize_checkpoint
+    from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("fp8") / "model"
     return quantize_checkpoint(None, out, prompts=["a red fox", "一只熊猫"], steps=2, size=32, device="cpu")
@@ -152,7 +154,7 @@ def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def bytes_pipe(request: pytest.FixtureRequest):
     """The embedded default in both variants every CPU serves (`reference` in FP32, `contract` in BF16),
     run under one thread: CPU kernels may split sums by thread count, and byte comparisons need one."""
-    from pipelines import load_pipeline
+    from qwen_image_fusion.pipelines import load_pipeline
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -11,8 +11,8 @@ import PIL.Image
 from diffusers import QwenImageControlNetModel
 from helpers import fill_deterministic
 
-from models.checkpoint import read_json
-from models.embedded import DEFAULT_MODEL_DIR
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.embedded import DEFAULT_MODEL_DIR
 
 CONFIG_KEYS = ("attention_head_dim", "num_attention_heads", "joint_attention_dim", "axes_dims_rope")
 

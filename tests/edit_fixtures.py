@@ -6,10 +6,11 @@ tower, `processor/` the Qwen2-VL image processor config and the real Qwen2 token
 `AutoencoderKLQwenImage`, `tokenizer/`, `scheduler/`. Also our own tiny Edit-2511 transformer, its
 ModelOpt-style FP8 version and step inputs over an Edit layout (target grid, then reference grids).
 
-Without torchvision (our CPU install) transformers cannot build `Qwen2VLProcessor` itself (its video
-processor needs torchvision), so `diffusers_edit_pipeline` hands diffusers the processor that
-`models.qwen_image_edit.conditioning.load_processor` builds from the same folder; `small_edit_areas` shrinks
-diffusers' fixed 1024x1024 and 384x384 image areas so the pipelines run in seconds on a CPU.
+Without torchvision (our CPU install) transformers cannot build `Qwen2VLProcessor` itself (its video processor
+needs torchvision), so `diffusers_edit_pipeline` hands diffusers the processor that
+`qwen_image_fusion.models.qwen_image_edit.conditioning.load_processor` builds from the same folder;
+`small_edit_areas` shrinks diffusers' fixed 1024x1024 and 384x384 image areas so the pipelines run in seconds
+on a CPU.
 """
 
 import json
@@ -35,17 +36,22 @@ from diffusers.pipelines.qwenimage import (
 from helpers import fill_deterministic
 from transformers import Qwen2VLImageProcessorPil
 
-from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
-from models.loading import transformer_from_state
-from models.modelopt import QuantConfig
-from models.qwen_image.components import default_scheduler
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.math import ImageLayout
-from models.qwen_image.model import QUANTIZATION
-from models.qwen_image.text_encoder import build_tiny_text_encoder
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from models.qwen_image.transformer import QwenImageTransformer
-from models.qwen_image_edit.conditioning import load_edit_image, load_processor
+from qwen_image_fusion.models.calibration import (
+    fp8_state_dict,
+    quantizable_linears,
+    record_input_amax,
+    share_group_amax,
+)
+from qwen_image_fusion.models.loading import transformer_from_state
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.qwen_image.components import default_scheduler
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.math import ImageLayout
+from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
+from qwen_image_fusion.models.qwen_image.text_encoder import build_tiny_text_encoder
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_edit_image, load_processor
 
 PIPELINES = {cls.__name__: cls for cls in (QwenImageEditPipeline, QwenImageEditPlusPipeline)}
 TEXT_HIDDEN = 64
@@ -122,7 +128,7 @@ def diffusers_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32)
 
 def our_edit_pipeline(directory: Path, dtype: torch.dtype = torch.float32, variant: str = "reference") -> Any:
     """Our pipeline of `directory` on the CPU, with the image areas `small_edit_areas` gives diffusers."""
-    from pipelines import load_pipeline
+    from qwen_image_fusion.pipelines import load_pipeline
 
     pipe = load_pipeline(directory, variant=variant, device="cpu", dtype=dtype)
     pipe.model.vae_area, pipe.model.condition_area = SMALL_VAE_AREA, SMALL_CONDITION_AREA

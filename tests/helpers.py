@@ -18,7 +18,7 @@ import PIL.Image
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.qwen_image.math import ImageLayout
+from qwen_image_fusion.models.qwen_image.math import ImageLayout
 
 CPU = torch.device("cpu")
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's chromium, driven by Playwright in the `browser` tests
@@ -113,10 +113,10 @@ def rank_env(timeout_s: float = 120) -> dict[str, str]:
 
 
 def launch(ranks: int, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `command` as `ranks` ranks through ui.launch (torch's elastic launcher) in a child process; on a
-    timeout the launcher is asked to stop its ranks (SIGTERM), then killed."""
+    """Run `command` as `ranks` ranks through qwen_image_fusion.ui.launch (torch's elastic launcher) in a
+    child process; on a timeout the launcher is asked to stop its ranks (SIGTERM), then killed."""
     code = (
-        "import sys\nfrom ui.launch import RanksFailed, launch_ranks\n"
+        "import sys\nfrom qwen_image_fusion.ui.launch import RanksFailed, launch_ranks\n"
         f"try:\n    launch_ranks({ranks}, {command!r})\n"
         "except RanksFailed as err:\n    print(err)\n    sys.exit(10)\n"
     )
@@ -211,10 +211,10 @@ def check_served_batches(pipe: Any, prompts: list[str], count: int, again: tuple
     import httpx
 
     from bench.in_thread import InThread
-    from pipelines.batching import BatchPlan
-    from ui.limits import Limits
-    from ui.runner import Runner
-    from ui.server import build_server
+    from qwen_image_fusion.pipelines.batching import BatchPlan
+    from qwen_image_fusion.ui.limits import Limits
+    from qwen_image_fusion.ui.runner import Runner
+    from qwen_image_fusion.ui.server import build_server
 
     runner = Runner(pipe, Limits.for_device(pipe.device.type), BatchPlan.for_device(pipe.device, 4, False))
     server = InThread(build_server(pipe, runner))

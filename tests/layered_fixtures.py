@@ -21,11 +21,11 @@ from edit_fixtures import TEXT_HIDDEN, TRANSFORMER
 from helpers import fill_deterministic
 from transformers import Qwen2VLImageProcessorPil
 
-from models.family import calculate_dimensions
-from models.qwen_image.components import default_scheduler
-from models.qwen_image.text_encoder import build_tiny_text_encoder
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from models.qwen_image_edit.conditioning import load_processor
+from qwen_image_fusion.models.family import calculate_dimensions
+from qwen_image_fusion.models.qwen_image.components import default_scheduler
+from qwen_image_fusion.models.qwen_image.text_encoder import build_tiny_text_encoder
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
 
 SMALL_AREA = 96 * 96
 

@@ -36,7 +36,7 @@ BLOCK_LINEARS = (
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(in, out) of every linear of a transformer, wrapped or not, by module name."""
-    from models.lora import lora_targets
+    from qwen_image_fusion.models.lora import lora_targets
 
     return {name: (m.in_features, m.out_features) for name, m in lora_targets(model).items()}
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import torch
 
-from models.families import inspect_checkpoint
-from models.memory import DECODE, DENOISE, ENCODE, Workload
-from models.streaming import HostLink, Link
-from pipelines.memory import DTYPE_BYTES, GpuMemory
-from pipelines.memory_plan import RESIDENT, STREAM, GiB, MemoryPlan, Placement, place_part
-from pipelines.pipeline import Pipeline, Precision
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.memory import DECODE, DENOISE, ENCODE, Workload
+from qwen_image_fusion.models.streaming import HostLink, Link
+from qwen_image_fusion.pipelines.memory import DTYPE_BYTES, GpuMemory
+from qwen_image_fusion.pipelines.memory_plan import RESIDENT, STREAM, GiB, MemoryPlan, Placement, place_part
+from qwen_image_fusion.pipelines.pipeline import Pipeline, Precision
 
 FP32 = Precision(torch.float32, torch.float32, "diffusers' arithmetic, fast on a CPU")
 

@@ -1,7 +1,9 @@
 """One rank of the gloo tests (tests/test_parallel_gloo.py): generates with several plans, rank 0 writes the
 images and what it saw to OUT_DIR.
 
-    python tests/parallel_rank.py SCENARIO OUT_DIR [FP8_DIR]     (as ranks of ui.launch or torchrun)
+    python tests/parallel_rank.py SCENARIO OUT_DIR [FP8_DIR]
+
+(as ranks of qwen_image_fusion.ui.launch or torchrun)
 
 Scenarios: `two` (CFG-2 and Ulysses-2 on BF16 and FP8, no host syncs in a sharded step, the web demo's
 leader and follower), `four` (CFG-2 x Ulysses-2), `die` (rank 1 exits after its first step), `gpu`
@@ -19,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from models.cache_presets import CachePreset
-from models.errors import InputError, ParallelError
-from pipelines import load_pipeline
-from pipelines.parallel import ParallelPlan
+from qwen_image_fusion.models.cache_presets import CachePreset
+from qwen_image_fusion.models.errors import InputError, ParallelError
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.parallel import ParallelPlan
 
 PROMPTS = ["a red fox", "a long prompt about a small blue bird singing on a branch at dawn"]
 SIZE = dict(width=64, height=48, num_inference_steps=2, seed=3)
@@ -54,9 +56,9 @@ def sharded_step_has_no_host_sync(pipe) -> bool:
 
 def web_demo_jobs(pipe, out: Path) -> dict:
     """Rank 0 leads four jobs as the demo's Runner would (one stopped, one refused); the others follow."""
-    from ui.limits import Limits
-    from ui.ranks import Leader, follow
-    from ui.runner import STOP_PRESSED, Job, Runner, Stopped
+    from qwen_image_fusion.ui.limits import Limits
+    from qwen_image_fusion.ui.ranks import Leader, follow
+    from qwen_image_fusion.ui.runner import STOP_PRESSED, Job, Runner, Stopped
 
     if not pipe.ranks.is_leader:
         follow(pipe)
@@ -169,7 +171,7 @@ def run_edit(out: Path, _: str | None) -> dict:
     from edit_fixtures import EDIT_LAYOUT, edit_step_inputs, fp8_edit_transformer, tiny_edit_transformer
     from helpers import step_without_host_sync
 
-    from models.sequence_parallel import shard_sequence
+    from qwen_image_fusion.models.sequence_parallel import shard_sequence
 
     dist.init_process_group("gloo")
     models = {"bf16": tiny_edit_transformer(), "fp8": fp8_edit_transformer()}

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from diffusers import QwenImage21Transformer2DModel
 
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image21.transformer import QwenImage21Transformer
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
 
 CONFIGS = {
     "2 layers, 2 heads x 32, causal": QwenImage21Config(

@@ -7,9 +7,10 @@ a chat template), `vae/` (a tiny 16x `AutoencoderKLQwenImage21` with latent stat
 `scheduler/`; `sample_sigmas` in model_index.json for a Turbo one.
 
 Without torchvision (our CPU install) transformers cannot build `Qwen3VLProcessor` itself, so
-`diffusers_pipeline` hands diffusers the processor `models.vl_processor.load_vl_processor` builds from the
-same folder (transformers' PIL image backend). `RESOLUTION` is diffusers' `output_resolution` for these
-tests: condition images are resized to about 64x64 pixels (4x4 latent tokens), so a call takes seconds.
+`diffusers_pipeline` hands diffusers the processor `qwen_image_fusion.models.vl_processor.load_vl_processor`
+builds from the same folder (transformers' PIL image backend). `RESOLUTION` is diffusers' `output_resolution`
+for these tests: condition images are resized to about 64x64 pixels (4x4 latent tokens), so a call takes
+seconds.
 """
 
 import json
@@ -21,10 +22,10 @@ from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21
 from helpers import fill_deterministic
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from models.qwen_image.components import default_scheduler
-from models.qwen_image21 import synthetic
-from models.qwen_image21.components import save_processor
-from models.vl_processor import load_vl_processor
+from qwen_image_fusion.models.qwen_image.components import default_scheduler
+from qwen_image_fusion.models.qwen_image21 import synthetic
+from qwen_image_fusion.models.qwen_image21.components import save_processor
+from qwen_image_fusion.models.vl_processor import load_vl_processor
 
 TEXT_HIDDEN = synthetic.TOY_TEXT["hidden_size"]
 Z_DIM = 16

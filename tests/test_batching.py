@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import png_sha256
 
-from models.errors import InputError
-from pipelines.batching import STEP_BYTES_PER_MEGAPIXEL, BatchPlan
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines.batching import STEP_BYTES_PER_MEGAPIXEL, BatchPlan
 
 PROMPTS = [f"a red circle on the left and a blue square on the right, scene {i}" for i in range(4)]
 

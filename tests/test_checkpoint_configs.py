@@ -20,13 +20,13 @@ from helpers import fill_deterministic, png_sha256
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
-from models.errors import CheckpointError
-from models.qwen_image.components import Components, default_scheduler
-from models.qwen_image.text_encoder import build_tiny_text_encoder
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
-from ui.cli import main
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.qwen_image.components import Components, default_scheduler
+from qwen_image_fusion.models.qwen_image.text_encoder import build_tiny_text_encoder
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.ui.cli import main
 
 NFD_PROMPT = unicodedata.normalize("NFD", "Crème brûlée au café, 한국어 간판")
 

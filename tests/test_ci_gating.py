@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import REPO
 
-import kernels._triton_common as triton_common
-from models.errors import InputError
-from pipelines.pipeline import pick_numerics
+import qwen_image_fusion.kernels._triton_common as triton_common
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines.pipeline import pick_numerics
 
 
 def item(marker: str) -> types.SimpleNamespace:
@@ -48,7 +48,10 @@ def test_a_test_without_the_cpu_dtype_mark_cannot_read_the_cpu_default() -> None
     with pytest.raises(InputError, match="not marked cpu_dtype"):
         pick_numerics(False, "auto", cpu)
     info = subprocess.run(
-        [sys.executable, "-m", "ui.cli", "info", "--device", "cpu"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "qwen_image_fusion.ui.cli", "info", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert info.returncode == 2 and "not marked cpu_dtype" in info.stderr.splitlines()[-1], info.stderr
     assert pick_numerics(False, "auto", cpu, "fp32")[1].dtype == torch.float32

@@ -10,12 +10,17 @@ import PIL.Image
 import pytest
 from helpers import REPO
 
-from pipelines import load_pipeline
-from ui.cli import main
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "ui.cli", *args]  # from the checkout, not an installed copy
+    command = [
+        sys.executable,
+        "-m",
+        "qwen_image_fusion.ui.cli",
+        *args,
+    ]  # from the checkout, not an installed copy
     return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO)
 
 
@@ -121,7 +126,9 @@ def test_unreadable_calibration_prompts_give_one_line_error(tmp_path, capsys):
 )
 def test_generation_arguments_fail_before_any_model_loads(args, message, tmp_path, monkeypatch, capsys):
     """The checks run before loading: loading would fail the test."""
-    monkeypatch.setattr("ui.commands.load", lambda _args: pytest.fail("the model loaded before the checks"))
+    monkeypatch.setattr(
+        "qwen_image_fusion.ui.commands.load", lambda _args: pytest.fail("the model loaded before the checks")
+    )
     assert main(["generate", "a fox", "-o", str(tmp_path / "a.png"), *args]) == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
 

@@ -8,11 +8,11 @@ import sys
 import pytest
 from helpers import REPO
 
-from ui.cli import main
+from qwen_image_fusion.ui.cli import main
 
 PROBE = """
 import sys
-from ui.cli import main
+from qwen_image_fusion.ui.cli import main
 status = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "diffusers", "transformers") if m in sys.modules)
 print(f"status={status} heavy={','.join(heavy)}")
@@ -30,7 +30,7 @@ def run_probe(*args: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
     """A checkpoint whose transformer config declares ModelOpt FP8 (configs only: nothing loads it)."""
-    from models.embedded import DEFAULT_MODEL_DIR
+    from qwen_image_fusion.models.embedded import DEFAULT_MODEL_DIR
 
     directory = tmp_path_factory.mktemp("fp8cfg") / "model"
     directory.mkdir()
@@ -83,7 +83,9 @@ def test_cuda_without_cuda_is_refused_before_the_model_loads(tmp_path, monkeypat
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    monkeypatch.setattr("ui.commands.load", lambda *_: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(
+        "qwen_image_fusion.ui.commands.load", lambda *_: pytest.fail("the model loaded before the check")
+    )
     assert main(["generate", "fox", "--device", "cuda", "-o", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: device 'cuda' was requested but CUDA is not available on this machine"

@@ -23,12 +23,12 @@ from gradio_client.exceptions import ValidationError
 from helpers import REPO, png_sha256
 
 from bench.in_thread import InThread
-from pipelines import load_pipeline
-from ui.app import build_app
-from ui.limits import Limits
-from ui.runner import Runner
-from ui.server import build_server
-from ui.uploads import upload_options
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.runner import Runner
+from qwen_image_fusion.ui.server import build_server
+from qwen_image_fusion.ui.uploads import upload_options
 
 ARGS = dict(width=64, height=48, num_inference_steps=3, seed=6)
 
@@ -59,7 +59,7 @@ def maps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """The command in a process of one torch thread, as the in-process pipelines here run (CPU kernels may
     sum in another order on more threads)."""
-    command = [sys.executable, "-m", "ui.cli", *args]
+    command = [sys.executable, "-m", "qwen_image_fusion.ui.cli", *args]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     return subprocess.run(
         command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO, env=env

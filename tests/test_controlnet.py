@@ -25,12 +25,12 @@ from diffusers import (
 from helpers import REPO
 from test_img2img_oracle import ellipse_mask, photo
 
-from models.errors import CheckpointError, InputError
-from models.families import inspect_checkpoint
-from models.qwen_image.model import draw_noise
-from pipelines import load_pipeline
-from pipelines.control import control_map
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.models.errors import CheckpointError, InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.qwen_image.model import draw_noise
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.control import control_map
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 STEPS = 4
 
@@ -166,9 +166,9 @@ def test_fp8_quantize_writes_the_controlnet_and_fused_equals_unfused(fp8):
 @pytest.mark.cpu_dtype
 def test_eval_parity_over_the_control_set_finds_fused_and_unfused_identical(fp8, tmp_path):
     """The built-in `control` set (the drawn scenes' canny edges; each output at its map's aspect)."""
-    command = [sys.executable, "-m", "eval.parity", "--model", str(fp8), "--prompts", "control", "--a",
-               "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--out", str(tmp_path / "out"),
-               "--expect", "identical"]  # fmt: skip
+    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(fp8), "--prompts",
+               "control", "--a", "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--out",
+               str(tmp_path / "out"), "--expect", "identical"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "verdict: PASS (identical on all 6 pairs)" in result.stdout
@@ -211,7 +211,7 @@ def test_bad_control_requests_are_refused_in_one_line(ours, values, message):
 
 def test_control_on_a_model_without_controlnet_is_refused():
     plain = inspect_checkpoint(None)
-    from pipelines.generation_request import resolve_request
+    from qwen_image_fusion.pipelines.generation_request import resolve_request
 
     with pytest.raises(InputError, match="needs a ControlNet"):
         resolve_request(plain, "a cat", control_image=edge_map(64, 48))

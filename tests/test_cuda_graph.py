@@ -2,8 +2,8 @@
 
 import torch
 
-from pipelines import cuda_graph
-from pipelines.cuda_graph import GraphedStep
+from qwen_image_fusion.pipelines import cuda_graph
+from qwen_image_fusion.pipelines.cuda_graph import GraphedStep
 
 
 def test_graph_cache_keeps_the_most_recent_shapes(monkeypatch):

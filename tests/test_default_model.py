@@ -7,12 +7,12 @@ import tomllib
 import pytest
 from helpers import REPO
 
-from eval.meaning import accuracy, check_image
-from eval.scenes import Background, Description, Group, held_out_scenes
-from models.embedded import DEFAULT_MODEL_DIR, EMBEDDED_NAME, training_record
-from pipelines import load_pipeline
-from pipelines.info import describe
-from training.recipe import NEGATIVE_PROMPT
+from qwen_image_fusion.eval.meaning import accuracy, check_image
+from qwen_image_fusion.eval.scenes import Background, Description, Group, held_out_scenes
+from qwen_image_fusion.models.embedded import DEFAULT_MODEL_DIR, EMBEDDED_NAME, training_record
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.info import describe
+from qwen_image_fusion.training.recipe import NEGATIVE_PROMPT
 
 FIRST_PROMPT = "a red circle on the left and a blue square on the right"  # README command 1
 FIRST_SCENE = Description(

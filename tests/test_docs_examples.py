@@ -4,7 +4,7 @@
 in place of 7860), `<!-- cpu-example: serve -->` blocks against `qwen-image serve` (in place of 8000).
 
 Shell blocks run line by line (a trailing `\\` continues a line; `#` comments are dropped) in a temporary
-folder, with `qwen-image` meaning this checkout's CLI (`python -m ui.cli`) and a leading
+folder, with `qwen-image` meaning this checkout's CLI (`python -m qwen_image_fusion.ui.cli`) and a leading
 `pip install ... &&` dropped (CI has just run that install). Python blocks run as one script. Each must
 exit 0. Examples that cannot run here (a real checkpoint, a GPU, a server left running) stay unmarked, and
 the doc says why beside them.
@@ -45,7 +45,9 @@ def shell_commands(code: str) -> list[str]:
         line = line.split(" #")[0].strip() if not line.lstrip().startswith("#") else ""
         line = re.sub(r"^pip install [^&]*&&\s*", "", line)
         if line:
-            commands.append(re.sub(r"(^|&&\s*)qwen-image ", rf"\1{sys.executable} -m ui.cli ", line))
+            commands.append(
+                re.sub(r"(^|&&\s*)qwen-image ", rf"\1{sys.executable} -m qwen_image_fusion.ui.cli ", line)
+            )
     return commands
 
 
@@ -60,7 +62,7 @@ def demo_server(env: dict[str, str], kind: str) -> Iterator[str]:
     """`qwen-image ui` (or `serve`) on a free port until the block is done; yields the port."""
     name, _, ready = SERVERS[kind]
     port = str(free_port())
-    command = [sys.executable, "-m", "ui.cli", name, "--port", port]
+    command = [sys.executable, "-m", "qwen_image_fusion.ui.cli", name, "--port", port]
     server = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

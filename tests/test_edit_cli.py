@@ -18,10 +18,10 @@ from edit_fixtures import (
 )
 from helpers import REPO, png_sha256
 
-from models.families import inspect_checkpoint
-from models.memory import Workload
-from pipelines.memory_plan import gib, minimum_budget
-from ui.cli import main
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.pipelines.memory_plan import gib, minimum_budget
+from qwen_image_fusion.ui.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,9 @@ def test_bad_requests_fail_in_one_line_before_anything_loads(
     case, checkpoints, files, tmp_path, monkeypatch, capsys
 ):
     args, message = refusals(checkpoints, files)[case]
-    monkeypatch.setattr("ui.commands.load", lambda *_args: pytest.fail("the model loaded before the checks"))
+    monkeypatch.setattr(
+        "qwen_image_fusion.ui.commands.load", lambda *_args: pytest.fail("the model loaded before the checks")
+    )
     assert main([*args, "-o", str(tmp_path / "out.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {message}"]
@@ -129,7 +131,7 @@ def test_refusals_import_nothing_heavy(checkpoints, files, tmp_path):
     """In a fresh interpreter: each refusal leaves torch unimported (and so no model loaded)."""
     cases = refusals(checkpoints, files)
     code = (
-        "import sys\nfrom ui.cli import main\n"
+        "import sys\nfrom qwen_image_fusion.ui.cli import main\n"
         f"for args in {[cases[name][0] + ['-o', str(tmp_path / 'o.png')] for name in CASES]!r}:\n"
         "    assert main(args) == 2\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -146,8 +148,8 @@ def test_refusals_import_nothing_heavy(checkpoints, files, tmp_path):
 def test_edit_writes_what_the_python_api_gives(checkpoints, files, tmp_path, monkeypatch, capsys):
     """Two images on an Edit-2511-like Plus checkpoint, true CFG, two outputs: the files are the PNG bytes of
     `pipe.generate(..., image=[...])` with the same arguments (both at the tests' small image areas)."""
-    monkeypatch.setattr("models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
-    monkeypatch.setattr("models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
+    monkeypatch.setattr("qwen_image_fusion.models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
+    monkeypatch.setattr("qwen_image_fusion.models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
     out = tmp_path / "edited.png"
     plus = checkpoints["plus-2511"]
     args = ["--width", "48", "--height", "32", "--steps", "2", "--seed", "7", "--num-images", "2"]

@@ -24,9 +24,9 @@ from edit_fixtures import (
 )
 from transformers import Qwen2VLProcessor
 
-from models.errors import CheckpointError, InputError
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from models.qwen_image_edit.conditioning import (
+from qwen_image_fusion.models.errors import CheckpointError, InputError
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.models.qwen_image_edit.conditioning import (
     EDIT_DROP_TOKENS,
     EDIT_TEMPLATE,
     PLUS_TEMPLATE,
@@ -37,14 +37,14 @@ from models.qwen_image_edit.conditioning import (
     load_processor,
     prepare_edit_images,
 )
-from models.qwen_image_edit.config import (
+from qwen_image_fusion.models.qwen_image_edit.config import (
     CONDITION_AREA,
     EDIT_KINDS,
     VAE_AREA,
     calculate_dimensions,
     check_processor_fits,
 )
-from models.vl_processor import torchvision_available
+from qwen_image_fusion.models.vl_processor import torchvision_available
 
 CPU = torch.device("cpu")
 

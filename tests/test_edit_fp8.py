@@ -19,11 +19,11 @@ from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 from test_img2img_oracle import ellipse_mask
 
-from pipelines import load_pipeline
-from pipelines.pipeline import Pipeline
-from pipelines.quantize import quantize_checkpoint
-from pipelines.requests import Request, edit_requests_for
-from ui.cli import main
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines.requests import Request, edit_requests_for
+from qwen_image_fusion.ui.cli import main
 
 pytestmark = pytest.mark.slow
 SEEDS = {"edit": 1, "plus-2509": 3, "plus-2511": 2}
@@ -33,8 +33,8 @@ SEEDS = {"edit": 1, "plus-2509": 3, "plus-2511": 2}
 def small_areas():
     """The Edit model at the tests' small image areas (diffusers' are 1024x1024 and 384x384)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
-        patch.setattr("models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
         yield
 
 
@@ -114,7 +114,9 @@ def test_every_path_fuses_and_fused_equals_unfused(fp8, small_areas, name: str) 
 def test_calibration_sets_the_model_cannot_take_are_refused_before_loading(
     bf16, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr("pipelines.quantize.load_pipeline", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(
+        "qwen_image_fusion.pipelines.quantize.load_pipeline", lambda *a, **k: pytest.fail("loaded")
+    )
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox\n")
     edit_set = tmp_path / "set.jsonl"
@@ -168,7 +170,9 @@ def test_lora_on_fp8_edit_2511_fused_equals_unfused_in_both_modes(fp8, small_are
 def test_an_inpainting_edit_fused_equals_unfused(fp8, small_areas, monkeypatch) -> None:
     """A mask, a strength and `padding_mask_crop` on the FP8 Edit checkpoint: fp8-fused and fp8-unfused give
     the same PNG bytes, with and without the crop, and the crop changes the image."""
-    monkeypatch.setattr("models.qwen_image_edit.config.VAE_AREA", SMALL_VAE_AREA)  # the output size too
+    monkeypatch.setattr(
+        "qwen_image_fusion.models.qwen_image_edit.config.VAE_AREA", SMALL_VAE_AREA
+    )  # the output size too
     pipe = load_pipeline(fp8["edit"][0], device="cpu")
     image, mask = drawn_image(75, 53, 1), ellipse_mask(75, 53)
     args = dict(image=image, mask_image=mask, strength=0.8, negative_prompt="blurry", num_inference_steps=3)

@@ -28,11 +28,11 @@ from helpers import png_sha256
 from test_control_front_ends import openai_client
 from test_img2img_oracle import ellipse_mask
 
-from ui.app import build_app
-from ui.cli import main
-from ui.generation import FROM_IMAGES, NO_CROP
-from ui.limits import Limits
-from ui.uploads import upload_options
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.cli import main
+from qwen_image_fusion.ui.generation import FROM_IMAGES, NO_CROP
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.uploads import upload_options
 
 pytestmark = pytest.mark.slow
 PROMPT = "paint a red ball"
@@ -46,9 +46,9 @@ def small_areas() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
-        patch.setattr("models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
-        patch.setattr("models.qwen_image_edit.config.VAE_AREA", SMALL_VAE_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.config.VAE_AREA", SMALL_VAE_AREA)
         yield
     torch.set_num_threads(threads)
 
@@ -110,7 +110,9 @@ def test_cli_writes_the_python_api_bytes(checkpoints, files, expected, tmp_path)
 def test_cli_refuses_bad_inpainting_in_one_line_before_loading(
     checkpoints, files, tmp_path, monkeypatch, capsys, checkpoint, extra, message
 ) -> None:
-    monkeypatch.setattr("ui.commands.load", lambda *_args: pytest.fail("the model loaded before the checks"))
+    monkeypatch.setattr(
+        "qwen_image_fusion.ui.commands.load", lambda *_args: pytest.fail("the model loaded before the checks")
+    )
     extra = [str(files[a]) if a in files else a for a in extra]
     out = tmp_path / "out.png"
     assert main(edit_command(checkpoints[checkpoint], files, out, *extra)) == 2

@@ -23,9 +23,9 @@ from edit_fixtures import (
 from helpers import diffusers_twin, png_sha256
 from test_img2img_oracle import ellipse_mask, photo
 
-from models.errors import InputError
-from pipelines import load_pipeline
-from pipelines.generation_request import resolve_request
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.generation_request import resolve_request
 
 pytestmark = pytest.mark.slow
 STEPS = 4

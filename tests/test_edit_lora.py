@@ -20,8 +20,8 @@ from edit_fixtures import (
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_kohya, write_lightning
 
-from models.qwen_image.presets import LIGHTNING_SCHEDULER
-from pipelines.presets import PRESETS
+from qwen_image_fusion.models.qwen_image.presets import LIGHTNING_SCHEDULER
+from qwen_image_fusion.pipelines.presets import PRESETS
 
 pytestmark = pytest.mark.slow
 RELEASE_LINEARS = (  # what the Edit Lightning files target in every block (720 layers in 60 blocks)

@@ -16,14 +16,14 @@ from memory_fixtures import FP32, placed_pipeline
 
 from bench.activation_memory import encode_peak, transformer_peak, vision_peak
 from bench.header_checkpoint import header_only_checkpoint
-from models.families import inspect_checkpoint
-from models.memory import Workload
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.text_encoder import qwen25_vl_7b_config
-from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA
-from models.streaming import HostLink
-from pipelines.memory_plan import STREAM, GiB, default_workload, plan_memory
-from ui.cli import main
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.text_encoder import qwen25_vl_7b_config
+from qwen_image_fusion.models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA
+from qwen_image_fusion.models.streaming import HostLink
+from qwen_image_fusion.pipelines.memory_plan import STREAM, GiB, default_workload, plan_memory
+from qwen_image_fusion.ui.cli import main
 
 
 @pytest.fixture(scope="module")

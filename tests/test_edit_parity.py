@@ -1,6 +1,6 @@
-"""`python -m eval.parity` over edit sets (image + instruction pairs): on an FP8 Edit-2511-like checkpoint the
-fused producers reproduce the unfused PNG bytes edit by edit, the report names each pair's input images,
-and a set the model cannot run is refused in one line before any worker starts."""
+"""`python -m qwen_image_fusion.eval.parity` over edit sets (image + instruction pairs): on an FP8
+Edit-2511-like checkpoint the fused producers reproduce the unfused PNG bytes edit by edit, the report names
+each pair's input images, and a set the model cannot run is refused in one line before any worker starts."""
 
 import json
 import os
@@ -12,10 +12,10 @@ import pytest
 from edit_fixtures import SMALL_CONDITION_AREA, SMALL_VAE_AREA, build_edit_checkpoint, drawn_image
 from helpers import REPO
 
-from eval.parity import main
-from eval.prompts import load_prompts
-from pipelines.quantize import quantize_checkpoint
-from pipelines.requests import builtin_edit_set
+from qwen_image_fusion.eval.parity import main
+from qwen_image_fusion.eval.prompts import load_prompts
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines.requests import builtin_edit_set
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("edit-parity")
     bf16 = build_edit_checkpoint(root / "bf16", "QwenImageEditPlusPipeline", True, seed=4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
-        patch.setattr("models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
         fp8 = quantize_checkpoint(bf16, root / "fp8", builtin_edit_set("edit")[:1], steps=2, size=32)
     return {"bf16": bf16, "fp8": fp8}
 
@@ -47,8 +47,8 @@ def small_areas_env(tmp_path: Path) -> dict[str, str]:
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import models.qwen_image_edit.config as config\n"
-        "import models.qwen_image_edit.model as model\n"
+        "import qwen_image_fusion.models.qwen_image_edit.config as config\n"
+        "import qwen_image_fusion.models.qwen_image_edit.model as model\n"
         f"model.VAE_AREA, model.CONDITION_AREA = {SMALL_VAE_AREA}, {SMALL_CONDITION_AREA}\n"
         f"config.VAE_AREA = {SMALL_VAE_AREA}\n"  # the default output size: an inpainting edit's size
     )
@@ -59,7 +59,7 @@ def small_areas_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_fp8_fused_equals_unfused_over_an_edit_set(checkpoints, edit_set, tmp_path) -> None:
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "eval.parity", "--model", str(checkpoints["fp8"]),
+    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(checkpoints["fp8"]),
                "--prompts", str(edit_set), "--a", "fp8-unfused", "--b", "fp8-fused", "--size", "32x32",
                "--steps", "2", "--negative-prompt", " ", "--out", str(out),
                "--expect", "identical"]  # fmt: skip
@@ -116,13 +116,13 @@ def test_fp8_fused_equals_unfused_over_the_edit_inpaint_set(tmp_path) -> None:
     export: each inpainting edit's PNG is the same fused and unfused."""
     bf16 = build_edit_checkpoint(tmp_path / "bf16", "QwenImageEditPipeline", False, seed=6)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
-        patch.setattr("models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.VAE_AREA", SMALL_VAE_AREA)
+        patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
         fp8 = quantize_checkpoint(bf16, tmp_path / "fp8", builtin_edit_set("edit")[:1], steps=2, size=32)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "eval.parity", "--model", str(fp8), "--prompts", "edit-inpaint", "--a",
-               "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--negative-prompt", " ", "--out",
-               str(out), "--expect", "identical"]  # fmt: skip
+    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(fp8), "--prompts",
+               "edit-inpaint", "--a", "fp8-unfused", "--b", "fp8-fused", "--steps", "2",
+               "--negative-prompt", " ", "--out", str(out), "--expect", "identical"]  # fmt: skip
     result = subprocess.run(
         command,
         capture_output=True,

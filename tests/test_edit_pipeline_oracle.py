@@ -21,8 +21,8 @@ from edit_fixtures import (
 )
 from helpers import png_sha256
 
-from models.errors import InputError
-from models.qwen_image_edit.conditioning import load_edit_image
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_edit_image
 
 pytestmark = pytest.mark.slow
 SEEDS = {"edit": 1, "plus-2511": 2, "plus-2509": 3}

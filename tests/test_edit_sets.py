@@ -9,9 +9,9 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from eval.draw_edit_sets import write_sets
-from models.errors import InputError
-from pipelines.requests import (
+from qwen_image_fusion.eval.draw_edit_sets import write_sets
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines.requests import (
     BUILTIN_EDIT_SETS,
     EDIT_SETS_DIR,
     Request,

@@ -20,10 +20,10 @@ from edit_fixtures import (
 )
 from helpers import RANK_SCRIPT, launch, step_without_host_sync
 
-from models.errors import CheckpointError, InputError
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.math import ImageLayout
-from models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.errors import CheckpointError, InputError
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.math import ImageLayout
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
 
 TINY = dataclasses.replace(EDIT_2511, zero_cond_t=False)
 LAYOUTS = {

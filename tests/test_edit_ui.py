@@ -19,11 +19,11 @@ from PIL import Image
 from test_ui_app import FakePipe
 from test_ui_served import CHROMIUM_ARGS, _screenshot
 
-from pipelines.images import MAX_INPUT_BYTES
-from ui.app import build_app
-from ui.generation import FieldError, job_from_edit_inputs
-from ui.limits import Limits
-from ui.uploads import upload_caps, upload_options
+from qwen_image_fusion.pipelines.images import MAX_INPUT_BYTES
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.generation import FieldError, job_from_edit_inputs
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.uploads import upload_caps, upload_options
 
 pytestmark = pytest.mark.slow
 LIMITS = Limits.for_device("cpu")

@@ -19,8 +19,8 @@ from diffusers import QwenImageEditPlusPipeline
 from edit_fixtures import build_edit_checkpoint, drawn_image
 from helpers import REPO
 
-from models.qwen_image_edit.conditioning import load_processor
-from pipelines.pipeline import pick_numerics
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
+from qwen_image_fusion.pipelines.pipeline import pick_numerics
 
 pytestmark = pytest.mark.slow
 PROMPT, NEGATIVE, SEED = "make the sky red", " ", 0
@@ -44,7 +44,17 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def ours(
     checkpoint: Path, files: list[Path], size: tuple[int, int], out: Path, dtype: str | None
 ) -> np.ndarray:
-    command = [sys.executable, "-m", "ui.cli", "edit", PROMPT, "--model", str(checkpoint), "-o", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "qwen_image_fusion.ui.cli",
+        "edit",
+        PROMPT,
+        "--model",
+        str(checkpoint),
+        "-o",
+        str(out),
+    ]
     command += ["--variant", "reference", "--device", "cpu", "--steps", "3", "--seed", str(SEED)]
     command += ["--width", str(size[0]), "--height", str(size[1]), "--negative-prompt", NEGATIVE]
     command += ["--true-cfg-scale", "4"] + (["--dtype", dtype] if dtype else [])

@@ -1,4 +1,5 @@
-"""eval.metrics on hand-made images with independently computed PSNR / SSIM, and the LPIPS paths."""
+"""qwen_image_fusion.eval.metrics on hand-made images with independently computed PSNR / SSIM, and the LPIPS
+paths."""
 
 import hashlib
 import io
@@ -11,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from eval import metrics
+from qwen_image_fusion.eval import metrics
 
 
 def png(pixels: np.ndarray) -> bytes:

@@ -1,4 +1,5 @@
-"""End to end: `python -m eval.parity` on the real embedded default model (tiny sizes, 2 steps)."""
+"""End to end: `python -m qwen_image_fusion.eval.parity` on the real embedded default model (tiny sizes, 2
+steps)."""
 
 import json
 import math
@@ -10,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from eval.parity import main
+from qwen_image_fusion.eval.parity import main
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--size", "64x64", "--steps", "2"]
 
 
 def parity(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", *launcher, "eval.parity", *args]
+    command = [sys.executable, "-m", *launcher, "qwen_image_fusion.eval.parity", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
@@ -147,7 +148,7 @@ def test_a_directory_that_is_no_checkpoint_is_refused_before_workers(tmp_path: P
 
 def embedded_copy(directory: Path) -> Path:
     """A copy of the embedded default checkpoint at `directory`."""
-    from models.embedded import DEFAULT_MODEL_DIR
+    from qwen_image_fusion.models.embedded import DEFAULT_MODEL_DIR
 
     shutil.copytree(DEFAULT_MODEL_DIR, directory)
     return directory
@@ -182,7 +183,7 @@ def test_torchrun_two_gloo_ranks_contract_vs_contract_is_identical(prompts: Path
 
 
 def test_model_per_side(tmp_path: Path) -> None:
-    from eval.parity import build_parser, make_config
+    from qwen_image_fusion.eval.parity import build_parser, make_config
 
     model, other = embedded_copy(tmp_path / "a"), embedded_copy(tmp_path / "fp8")
     args = [
@@ -204,7 +205,7 @@ def test_model_per_side(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fp8_unfused_vs_fused_is_identical(prompts: Path, tmp_path: Path) -> None:
     """On an FP8 export of the embedded default, the fused producers reproduce the unfused bytes."""
-    from pipelines.quantize import quantize_checkpoint
+    from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
     checkpoint = quantize_checkpoint(None, tmp_path / "fp8", prompts=["a cat"], steps=2, size=64)
     out = tmp_path / "out"

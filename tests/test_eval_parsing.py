@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from eval.expect import judge, parse_expect
-from eval.parity import parse_seeds, parse_size
-from eval.prompts import builtin_sets, load_prompts, parse_prompts
-from eval.variants import VariantSpec, parse_variant
-from models.errors import InputError
+from qwen_image_fusion.eval.expect import judge, parse_expect
+from qwen_image_fusion.eval.parity import parse_seeds, parse_size
+from qwen_image_fusion.eval.prompts import builtin_sets, load_prompts, parse_prompts
+from qwen_image_fusion.eval.variants import VariantSpec, parse_variant
+from qwen_image_fusion.models.errors import InputError
 
 KNOWN = ("reference", "contract", "fp8-unfused", "fp8-fused", "auto")
 

@@ -1,10 +1,18 @@
-"""eval.report: strict JSON with inf, the summary, worst-first order and the HTML page."""
+"""qwen_image_fusion.eval.report: strict JSON with inf, the summary, worst-first order and the HTML page."""
 
 import json
 import math
 from html.parser import HTMLParser
 
-from eval.report import decode_pair, encode, render_html, summarize, summary_lines, worst_first, write_json
+from qwen_image_fusion.eval.report import (
+    decode_pair,
+    encode,
+    render_html,
+    summarize,
+    summary_lines,
+    worst_first,
+    write_json,
+)
 
 
 def pair(index: int, identical: bool, psnr: float, ssim: float) -> dict:

@@ -1,11 +1,11 @@
-"""eval.runner: the pair list, its round-robin shards, and a worker that dies."""
+"""qwen_image_fusion.eval.runner: the pair list, its round-robin shards, and a worker that dies."""
 
 import shutil
 
 import pytest
 
-from eval import runner
-from eval.variants import VariantSpec
+from qwen_image_fusion.eval import runner
+from qwen_image_fusion.eval.variants import VariantSpec
 
 
 def test_jobs_cover_prompt_x_seed_and_shards_partition_them() -> None:

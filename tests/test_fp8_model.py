@@ -9,13 +9,13 @@ import torch
 from helpers import NoHostSync, png_sha256, step_without_host_sync
 from safetensors.torch import load_file, save_file
 
-from models.errors import CheckpointError
-from models.families import inspect_checkpoint
-from models.loading import load_transformer
-from models.qwen_image.components import build_transformer
-from models.qwen_image.model import QUANTIZATION
-from pipelines import load_pipeline
-from ui.cli import main
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.loading import load_transformer
+from qwen_image_fusion.models.qwen_image.components import build_transformer
+from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.cli import main
 
 CPU = torch.device("cpu")
 

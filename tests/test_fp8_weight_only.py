@@ -13,15 +13,19 @@ from lora_files import linear_shapes, random_factors, write_peft
 from safetensors.torch import load_file, save_file
 
 from bench.header_checkpoint import header_only_checkpoint
-from kernels.fp8_gemv import _fp8_gemv_kernel, fp8_gemv_torch, fp8_gemv_triton
-from kernels.quant import FP8_MAX
-from models.errors import CheckpointError
-from models.families import inspect_checkpoint
-from models.fp8_weight_only import WEIGHT_ONLY_KEY, Fp8WeightOnlyLinear, quantize_per_channel
-from models.lora import lora_layers
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
-from ui.cli import main
+from qwen_image_fusion.kernels.fp8_gemv import _fp8_gemv_kernel, fp8_gemv_torch, fp8_gemv_triton
+from qwen_image_fusion.kernels.quant import FP8_MAX
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.fp8_weight_only import (
+    WEIGHT_ONLY_KEY,
+    Fp8WeightOnlyLinear,
+    quantize_per_channel,
+)
+from qwen_image_fusion.models.lora import lora_layers
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.ui.cli import main
 
 REQUEST = dict(prompt="a red circle on the left", seed=2, num_inference_steps=2, width=32, height=32)
 MODULATION = "transformer_blocks.1.img_mod.1"

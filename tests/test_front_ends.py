@@ -10,15 +10,14 @@ import httpx
 import pytest
 from gradio_client import Client
 
-import pipelines.pipeline
 from bench.in_thread import InThread
-from models.cache_presets import CACHE_PRESETS
-from pipelines import load_pipeline
-from ui.app import build_app
-from ui.cli import main
-from ui.limits import Limits
-from ui.runner import Runner
-from ui.server import build_server
+from qwen_image_fusion.models.cache_presets import CACHE_PRESETS
+from qwen_image_fusion.pipelines import load_pipeline, pipeline
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.cli import main
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.runner import Runner
+from qwen_image_fusion.ui.server import build_server
 
 PROMPT, NEGATIVE = "a red circle on the left", "blurry"
 VALUES = {"width": 48, "height": 32, "num_inference_steps": 3, "true_cfg_scale": 3.5, "seed": 5}
@@ -28,13 +27,13 @@ VALUES = {"width": 48, "height": 32, "num_inference_steps": 3, "true_cfg_scale":
 def runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every request `Pipeline.run` receives, in order (the runs go on as usual)."""
     seen: list[Any] = []
-    run = pipelines.pipeline.Pipeline.run
+    run = pipeline.Pipeline.run
 
     def recorded(self: Any, requests: list[Any], *args: Any, **kwargs: Any) -> Any:
         seen.extend(requests)
         return run(self, requests, *args, **kwargs)
 
-    monkeypatch.setattr(pipelines.pipeline.Pipeline, "run", recorded)
+    monkeypatch.setattr(pipeline.Pipeline, "run", recorded)
     return seen
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from models.family import FamilyTransformer, FusionBlock
-from models.fp8 import Fp8Linear
-from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, gate_path
-from models.qwen_image.transformer import NormModulate
+from qwen_image_fusion.models.family import FamilyTransformer, FusionBlock
+from qwen_image_fusion.models.fp8 import Fp8Linear
+from qwen_image_fusion.models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, gate_path
+from qwen_image_fusion.models.qwen_image.transformer import NormModulate
 
 CPU = torch.device("cpu")
 
@@ -102,14 +102,14 @@ def test_each_familys_transformer_keeps_the_family_contract(family: str) -> None
     """models/family.py's FamilyTransformer and FusionBlock protocols, on a tiny transformer of each family
     built from its config class (every block a FusionBlock whose paths the gate reports)."""
     if family == "qwen-image":
-        from models.qwen_image.config import QwenImageConfig
-        from models.qwen_image.transformer import QwenImageTransformer
+        from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+        from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
 
         tiny = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6))
         model = QwenImageTransformer(QwenImageConfig(**tiny))
     else:
-        from models.qwen_image21.config import QwenImage21Config
-        from models.qwen_image21.transformer import QwenImage21Transformer
+        from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+        from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
 
         tiny = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6))
         model = QwenImage21Transformer(QwenImage21Config(**tiny, context_in_dim=32))

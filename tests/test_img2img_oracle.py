@@ -10,7 +10,7 @@ import torch
 from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline
 from helpers import diffusers_twin
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 STEPS = 5
 

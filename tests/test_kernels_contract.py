@@ -14,9 +14,12 @@ from test_kernels_gelu import gelu_inputs
 from test_kernels_norm_modulate import EPS, make_inputs
 from test_kernels_quant import INPUT_SCALES, all_bf16
 
-from kernels.gelu_quant import gelu_tanh_quant_torch, gelu_tanh_torch
-from kernels.norm_modulate import gated_residual_layer_norm_modulate_torch, layer_norm_modulate_torch
-from kernels.quant import inverse_scale, static_quant_fp8_torch
+from qwen_image_fusion.kernels.gelu_quant import gelu_tanh_quant_torch, gelu_tanh_torch
+from qwen_image_fusion.kernels.norm_modulate import (
+    gated_residual_layer_norm_modulate_torch,
+    layer_norm_modulate_torch,
+)
+from qwen_image_fusion.kernels.quant import inverse_scale, static_quant_fp8_torch
 
 pytestmark = pytest.mark.numerics
 QUANT_SCALE = 0.02

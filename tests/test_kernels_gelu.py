@@ -6,8 +6,8 @@ import torch
 from steps import ordered_codes, step_distance, subnormal
 from test_kernels_quant import all_bf16, interpreter_exact_range, needs_interpreter
 
-import kernels.gelu_quant as gelu_quant
-from kernels.gelu_quant import (
+import qwen_image_fusion.kernels.gelu_quant as gelu_quant
+from qwen_image_fusion.kernels.gelu_quant import (
     GELU_CUBIC,
     SQRT_2_OVER_PI,
     gelu_tanh,
@@ -17,7 +17,12 @@ from kernels.gelu_quant import (
     gelu_tanh_torch,
     gelu_tanh_triton,
 )
-from kernels.quant import FP8_DTYPE, inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
+from qwen_image_fusion.kernels.quant import (
+    FP8_DTYPE,
+    inverse_scale,
+    static_quant_fp8_torch,
+    static_quant_fp8_triton,
+)
 
 # absolute slack on t: 8 ulp of values near 1, above the tanh error (<= 2 ulp) plus the fp32 error of `inner`
 TANH_SLACK = 2.0**-21

@@ -15,13 +15,13 @@ from helpers import REPO
 from ptx_probe import binary_key, ptx_counts, record_launches, report_from_subprocess
 from test_kernels_quant import needs_interpreter
 
-from kernels.gelu_quant import gelu_tanh_quant_triton, gelu_tanh_triton
-from kernels.norm_modulate import (
+from qwen_image_fusion.kernels.gelu_quant import gelu_tanh_quant_triton, gelu_tanh_triton
+from qwen_image_fusion.kernels.norm_modulate import (
     gated_residual_layer_norm_modulate_triton,
     gated_residual_triton,
     layer_norm_modulate_triton,
 )
-from kernels.quant import inverse_scale, static_quant_fp8_triton
+from qwen_image_fusion.kernels.quant import inverse_scale, static_quant_fp8_triton
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 B, L = 2, 3
@@ -101,7 +101,7 @@ def compile_report() -> dict:
 
     Returns {kernel: {"launches", "keys": distinct binaries, "ptx": instruction counts}}.
     """
-    from kernels import _triton_common, gelu_quant, norm_modulate, quant
+    from qwen_image_fusion.kernels import _triton_common, gelu_quant, norm_modulate, quant
 
     for module in (quant, _triton_common, gelu_quant):  # CPU tensors stand in for CUDA ones
         module.launchable = lambda kernel, *tensors: True
@@ -174,7 +174,7 @@ def test_kernels_import_and_fall_back_without_triton():
 import sys
 sys.modules["triton"] = None
 import torch
-from kernels import gelu_quant, norm_modulate, quant
+from qwen_image_fusion.kernels import gelu_quant, norm_modulate, quant
 x = torch.randn(1, 2, 32).bfloat16(); m = torch.randn(1, 32).bfloat16(); inv = torch.ones(1)
 assert norm_modulate.layer_norm_modulate_triton(x, m, m, 1e-6, inv) is None
 assert quant.static_quant_fp8_triton(x, inv) is None and gelu_quant.gelu_tanh_triton(x) is None

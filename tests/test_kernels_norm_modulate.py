@@ -8,8 +8,8 @@ import torch
 from steps import nudge_bf16, ordered_codes, step_distance
 from test_kernels_quant import interpreter_exact_range, needs_interpreter
 
-from kernels._triton_common import MAX_WIDTH
-from kernels.norm_modulate import (
+from qwen_image_fusion.kernels._triton_common import MAX_WIDTH
+from qwen_image_fusion.kernels.norm_modulate import (
     gated_residual_layer_norm_modulate_torch,
     gated_residual_layer_norm_modulate_triton,
     gated_residual_torch,
@@ -20,7 +20,7 @@ from kernels.norm_modulate import (
     layer_norm_torch,
     modulate_torch,
 )
-from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
+from qwen_image_fusion.kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
 
 EPS = 1e-6
 STATS_SLACK = 2.0**-18  # relative budget for the fp32 LN statistics (mean scaled by mean |x|, rstd)

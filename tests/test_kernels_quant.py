@@ -7,8 +7,8 @@ import torch
 from contract import e4m3_encode
 from steps import step_distance, subnormal
 
-import kernels.quant as quant
-from kernels.quant import (
+import qwen_image_fusion.kernels.quant as quant
+from qwen_image_fusion.kernels.quant import (
     FP8_DTYPE,
     inverse_scale,
     static_quant_fp8,

@@ -23,11 +23,11 @@ from layered_fixtures import (
     small_size,
 )
 
-from models.errors import CheckpointError, InputError
-from models.families import inspect_checkpoint
-from pipelines import load_pipeline
-from pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.models.errors import CheckpointError, InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_bad_layered_requests_are_refused_in_one_line(ours, values, message):
 
 
 def test_layers_on_a_model_that_does_not_decompose_are_refused():
-    from pipelines.generation_request import resolve_request
+    from qwen_image_fusion.pipelines.generation_request import resolve_request
 
     with pytest.raises(InputError, match="does not decompose images into layers"):
         resolve_request(inspect_checkpoint(None), "a cat", layers=3)
@@ -144,7 +144,7 @@ def test_layers_on_a_model_that_does_not_decompose_are_refused():
 def test_caption_prompts_are_diffusers_own():
     from diffusers import QwenImageLayeredPipeline
 
-    from models.qwen_image_layered.caption import CAPTION_PROMPT_CN, CAPTION_PROMPT_EN
+    from qwen_image_fusion.models.qwen_image_layered.caption import CAPTION_PROMPT_CN, CAPTION_PROMPT_EN
 
     empty = dict.fromkeys(("scheduler", "vae", "text_encoder", "tokenizer", "processor", "transformer"))
     theirs = QwenImageLayeredPipeline(**empty)
@@ -226,8 +226,8 @@ def test_fp8_quantize_keeps_layered_and_fused_equals_unfused(fp8):
 @pytest.mark.cpu_dtype
 def test_eval_parity_over_the_edit_set_compares_every_layer(fp8, tmp_path):
     """The built-in `edit` set (drawn images and prompts), each request's layers side by side in its PNG."""
-    command = [sys.executable, "-m", "eval.parity", "--model", str(fp8), "--prompts", "edit", "--a",
-               "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--size", "64x48", "--out",
+    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(fp8), "--prompts",
+               "edit", "--a", "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--size", "64x48", "--out",
                str(tmp_path / "out"), "--expect", "identical"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -264,8 +264,9 @@ def test_gpu_memory_is_refused_for_layered_in_one_line(checkpoints, tmp_path):
     """Memory plans do not place Layered's frames yet: an explicit budget is refused before loading."""
     out = tmp_path / "layers"
     drawn_image(64, 48, 1).save(tmp_path / "image.png")
-    command = [sys.executable, "-m", "ui.cli", "layers", str(tmp_path / "image.png"), "--prompt", "a cat",
-               "--model", str(checkpoints["layered"]), "--gpu-memory", "24GiB", "-o", str(out)]  # fmt: skip
+    command = [sys.executable, "-m", "qwen_image_fusion.ui.cli", "layers", str(tmp_path / "image.png"),
+               "--prompt", "a cat", "--model", str(checkpoints["layered"]), "--gpu-memory", "24GiB",
+               "-o", str(out)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=REPO)
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "memory" in result.stderr, result.stderr

@@ -19,10 +19,10 @@ from helpers import REPO, png_sha256
 from layered_fixtures import build_layered_checkpoint
 from test_control_front_ends import openai_client
 
-from pipelines import load_pipeline
-from ui.app import build_app
-from ui.limits import Limits
-from ui.uploads import upload_options
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.uploads import upload_options
 
 ARGS = dict(width=64, height=48, num_inference_steps=2, seed=5)
 
@@ -47,7 +47,11 @@ def photo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "ui.cli", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "qwen_image_fusion.ui.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from helpers import REPO
 
 PACKAGES = ("kernels", "models", "pipelines", "ui", "eval", "training")
+ROOT = "qwen_image_fusion"  # the import name the folders install under (pyproject's package-dir)
 MAY_IMPORT = {
     "kernels": {"kernels"},
     "models": {"kernels", "models"},
@@ -22,7 +23,12 @@ MAY_IMPORT = {
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join((ROOT, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def layer(module: str) -> str:
+    """The folder a module lives in: `kernels` for `qwen_image_fusion.kernels.seam`."""
+    return module.split(".")[1]
 
 
 def project_imports(path: Path, modules: set[str]) -> set[str]:
@@ -36,7 +42,7 @@ def project_imports(path: Path, modules: set[str]) -> set[str]:
                 f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
                 for a in node.names
             }
-    return {name for name in found if name.split(".")[0] in PACKAGES and name in modules}
+    return {name for name in found if name in modules}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -52,7 +58,7 @@ def test_every_import_points_down_the_layers() -> None:
         f"{module} imports {target}"
         for module, targets in graph.items()
         for target in targets
-        if target.split(".")[0] not in MAY_IMPORT[module.split(".")[0]]
+        if layer(target) not in MAY_IMPORT[layer(module)]
     )
     assert not wrong, wrong
 
@@ -80,19 +86,3 @@ def test_no_import_circles() -> None:
         if module not in state:
             visit(module)
     assert not circles, [" -> ".join(c) for c in circles]
-
-
-def test_an_installed_hub_kernels_is_named_as_the_clash(monkeypatch) -> None:
-    """Hugging Face's `kernels` distribution shares this project's `kernels` import name: importing
-    `models` must say so in one sentence, not fail later inside transformers or our own imports."""
-    import importlib.metadata
-
-    import models
-
-    assert models.hub_kernels_clash() is None  # this machine's install has none (transformers < 5.25)
-    real = importlib.metadata.version
-    monkeypatch.setattr(
-        importlib.metadata, "version", lambda name: "0.19.1" if name == "kernels" else real(name)
-    )
-    message = models.hub_kernels_clash()
-    assert "`kernels` 0.19.1 is installed" in message and "pip uninstall kernels" in message

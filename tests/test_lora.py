@@ -21,9 +21,9 @@ from lora_files import (
     write_peft,
 )
 
-from models.lora import LoraLinear, lora_layers
-from models.qwen_image.presets import LIGHTNING_SCHEDULER
-from pipelines import load_pipeline
+from qwen_image_fusion.models.lora import LoraLinear, lora_layers
+from qwen_image_fusion.models.qwen_image.presets import LIGHTNING_SCHEDULER
+from qwen_image_fusion.pipelines import load_pipeline
 
 ARGS = dict(width=48, height=32, num_inference_steps=2, true_cfg_scale=4.0)
 PROMPT, NEGATIVE, SEED = "a red fox in the snow", "blurry", 7

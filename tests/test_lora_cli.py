@@ -10,12 +10,12 @@ from lora_files import block_modules, linear_shapes, random_factors, write_comfy
 from PIL import Image
 from test_ui_app import FakePipe
 
-import pipelines
-from pipelines import load_pipeline
-from pipelines.presets import PRESETS, parse_lora_spec
-from ui.app import build_app
-from ui.cli import build_parser, main
-from ui.lora_controls import NO_CACHE, NO_PRESET, lora_details, preset_settings, run_kwargs
+import qwen_image_fusion.pipelines as pipelines
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.presets import PRESETS, parse_lora_spec
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.cli import build_parser, main
+from qwen_image_fusion.ui.lora_controls import NO_CACHE, NO_PRESET, lora_details, preset_settings, run_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,9 @@ def test_lora_that_does_not_fit_the_model_is_one_line_before_loading(
     tmp_path, monkeypatch, capsys, module, shape, message
 ):
     """Keys and shapes are checked against the transformer built from its config on the meta device."""
-    monkeypatch.setattr("ui.commands.load", lambda *_: pytest.fail("the model loaded before the LoRA check"))
+    monkeypatch.setattr(
+        "qwen_image_fusion.ui.commands.load", lambda *_: pytest.fail("the model loaded before the LoRA check")
+    )
     factors = {module: (torch.ones(*shape), torch.ones(shape[1], shape[0]))}
     path = write_lightning(tmp_path / "other-model.safetensors", factors, 2.0)
     assert main(["generate", "a fox", "-o", str(tmp_path / "x.png"), "--lora", str(path)]) == 2

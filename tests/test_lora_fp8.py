@@ -10,15 +10,15 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from safetensors.torch import load_file
 from torch import nn
 
-from kernels.quant import FP8_MAX
-from models.fp8 import Fp8Linear, quant_consumer_spec
-from models.fusion import gate_path
-from models.lora import LoraLinear, lora_layers
-from models.lora_files import LoraFactors, read_lora_file
-from models.qwen_image.family import FAMILY
-from pipelines import load_pipeline
-from pipelines.lora import fp8_input_clipping
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.kernels.quant import FP8_MAX
+from qwen_image_fusion.models.fp8 import Fp8Linear, quant_consumer_spec
+from qwen_image_fusion.models.fusion import gate_path
+from qwen_image_fusion.models.lora import LoraLinear, lora_layers
+from qwen_image_fusion.models.lora_files import LoraFactors, read_lora_file
+from qwen_image_fusion.models.qwen_image.family import FAMILY
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.lora import fp8_input_clipping
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red fox", "a blue bird"]

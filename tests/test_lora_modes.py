@@ -26,9 +26,9 @@ from lora_files import (
 )
 from safetensors.torch import save_file
 
-from models.errors import CheckpointError, InputError
-from models.lora import lora_layers
-from pipelines import load_pipeline
+from qwen_image_fusion.models.errors import CheckpointError, InputError
+from qwen_image_fusion.models.lora import lora_layers
+from qwen_image_fusion.pipelines import load_pipeline
 
 MODULE = "transformer_blocks.1.attn.to_q"
 

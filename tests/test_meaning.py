@@ -1,4 +1,5 @@
-"""eval.meaning: true drawings pass, contradicted descriptions fail, and the CLI writes its report."""
+"""qwen_image_fusion.eval.meaning: true drawings pass, contradicted descriptions fail, and the CLI writes its
+report."""
 
 import json
 from dataclasses import replace
@@ -6,9 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from eval import meaning
-from eval.meaning import accuracy, check_image, classify_colours, shuffled_baseline
-from eval.scenes import (
+from qwen_image_fusion.eval import meaning
+from qwen_image_fusion.eval.meaning import accuracy, check_image, classify_colours, shuffled_baseline
+from qwen_image_fusion.eval.scenes import (
     BACKGROUNDS,
     COLOURS,
     POSITIONS,

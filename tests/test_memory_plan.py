@@ -15,19 +15,19 @@ from transformers import Qwen2_5_VLConfig
 
 from bench.activation_memory import decode_peak, text_encoder_peak, transformer_peak
 from bench.header_checkpoint import header_only_checkpoint, write_header
-from models.checkpoint import read_json
-from models.errors import InputError
-from models.families import inspect_checkpoint
-from models.family import MAX_SEQUENCE_LENGTH
-from models.memory import DECODE, DENOISE, ENCODE, Workload, part_sizes, read_header
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.family import QwenImageFamily
-from models.qwen_image.memory import QwenImageActivations
-from models.qwen_image.prompt_template import DROP_TOKENS
-from models.streaming import moving_tensors
-from pipelines import load_pipeline
-from pipelines.memory import plan_for
-from pipelines.memory_plan import (
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.family import MAX_SEQUENCE_LENGTH
+from qwen_image_fusion.models.memory import DECODE, DENOISE, ENCODE, Workload, part_sizes, read_header
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.family import QwenImageFamily
+from qwen_image_fusion.models.qwen_image.memory import QwenImageActivations
+from qwen_image_fusion.models.qwen_image.prompt_template import DROP_TOKENS
+from qwen_image_fusion.models.streaming import moving_tensors
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.memory import plan_for
+from qwen_image_fusion.pipelines.memory_plan import (
     OFFLOAD,
     RESIDENT,
     STREAM,
@@ -39,8 +39,8 @@ from pipelines.memory_plan import (
     reserve,
     with_workload,
 )
-from ui.cli import main
-from ui.commands import gpu_memory_plan
+from qwen_image_fusion.ui.cli import main
+from qwen_image_fusion.ui.commands import gpu_memory_plan
 
 FULL = Workload(1024, 1024)
 
@@ -244,7 +244,7 @@ def test_info_prints_the_plan_of_a_full_size_checkpoint_before_loading(full_size
 def test_a_budget_that_cannot_work_is_refused_in_one_line_before_torch(full_size, args, message):
     spec, _ = full_size
     code = (
-        "import sys; from ui.cli import main; code = main(sys.argv[1:]); "
+        "import sys; from qwen_image_fusion.ui.cli import main; code = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)"
     )
     result = subprocess.run(

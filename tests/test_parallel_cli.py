@@ -19,7 +19,7 @@ def test_cli_generate_as_two_ranks_writes_the_one_process_png(tmp_path):
     CPU kernels may split their sums by thread count."""
     args = ["a red fox", "--negative-prompt", "blurry", "--width", "64", "--height", "48", "--steps", "2"]
     args += ["--seed", "5", "--device", "cpu"]
-    command = [sys.executable, "-m", "ui.cli", "generate", *args]
+    command = [sys.executable, "-m", "qwen_image_fusion.ui.cli", "generate", *args]
     result = launch(2, [*command, "-o", str(tmp_path / "two.png")])
     assert result.returncode == 0, result.stderr[-4000:]
     alone = subprocess.run([*command, "-o", str(tmp_path / "one.png")], env=rank_env(), cwd=REPO, check=False)

@@ -12,9 +12,9 @@ from helpers import RANK_SCRIPT, launch, png_sha256
 from parallel_rank import BF16, CACHED, CFG_ON, PROMPTS, SIZE
 from PIL import Image
 
-from eval.metrics import abs_diff, psnr
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.eval.metrics import abs_diff, psnr
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.slow
 # Ulysses on the CPU: measured byte-identical to one process (the keys keep the one-process order and

@@ -9,16 +9,22 @@ import pytest
 import torch
 from helpers import REPO
 
-from models.embedded import DEFAULT_MODEL_DIR
-from models.errors import InputError
-from models.family import Conditioning
-from models.sequence_parallel import Shards, cut_at_collectives, first_words, row_parts, run_collective
-from pipelines import load_pipeline
-from pipelines.cuda_graph import GraphSegments
-from pipelines.parallel import ParallelPlan, counts_that_fit, plan_for, resolve_plan
-from pipelines.sampling import branch_velocities
-from ui.cli import main
-from ui.launch import RanksFailed
+from qwen_image_fusion.models.embedded import DEFAULT_MODEL_DIR
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import Conditioning
+from qwen_image_fusion.models.sequence_parallel import (
+    Shards,
+    cut_at_collectives,
+    first_words,
+    row_parts,
+    run_collective,
+)
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.cuda_graph import GraphSegments
+from qwen_image_fusion.pipelines.parallel import ParallelPlan, counts_that_fit, plan_for, resolve_plan
+from qwen_image_fusion.pipelines.sampling import branch_velocities
+from qwen_image_fusion.ui.cli import main
+from qwen_image_fusion.ui.launch import RanksFailed
 
 QWEN_IMAGE_HEADS = 24
 

@@ -6,7 +6,7 @@ import torch
 from diffusers import QwenImagePipeline as DiffusersQwenImagePipeline
 from helpers import diffusers_twin
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 
 @pytest.fixture(scope="module")

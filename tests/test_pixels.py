@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from models.pixels import pil_images
+from qwen_image_fusion.models.pixels import pil_images
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

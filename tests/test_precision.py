@@ -4,10 +4,10 @@ times slower than FP32 on CPUs without AVX-512 BF16 or AMX); `--dtype` overrides
 import pytest
 import torch
 
-from models.errors import InputError
-from pipelines.pipeline import CPU_DTYPE_ENV, native_bf16, pick_precision
-from pipelines.variants import get_variant, resolve_variant
-from ui.cli import main
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines.pipeline import CPU_DTYPE_ENV, native_bf16, pick_precision
+from qwen_image_fusion.pipelines.variants import get_variant, resolve_variant
+from qwen_image_fusion.ui.cli import main
 
 CPU = torch.device("cpu")
 CAPABILITY = torch.backends.cpu.get_cpu_capability()

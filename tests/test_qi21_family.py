@@ -15,13 +15,13 @@ from edit_fixtures import drawn_image
 from helpers import REPO
 from qi21_checkpoints import RESOLUTION, TURBO_SIGMAS, build_qi21_checkpoint
 
-from models.families import inspect_checkpoint
-from models.qwen_image21 import model
-from pipelines import load_pipeline
-from ui.cli import main
-from ui.generation import aspect_ratios, job_from_inputs
-from ui.limits import Limits
-from ui.runner import Runner
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.qwen_image21 import model
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.cli import main
+from qwen_image_fusion.ui.generation import aspect_ratios, job_from_inputs
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.runner import Runner
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "ui.cli", *args]
+    command = [sys.executable, "-m", "qwen_image_fusion.ui.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=REPO)
 
 
@@ -43,7 +43,7 @@ def one_line_error(args: list[str], capsys) -> str:
 
 def test_inspect_reads_a_2_1_checkpoint_without_torch(model_dir):
     code = (
-        "import sys; from models.families import inspect_checkpoint\n"
+        "import sys; from qwen_image_fusion.models.families import inspect_checkpoint\n"
         f"spec = inspect_checkpoint({str(model_dir)!r})\n"
         "print(spec.family.name, spec.size_multiple, spec.max_images, spec.sequence_parallel, spec.fp8,"
         " spec.attention_heads, spec.defaults.num_inference_steps, spec.defaults.true_cfg_scale,"
@@ -244,7 +244,7 @@ def test_a_text_only_model_refuses_input_images(tmp_path, capsys):
 def test_web_demo_serves_2_1(model_dir):
     """The demo's pieces around a 2.1 pipeline: aspect presets on its 32-pixel grid, a request run by the
     Runner, and the app built."""
-    from ui.app import build_app
+    from qwen_image_fusion.ui.app import build_app
 
     pipe = load_pipeline(model_dir, device="cpu")
     presets = aspect_ratios(pipe.size_multiple)

@@ -12,13 +12,18 @@ from helpers import NoHostSync
 from qi21_cases import CONFIGS, REQUESTS, diffusers_forward, model_pair
 from safetensors.torch import load_file, save_file
 
-from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
-from models.errors import CheckpointError
-from models.fp8 import Fp8Linear
-from models.loading import load_transformer
-from models.qwen_image21.loading import build_transformer21
-from models.qwen_image21.quantization import QUANTIZATION
-from pipelines.quantize import write_fp8_transformer
+from qwen_image_fusion.models.calibration import (
+    fp8_state_dict,
+    quantizable_linears,
+    record_input_amax,
+    share_group_amax,
+)
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.fp8 import Fp8Linear
+from qwen_image_fusion.models.loading import load_transformer
+from qwen_image_fusion.models.qwen_image21.loading import build_transformer21
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
+from qwen_image_fusion.pipelines.quantize import write_fp8_transformer
 
 CPU = torch.device("cpu")
 CONFIG = next(name for name, config in CONFIGS.items() if config.causal_condition)

@@ -1,7 +1,7 @@
 """Qwen-Image 2.1 in FP8 through the whole pipeline on CPU: `qwen-image quantize` writes a ModelOpt FP8 2.1
 checkpoint with the family's recipe (Q/K/V and gate_layer/proj sharing one input scale each, `img_mlp.out`
 kept in BF16 unless asked), and fp8-fused gives the PNG bytes of fp8-unfused, with condition images, true CFG
-and the KV cache on or off, in the pipeline and in `eval.parity`."""
+and the KV cache on or off, in the pipeline and in `qwen_image_fusion.eval.parity`."""
 
 import json
 import subprocess
@@ -13,10 +13,10 @@ from helpers import REPO, png_sha256
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 from safetensors.torch import load_file
 
-from models.families import inspect_checkpoint
-from models.qwen_image21.quantization import QUANTIZATION
-from pipelines import load_pipeline
-from ui.cli import main
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.cli import main
 
 LAYERS = 2  # tests/qi21_checkpoints.py
 
@@ -89,9 +89,10 @@ def test_fp8_fused_equals_unfused_png_for_png(checkpoints, kind, swiglu, caches)
 
 @pytest.mark.cpu_dtype
 def test_eval_parity_fused_vs_unfused_is_identical(checkpoints, tmp_path):
-    command = [sys.executable, "-m", "eval.parity", "--model", str(checkpoints["all"]), "--a", "fp8-unfused",
-               "--b", "fp8-fused", "--prompts", str(checkpoints["prompts"]), "--seeds", "0", "--size",
-               "64x64", "--steps", "2", "--out", str(tmp_path), "--expect", "identical"]  # fmt: skip
+    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(checkpoints["all"]),
+               "--a", "fp8-unfused", "--b", "fp8-fused", "--prompts", str(checkpoints["prompts"]),
+               "--seeds", "0", "--size", "64x64", "--steps", "2", "--out", str(tmp_path),
+               "--expect", "identical"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

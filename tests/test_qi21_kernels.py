@@ -16,11 +16,11 @@ from test_kernels_norm_modulate import (
 )
 from test_kernels_quant import all_bf16, interpreter_exact_range, needs_interpreter
 
-import kernels.scale_modulate as scale_modulate
-import kernels.swiglu_quant as swiglu_quant
-from kernels._triton_common import MAX_WIDTH
-from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
-from kernels.scale_modulate import (
+import qwen_image_fusion.kernels.scale_modulate as scale_modulate
+import qwen_image_fusion.kernels.swiglu_quant as swiglu_quant
+from qwen_image_fusion.kernels._triton_common import MAX_WIDTH
+from qwen_image_fusion.kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
+from qwen_image_fusion.kernels.scale_modulate import (
     layer_norm_scale,
     layer_norm_scale_torch,
     layer_norm_scale_triton,
@@ -30,7 +30,7 @@ from kernels.scale_modulate import (
     tanh_residual_layer_norm_scale_triton,
     tanh_rows,
 )
-from kernels.swiglu_quant import (
+from qwen_image_fusion.kernels.swiglu_quant import (
     silu_mul_quant,
     silu_mul_quant_torch,
     silu_mul_quant_triton,

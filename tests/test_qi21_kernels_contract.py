@@ -14,14 +14,14 @@ from test_kernels_contract import QUANT_SCALE, every_encoding, finite_mixed, mod
 from test_kernels_norm_modulate import EPS, make_inputs
 from test_kernels_quant import INPUT_SCALES, all_bf16
 
-from kernels.quant import inverse_scale
-from kernels.scale_modulate import (
+from qwen_image_fusion.kernels.quant import inverse_scale
+from qwen_image_fusion.kernels.scale_modulate import (
     layer_norm_scale_torch,
     tanh_residual_layer_norm_scale_torch,
     tanh_rows,
 )
-from kernels.swiglu_quant import silu_mul_quant_torch, silu_mul_torch
-from models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.kernels.swiglu_quant import silu_mul_quant_torch, silu_mul_torch
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
 
 WIDTH = QwenImage21Config().inner_dim  # the released model's width
 MLP = QwenImage21Config().mlp_dim

@@ -21,8 +21,8 @@ from lora_files import (
 )
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint, diffusers_pipeline
 
-from models.errors import QwenImageError
-from pipelines import load_pipeline
+from qwen_image_fusion.models.errors import QwenImageError
+from qwen_image_fusion.pipelines import load_pipeline
 
 LAYERS = 2
 ARGS = dict(image=drawn_image(96, 64, seed=2, mode="RGBA"), negative_prompt="blurry", true_cfg_scale=3.0)

@@ -23,16 +23,20 @@ from bench.activation_memory import (
     text_encoder_peak,
 )
 from bench.header_checkpoint import qi21_header_checkpoint
-from models.cache_presets import CachePreset
-from models.errors import InputError
-from models.families import inspect_checkpoint
-from models.family import DEFAULT_SEQUENCE_LENGTH
-from models.memory import DECODE, ENCODE, Workload
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image21.memory import VISION_BYTES_PER_WIDTH
-from models.qwen_image21.synthetic import QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, text_encoder_config
-from pipelines import load_pipeline
-from pipelines.memory_plan import (
+from qwen_image_fusion.models.cache_presets import CachePreset
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH
+from qwen_image_fusion.models.memory import DECODE, ENCODE, Workload
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.memory import VISION_BYTES_PER_WIDTH
+from qwen_image_fusion.models.qwen_image21.synthetic import (
+    QWEN3_VL_8B_TEXT,
+    QWEN3_VL_8B_VISION,
+    text_encoder_config,
+)
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.memory_plan import (
     RESIDENT,
     STREAM,
     GiB,
@@ -41,7 +45,7 @@ from pipelines.memory_plan import (
     phase_peaks,
     plan_memory,
 )
-from ui.cli import main
+from qwen_image_fusion.ui.cli import main
 
 PROMPT = "a red fox in the snow"
 CFG = dict(negative_prompt="blurry", true_cfg_scale=3.0, num_inference_steps=3, seed=7)

@@ -12,7 +12,7 @@ from parallel_rank import QI21_PROMPTS, qi21_args
 from PIL import Image
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 pytestmark = pytest.mark.slow
 

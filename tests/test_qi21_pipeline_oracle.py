@@ -11,7 +11,7 @@ from edit_fixtures import drawn_image
 from helpers import png_sha256
 from qi21_checkpoints import RESOLUTION, TURBO_SIGMAS, build_qi21_checkpoint, diffusers_pipeline
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 FOX, BLUE = "a red fox in the snow", "make the sky blue and add a small boat"
 RGBA = drawn_image(160, 64, seed=1, mode="RGBA")  # wide, with a varying alpha: the VAE reads it

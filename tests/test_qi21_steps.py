@@ -10,8 +10,8 @@ from edit_fixtures import drawn_image
 from helpers import NoHostSync, png_sha256
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
-from models.qwen_image21 import steps
-from pipelines import load_pipeline
+from qwen_image_fusion.models.qwen_image21 import steps
+from qwen_image_fusion.pipelines import load_pipeline
 
 PROMPT, NEGATIVE = "make the sky blue and add a small boat", "blurry, low quality, dark"
 IMAGE = drawn_image(96, 64, seed=5, mode="RGBA")

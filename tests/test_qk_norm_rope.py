@@ -22,16 +22,16 @@ from ptx_probe import ptx_counts, record_launches, report_from_subprocess
 from steps import step_distance
 from test_kernels_quant import all_bf16, needs_interpreter
 
-from kernels.fp32 import div_rn, row_sum, sqrt_rn
-from kernels.qk_norm_rope import (
+from qwen_image_fusion.kernels.fp32 import div_rn, row_sum, sqrt_rn
+from qwen_image_fusion.kernels.qk_norm_rope import (
     MAX_HEAD_DIM,
     rms_norm_rope,
     rms_norm_rope_torch,
     rms_norm_rope_triton,
 )
-from models.qwen_image import transformer
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.qwen_image import transformer
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
 
 EPS = 1e-6
 SUM_ULPS = 8  # how far (fp32 ulps) another order may move a sum of D <= 512 squares in these tests
@@ -327,7 +327,7 @@ def test_contract_attention_writes_the_twin_into_the_joint_sequence(monkeypatch)
 def compile_report() -> dict:
     """The model's launch (D = 128, x a strided projection view, out a joint-buffer slice) recorded, not
     run, and compiled for sm_90: PTX instruction counts, with fp fusion off (as launched) and on (probe)."""
-    from kernels import qk_norm_rope
+    from qwen_image_fusion.kernels import qk_norm_rope
 
     qk_norm_rope.launchable = lambda kernel, *tensors: True  # CPU tensors stand in for CUDA ones
     kernel = qk_norm_rope._rms_norm_rope_kernel

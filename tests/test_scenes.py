@@ -1,4 +1,5 @@
-"""eval.scenes: determinism from the seed, the held-out split, captions in both languages, ground truth."""
+"""qwen_image_fusion.eval.scenes: determinism from the seed, the held-out split, captions in both languages,
+ground truth."""
 
 import hashlib
 import random
@@ -8,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from eval import scenes
-from eval.scenes import (
+from qwen_image_fusion.eval import scenes
+from qwen_image_fusion.eval.scenes import (
     ANCHORS,
     BACKGROUND_ZH,
     BACKGROUNDS,
@@ -50,7 +51,8 @@ def test_a_scene_depends_only_on_its_seed_and_index() -> None:
 
 def test_a_fresh_process_draws_the_same_scene() -> None:
     code = (
-        "import hashlib, numpy as np; from eval.scenes import draw_scene, render; s = draw_scene(3, 7); "
+        "import hashlib, numpy as np; from qwen_image_fusion.eval.scenes import draw_scene, render; "
+        "s = draw_scene(3, 7); "
         "print(s.captions['en']); print(hashlib.sha256(np.asarray(render(s, 64)).tobytes()).hexdigest())"
     )
     out = subprocess.run(

@@ -28,16 +28,16 @@ from PIL import Image
 from test_img2img_oracle import ellipse_mask, photo
 
 from bench.in_thread import InThread
-from models.errors import InputError
-from models.family import CheckpointSpec, GenerationDefaults
-from pipelines import RunInfo, load_pipeline
-from pipelines.generation_request import resolve_request
-from pipelines.pipeline import Generated
-from ui.access import ApiKeys, read_api_keys
-from ui.image_cache import Encoding, image_bytes
-from ui.limits import Limits
-from ui.runner import Runner
-from ui.server import build_server
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import CheckpointSpec, GenerationDefaults
+from qwen_image_fusion.pipelines import RunInfo, load_pipeline
+from qwen_image_fusion.pipelines.generation_request import resolve_request
+from qwen_image_fusion.pipelines.pipeline import Generated
+from qwen_image_fusion.ui.access import ApiKeys, read_api_keys
+from qwen_image_fusion.ui.image_cache import Encoding, image_bytes
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.runner import Runner
+from qwen_image_fusion.ui.server import build_server
 
 KEY = "test-key-0123456789abcdef"
 PROMPTS = [f"a red circle on the left and a blue square on the right, request {i:02d}" for i in range(40)]
@@ -557,7 +557,7 @@ def test_the_time_limit_stops_a_request_with_a_400() -> None:
 def test_forty_clients_with_batching_get_the_bytes_of_requests_served_alone(embedded: Any) -> None:
     """40 openai clients at once against a server that batches up to 4 requests: all are answered, batches
     formed, and each response is byte-identical to the same request sent alone afterwards."""
-    from pipelines.batching import BatchPlan
+    from qwen_image_fusion.pipelines.batching import BatchPlan
 
     server, runner = _serve(embedded, Limits.for_device("cpu"), batch=BatchPlan(4))
     try:
@@ -616,7 +616,7 @@ def test_soak_keeps_memory_and_the_url_cache_flat(embedded: Any) -> None:
 @pytest.fixture()
 def with_demo() -> Iterator[tuple[FakePipe, str, Runner]]:
     """The API and the web demo at /ui on one port, one runner."""
-    from ui.app import build_app
+    from qwen_image_fusion.ui.app import build_app
 
     pipe = FakePipe(delay=0.02)
     limits = Limits(max_work=100, time_limit_s=60)

@@ -19,19 +19,20 @@ import openai
 import pytest
 from helpers import REPO
 
-import ui.server
-from models.families import inspect_checkpoint
-from pipelines.memory_plan import minimum_budget
-from ui.cli import main
-from ui.commands import serve_workload
-from ui.limits import Limits
+import qwen_image_fusion.ui.server as ui_server
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.pipelines.memory_plan import minimum_budget
+from qwen_image_fusion.ui.cli import main
+from qwen_image_fusion.ui.commands import serve_workload
+from qwen_image_fusion.ui.limits import Limits
 
 KEY = "serve-test-key-0123456789"
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Replaces ui.server.serve (model load + server) with a recorder; the CLI's checks run for real."""
+    """Replaces qwen_image_fusion.ui.server.serve (model load + server) with a recorder; the CLI's checks run
+    for real."""
     calls: list[dict[str, Any]] = []
 
     def fake_serve(model: Any, host: str, port: int, **kwargs: Any) -> None:
@@ -39,7 +40,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         limits = Limits.for_device("cpu", **kwargs["limits"])
         kwargs["on_start"](port, limits, "off (each request alone)", "")
 
-    monkeypatch.setattr(ui.server, "serve", fake_serve)
+    monkeypatch.setattr(ui_server, "serve", fake_serve)
     return calls
 
 
@@ -138,7 +139,7 @@ def real_server(argv: list[str], ready: str = "Limits:") -> Iterator[tuple[str, 
         port = probe.getsockname()[1]
     env = os.environ | {"GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "ui.cli", "serve", "--port", str(port), *argv],
+        [sys.executable, "-m", "qwen_image_fusion.ui.cli", "serve", "--port", str(port), *argv],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -251,6 +252,6 @@ def test_ctrl_c_ends_serving_with_keyboard_interrupt_even_when_asyncio_swallows_
     exits 130); another signal stops it quietly."""
     server = _StoppedServer(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
-        ui.server.run_until_stopped(server)
+        ui_server.run_until_stopped(server)
     assert server.stopped == signal.SIGINT
-    ui.server.run_until_stopped(_StoppedServer(signal.SIGTERM))
+    ui_server.run_until_stopped(_StoppedServer(signal.SIGTERM))

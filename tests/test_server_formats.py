@@ -23,12 +23,12 @@ import torch
 from PIL import Image
 from test_server import PROMPTS, FakePipe, _client, _serve
 
-import ui.image_cache
-from pipelines import load_pipeline
-from pipelines.pipeline import Generated
-from ui.image_cache import MEDIA_TYPES, Encoding, encode_all, image_bytes, png_bytes
-from ui.limits import Limits
-from ui.runner import Runner
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Generated
+from qwen_image_fusion.ui import image_cache
+from qwen_image_fusion.ui.image_cache import MEDIA_TYPES, Encoding, encode_all, image_bytes, png_bytes
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.runner import Runner
 
 FORMATS = ("png", "jpeg", "webp")
 EXTRA = {"seed": 5, "num_inference_steps": 2, "true_cfg_scale": 1.0}
@@ -129,7 +129,7 @@ def test_encoding_runs_in_parallel_off_the_loop_and_keeps_order(monkeypatch: pyt
     threads: list[str] = []
     running, most = 0, 0
     lock = threading.Lock()
-    encode = ui.image_cache.image_bytes
+    encode = image_cache.image_bytes
 
     def slow(image: Image.Image, encoding: Encoding) -> bytes:
         nonlocal running, most
@@ -142,13 +142,13 @@ def test_encoding_runs_in_parallel_off_the_loop_and_keeps_order(monkeypatch: pyt
             running -= 1
         return encode(image, encoding)
 
-    monkeypatch.setattr(ui.image_cache, "image_bytes", slow)
+    monkeypatch.setattr(image_cache, "image_bytes", slow)
     images = [Image.new("RGB", (16 * (i + 1), 16), (80 * i, 0, 0)) for i in range(3)]
     files = asyncio.run(encode_all(images, Encoding("webp", 90)))
     assert [_decoded(f).size for f in files] == [(16, 16), (32, 16), (48, 16)]
     assert files == [encode(image, Encoding("webp", 90)) for image in images]
     assert all(name.startswith("image-encode") for name in threads), threads
-    assert most == min(3, ui.image_cache.ENCODER_THREADS)  # at once, as many as the pool has threads
+    assert most == min(3, image_cache.ENCODER_THREADS)  # at once, as many as the pool has threads
 
 
 @pytest.mark.parametrize("slices", [1, 5])
@@ -162,8 +162,8 @@ def test_png_writer_keeps_every_pixel(
     """Our PNG writer (Up filter, ISA-L deflate in one piece or in parallel slices joined by sync flushes)
     gives back, through Pillow's decoder with its CRC checks, the exact pixels of noise and of a smooth
     gradient (where the filter's wrap-around differences matter)."""
-    monkeypatch.setattr(ui.image_cache, "DEFLATE_THREADS", slices)
-    monkeypatch.setattr(ui.image_cache, "DEFLATE_MIN_SLICE", 1 if slices > 1 else 2**30)
+    monkeypatch.setattr(image_cache, "DEFLATE_THREADS", slices)
+    monkeypatch.setattr(image_cache, "DEFLATE_MIN_SLICE", 1 if slices > 1 else 2**30)
     rng = np.random.default_rng(sum(shape))
     ramp = np.add.outer(np.arange(shape[0]) * 37, np.arange(shape[1]) * 11) % 256
     smooth = np.broadcast_to(ramp.reshape(*shape[:2], *([1] * (len(shape) - 2))), shape)

@@ -13,11 +13,11 @@ from helpers import png_sha256
 from memory_fixtures import FP32, LateLink, placed_pipeline
 from test_img2img_oracle import ellipse_mask, photo
 
-from models.cache_presets import CachePreset
-from models.errors import InputError
-from models.memory import Workload
-from pipelines import load_pipeline
-from pipelines.generation_request import resolve_request, start_size
+from qwen_image_fusion.models.cache_presets import CachePreset
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.generation_request import resolve_request, start_size
 
 IMAGE, MASK = photo(71, 53), ellipse_mask(71, 53)
 REQUEST = dict(negative_prompt="blurry", width=64, height=48, num_inference_steps=6, seed=2)

@@ -14,10 +14,10 @@ from PIL import Image
 from test_img2img_oracle import ellipse_mask, photo
 from test_ui_served import CHROMIUM_ARGS, _screenshot
 
-from pipelines import load_pipeline
-from ui.app import build_app
-from ui.limits import Limits
-from ui.uploads import upload_options
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.uploads import upload_options
 
 pytestmark = pytest.mark.slow
 FORM = dict(prompt="a red circle", negative_prompt="blurry", size="custom", width=64, height=48,

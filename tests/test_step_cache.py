@@ -16,15 +16,15 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import FP32, LateLink, placed_pipeline
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
-from eval import metrics
-from eval.variants import parse_variant
-from models.cache_presets import CACHE_PRESETS, CachePreset, get_cache_preset
-from models.errors import InputError
-from models.memory import DENOISE, Workload
-from models.step_cache import BranchCache, caching, run_blocks
-from pipelines import load_pipeline
-from pipelines.memory_plan import with_workload
-from pipelines.variants import VARIANTS
+from qwen_image_fusion.eval import metrics
+from qwen_image_fusion.eval.variants import parse_variant
+from qwen_image_fusion.models.cache_presets import CACHE_PRESETS, CachePreset, get_cache_preset
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.memory import DENOISE, Workload
+from qwen_image_fusion.models.step_cache import BranchCache, caching, run_blocks
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.memory_plan import with_workload
+from qwen_image_fusion.pipelines.variants import VARIANTS
 
 # Skips whenever it may: the schedule is then warm-up, then `max_cached_in_a_row` skipped, one computed, ...
 ALWAYS = CachePreset("always", threshold=math.inf, warmup_steps=2, max_cached_in_a_row=2)

@@ -17,17 +17,23 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import FP32, LateLink, placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import pipelines.memory
-from models.errors import InputError
-from models.families import inspect_checkpoint
-from models.memory import DENOISE, ENCODE, Workload
-from models.streaming import ALIGN, HostLink, PlacedWeights, moving_tensors
-from pipelines import load_pipeline
-from pipelines.memory import DTYPE_BYTES
-from pipelines.memory_plan import OFFLOAD, RESERVE_FRACTION, gib, minimum_budget, plan_memory
-from pipelines.pipeline import pick_numerics
-from pipelines.quantize import quantize_checkpoint
-from ui.cli import main
+import qwen_image_fusion.pipelines.memory as pipeline_memory
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.memory import DENOISE, ENCODE, Workload
+from qwen_image_fusion.models.streaming import ALIGN, HostLink, PlacedWeights, moving_tensors
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.memory import DTYPE_BYTES
+from qwen_image_fusion.pipelines.memory_plan import (
+    OFFLOAD,
+    RESERVE_FRACTION,
+    gib,
+    minimum_budget,
+    plan_memory,
+)
+from qwen_image_fusion.pipelines.pipeline import pick_numerics
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.ui.cli import main
 
 REQUEST = dict(prompt="a red circle on the left", seed=3, num_inference_steps=2, width=32, height=32)
 
@@ -371,7 +377,7 @@ def test_a_plan_that_needs_more_host_memory_than_there_is_is_refused(resident, m
     pipeline loads and when it re-plans (counting the host copies it holds already), so a plan too large
     for the machine's RAM is one line, not a process the kernel stops with no message."""
     available = {"bytes": 1024**2}
-    monkeypatch.setattr(pipelines.memory, "host_memory_available", lambda: available["bytes"])
+    monkeypatch.setattr(pipeline_memory, "host_memory_available", lambda: available["bytes"])
     small = dict(variant="reference", device="cpu", dtype="fp32", gpu_memory="48MiB")
     small["workload"] = Workload(32, 32)
     refused = r"keeps \d+ MiB more weights in host memory, but this machine has 1 MiB available"
@@ -403,7 +409,7 @@ def test_a_plan_that_needs_more_host_memory_than_there_is_is_refused(resident, m
 def test_available_host_memory_is_read_from_the_kernel():
     """MemAvailable, in bytes: above zero and below the machine's physical memory."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert 0 < pipelines.memory.host_memory_available() < physical
+    assert 0 < pipeline_memory.host_memory_available() < physical
 
 
 @pytest.mark.cpu_dtype
@@ -412,7 +418,7 @@ def test_merging_more_original_weights_than_the_host_holds_is_refused(lightning,
     host has available, switching to merge or loading another LoRA in merge mode is refused in one line
     and the pipeline is left as it was."""
     available = {"bytes": 0}
-    monkeypatch.setattr(pipelines.memory, "host_memory_available", lambda: available["bytes"])
+    monkeypatch.setattr(pipeline_memory, "host_memory_available", lambda: available["bytes"])
     pipe = load_pipeline(variant="contract", device="cpu")
     shapes = linear_shapes(pipe.transformer)
     element = pipe.transformer.proj_out.weight.element_size()

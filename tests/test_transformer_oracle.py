@@ -4,8 +4,8 @@ import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
 
 TINY = QwenImageConfig(
     num_layers=2,

@@ -27,12 +27,12 @@ from gradio_client.utils import Status
 from helpers import wait_for
 from PIL import Image
 
-from models.errors import InputError
-from models.family import CheckpointSpec, GenerationDefaults
-from pipelines import RunInfo
-from pipelines.generation_request import GenerationRequest, resolve_request
-from ui.app import build_app
-from ui.generation import (
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import CheckpointSpec, GenerationDefaults
+from qwen_image_fusion.pipelines import RunInfo
+from qwen_image_fusion.pipelines.generation_request import GenerationRequest, resolve_request
+from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.generation import (
     ASPECT_RATIOS,
     CUSTOM,
     FieldError,
@@ -41,8 +41,8 @@ from ui.generation import (
     job_from_inputs,
     preset_for,
 )
-from ui.limits import DEVICE_LIMITS, MAX_IMAGES_PER_REQUEST, Limits, work_of
-from ui.runner import STOP_PRESSED, Job, Runner, Stopped
+from qwen_image_fusion.ui.limits import DEVICE_LIMITS, MAX_IMAGES_PER_REQUEST, Limits, work_of
+from qwen_image_fusion.ui.runner import STOP_PRESSED, Job, Runner, Stopped
 
 VARIANTS = ["reference", "contract", "fp8-unfused", "fp8-fused"]
 

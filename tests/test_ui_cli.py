@@ -17,15 +17,16 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
 
-import ui.app
-from ui.access import is_loopback
-from ui.cli import main
-from ui.limits import DEVICE_LIMITS, Limits
+from qwen_image_fusion.ui import app
+from qwen_image_fusion.ui.access import is_loopback
+from qwen_image_fusion.ui.cli import main
+from qwen_image_fusion.ui.limits import DEVICE_LIMITS, Limits
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Replaces ui.app.launch (model load + server) with a recorder; the CLI's policy runs for real."""
+    """Replaces qwen_image_fusion.ui.app.launch (model load + server) with a recorder; the CLI's policy runs
+    for real."""
     calls: list[dict[str, Any]] = []
 
     def fake_launch(
@@ -34,7 +35,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         calls.append({"host": host, "port": port, "limits": limits, "auth": auth})
         on_start(port, Limits.for_device("cpu", **limits))
 
-    monkeypatch.setattr(ui.app, "launch", fake_launch)
+    monkeypatch.setattr(app, "launch", fake_launch)
     return calls
 
 
@@ -177,7 +178,7 @@ def test_served_with_auth_and_share_off(tmp_path: Path) -> None:
     env = os.environ | {"GRADIO_SHARE": "True", "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
     argv = ["ui", "--host", "0.0.0.0", "--port", str(port), "--auth", "alice:s3cret", "--dtype", "fp32"]
     server = subprocess.Popen(
-        [sys.executable, "-m", "ui.cli", *argv],
+        [sys.executable, "-m", "qwen_image_fusion.ui.cli", *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

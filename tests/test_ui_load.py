@@ -17,8 +17,8 @@ from gradio_client import Client
 from helpers import rss_bytes
 
 from bench.ui_load import ServedApp, add_server_times, fire, prompt_for, start_app, summarize
-from pipelines import load_pipeline
-from ui.limits import Limits
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.limits import Limits
 
 QUEUE = 16
 CLIENTS = 40

@@ -16,10 +16,10 @@ from gradio_client.exceptions import ValidationError
 from helpers import CHROMIUM
 from PIL import Image
 
-from pipelines import load_pipeline
-from ui.app import EMBEDDED_EXAMPLES, build_app
-from ui.limits import Limits
-from ui.runner import Runner
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.ui.app import EMBEDDED_EXAMPLES, build_app
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.runner import Runner
 
 CHROMIUM_ARGS = [
     "--headless",

@@ -10,10 +10,10 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from edit_fixtures import tiny_vae
 
-from models.errors import InputError
-from models.vae_decode import LOG, decode_frames
-from pipelines import load_pipeline
-from pipelines.generation_request import resolve_request
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.vae_decode import LOG, decode_frames
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.generation_request import resolve_request
 
 
 def exact(vae: AutoencoderKLQwenImage, z: torch.Tensor) -> torch.Tensor:
@@ -93,8 +93,8 @@ def test_a_checkpoint_without_the_2d_form_refuses_it() -> None:
 
 
 def test_eval_variants_name_it() -> None:
-    from eval.variants import parse_variant
-    from pipelines.variants import VARIANTS
+    from qwen_image_fusion.eval.variants import parse_variant
+    from qwen_image_fusion.pipelines.variants import VARIANTS
 
     spec = parse_variant("fp8-fused+fast-decode+cache:fast:cpu:bf16", VARIANTS)
     assert (spec.name, spec.fast_decode, spec.cache, spec.device) == ("fp8-fused", True, "fast", "cpu")

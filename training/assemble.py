@@ -1,12 +1,12 @@
 """Build a diffusers-layout checkpoint directory from the tar `train_default` writes.
 
-    python -m training.assemble out/train/default_model.tar out/default-model
+    python -m qwen_image_fusion.training.assemble out/train/default_model.tar out/default-model
 
 The tar holds the trained VAE and DiT; this adds the frozen text encoder (rebuilt from the seed and size
-recorded in the tar, so it is the one the DiT was trained with), the Qwen2 tokenizer, the pipeline's
-scheduler and `model_index.json` (`models.qwen_image.components.save_components`), plus `training/` with
-the run's metadata, loss log and the checker's scores of the held-out samples the run generated. Everything is
-stored in bf16; the result loads with `pipelines.load_pipeline(DIR)`.
+recorded in the tar, so it is the one the DiT was trained with), the Qwen2 tokenizer, the pipeline's scheduler
+and `model_index.json` (`qwen_image_fusion.models.qwen_image.components.save_components`), plus `training/`
+with the run's metadata, loss log and the checker's scores of the held-out samples the run generated.
+Everything is stored in bf16; the result loads with `qwen_image_fusion.pipelines.load_pipeline(DIR)`.
 """
 
 import argparse
@@ -21,17 +21,22 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from PIL import Image
 
-from eval.scenes import held_out_scenes
-from models.errors import CheckpointError, InputError, QwenImageError
-from models.loading import load_transformer
-from models.qwen_image.components import (
+from qwen_image_fusion.eval.scenes import held_out_scenes
+from qwen_image_fusion.models.errors import CheckpointError, InputError, QwenImageError
+from qwen_image_fusion.models.loading import load_transformer
+from qwen_image_fusion.models.qwen_image.components import (
     Components,
     build_transformer,
     default_scheduler,
     save_components,
 )
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from training.recipe import TEXT_ENCODER_SEED, build_text_encoder, cast_parameters, sampling_defaults
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.training.recipe import (
+    TEXT_ENCODER_SEED,
+    build_text_encoder,
+    cast_parameters,
+    sampling_defaults,
+)
 
 MEMBERS = ("vae", "transformer", "train_meta.json", "train_log.jsonl", "samples")
 CPU = torch.device("cpu")
@@ -91,9 +96,9 @@ def assemble(tar_path: Path, out: Path) -> Path:
 
 
 def score_samples(folder: Path) -> dict | None:
-    """eval.meaning accuracy of the held-out samples the run generated (`sNNN-LANG.png`), scored here
-    because the training machine may lack the checker's scikit-image; None when there are none."""
-    from eval.meaning import accuracy, check_image
+    """qwen_image_fusion.eval.meaning accuracy of the held-out samples the run generated (`sNNN-LANG.png`),
+    scored here because the training machine may lack the checker's scikit-image; None when there are none."""
+    from qwen_image_fusion.eval.meaning import accuracy, check_image
 
     files = sorted(folder.glob("s[0-9][0-9][0-9]-*.png")) if folder.is_dir() else []
     if not files:
@@ -120,8 +125,12 @@ def weight_bytes(directory: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.assemble", description=__doc__.splitlines()[0])
-    parser.add_argument("tar", type=Path, help="default_model.tar written by training.train_default")
+    parser = argparse.ArgumentParser(
+        prog="python -m qwen_image_fusion.training.assemble", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "tar", type=Path, help="default_model.tar written by qwen_image_fusion.training.train_default"
+    )
     parser.add_argument("out", type=Path, help="checkpoint directory to create")
     args = parser.parse_args(argv)
     try:

@@ -11,10 +11,10 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from models.family import GenerationDefaults
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.text_encoder import build_tiny_text_encoder
-from models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.family import GenerationDefaults
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.text_encoder import build_tiny_text_encoder
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
 
 TEXT_ENCODER_SEED = 15_2025
 NEGATIVE_PROMPT = " "  # what text dropout trains as the unconditional branch: use it as the negative prompt

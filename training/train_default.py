@@ -1,22 +1,22 @@
 """Train the embedded default model on drawn scenes: the VAE as an autoencoder, then the DiT by flow matching.
 
-    python -m training.train_default --out out/train                  # the real run (H200, one call)
-    python -m training.train_default --probe --out out/probe          # ~20 s per stage: throughput, sizing
-    python -m training.train_default --preset cpu --out out/cpu       # the 64 px CPU de-risk
-    python -m training.train_default --preset smoke --out /tmp/smoke  # seconds (tests)
+    python -m qwen_image_fusion.training.train_default --out out/train        # the real run (H200, one call)
+    python -m qwen_image_fusion.training.train_default --probe --out out/probe  # ~20 s a stage: throughput
+    python -m qwen_image_fusion.training.train_default --preset cpu --out out/cpu   # the 64 px CPU de-risk
+    python -m qwen_image_fusion.training.train_default --preset smoke --out /tmp/smoke  # seconds (tests)
 
-Stages: (1) render the training scenes (eval.scenes, held-out object keys excluded) in worker
-processes; (2) train `AutoencoderKLQwenImage` on them as a deterministic autoencoder (L1 + MSE, shape pixels
-weighted up) and check its reconstructions of the held-out scenes; (3) encode every scene once: VAE
-posterior means, normalised with the VAE's latents_mean/std (measured here and written to its config, so
-the pipeline's decode inverts exactly this) and packed 2x2 as the pipeline packs them, and both captions
-(English, Chinese) through the frozen text encoder with `encode_prompts`, as the pipeline does; (4) train
-the DiT on those tensors alone: x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the model gets
-sigma, sigma = the scheduler's own time shift (mu of this image size) of a uniform u, so training covers
-the sampler's shifted schedule; 10% of captions become the negative prompt " " so true CFG works;
-(5) generate the held-out captions with the trained weights through the real pipeline and check them
-(eval.meaning). One tar (< 16 MiB) holds the VAE, the DiT (EMA weights, bf16), the loss log, the run's
-metadata and the held-out samples; `training.assemble` turns it into a checkpoint directory.
+Stages: (1) render the training scenes (qwen_image_fusion.eval.scenes, held-out object keys excluded) in
+worker processes; (2) train `AutoencoderKLQwenImage` on them as a deterministic autoencoder (L1 + MSE, shape
+pixels weighted up) and check its reconstructions of the held-out scenes; (3) encode every scene once: VAE
+posterior means, normalised with the VAE's latents_mean/std (measured here and written to its config, so the
+pipeline's decode inverts exactly this) and packed 2x2 as the pipeline packs them, and both captions (English,
+Chinese) through the frozen text encoder with `encode_prompts`, as the pipeline does; (4) train the DiT on
+those tensors alone: x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the model gets sigma, sigma = the
+scheduler's own time shift (mu of this image size) of a uniform u, so training covers the sampler's shifted
+schedule; 10% of captions become the negative prompt " " so true CFG works; (5) generate the held-out captions
+with the trained weights through the real pipeline and check them (qwen_image_fusion.eval.meaning). One tar (<
+16 MiB) holds the VAE, the DiT (EMA weights, bf16), the loss log, the run's metadata and the held-out samples;
+`qwen_image_fusion.training.assemble` turns it into a checkpoint directory.
 """
 
 import argparse
@@ -42,17 +42,24 @@ from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 from PIL import Image
 from tqdm.auto import tqdm
 
-from eval.scenes import BACKGROUNDS, HELD_OUT_PERCENT, LANGUAGES, draw_scene, held_out_scenes, render
-from models.loading import save_transformer
-from models.qwen_image.components import Components, default_scheduler
-from models.qwen_image.family import FAMILY
-from models.qwen_image.math import pack_latents
-from models.qwen_image.model import QwenImageModel
-from models.qwen_image.text_encoder import encode_prompts
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from pipelines.pipeline import Pipeline
-from pipelines.sampling import shift_mu
-from training.recipe import (
+from qwen_image_fusion.eval.scenes import (
+    BACKGROUNDS,
+    HELD_OUT_PERCENT,
+    LANGUAGES,
+    draw_scene,
+    held_out_scenes,
+    render,
+)
+from qwen_image_fusion.models.loading import save_transformer
+from qwen_image_fusion.models.qwen_image.components import Components, default_scheduler
+from qwen_image_fusion.models.qwen_image.family import FAMILY
+from qwen_image_fusion.models.qwen_image.math import pack_latents
+from qwen_image_fusion.models.qwen_image.model import QwenImageModel
+from qwen_image_fusion.models.qwen_image.text_encoder import encode_prompts
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines.sampling import shift_mu
+from qwen_image_fusion.training.recipe import (
     NEGATIVE_PROMPT,
     RECIPES,
     SAMPLE_CFG_SCALE,
@@ -434,11 +441,12 @@ def train_dit(
 
 
 def score_images(images: list[np.ndarray], descriptions: list) -> dict:
-    """eval.meaning accuracy of the images, or why it is unavailable (its checker needs scikit-image)."""
+    """qwen_image_fusion.eval.meaning accuracy of the images, or why it is unavailable (its checker needs
+    scikit-image)."""
     try:
-        from eval.meaning import accuracy, check_image
+        from qwen_image_fusion.eval.meaning import accuracy, check_image
     except ImportError as err:
-        return {"unavailable": f"eval.meaning cannot be imported here: {err}"}
+        return {"unavailable": f"qwen_image_fusion.eval.meaning cannot be imported here: {err}"}
     return accuracy([check_image(i, d) for i, d in zip(images, descriptions, strict=True)])
 
 
@@ -630,7 +638,7 @@ def run(settings: Settings) -> dict:
         stage_done("samples")
     timings["total"] = round(time.perf_counter() - start, 2)
     meta = {
-        "what": "Qwen-Image architecture trained on eval.scenes drawings by training/train_default.py",
+        "what": "Qwen-Image architecture trained on eval/scenes.py drawings by training/train_default.py",
         "preset": settings.preset,
         "seed": settings.seed,
         "probe": settings.probe_seconds is not None,
@@ -702,7 +710,7 @@ def sizing_advice(meta: dict, vae_seconds: float, dit_seconds: float, scenes: in
 
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(
-        prog="python -m training.train_default", description=__doc__.splitlines()[0]
+        prog="python -m qwen_image_fusion.training.train_default", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder (tar, loss log)")
     parser.add_argument("--preset", choices=sorted(RECIPES), default="default")
@@ -782,9 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         scenes = args.scenes or RECIPES[args.preset].scenes
         print("\n".join(sizing_advice(meta, args.vae_seconds, args.dit_seconds, scenes)))
     else:
-        print(
-            f"wrote {meta['tar']}; build the checkpoint with: python -m training.assemble {meta['tar']} DIR"
-        )
+        assemble = f"python -m qwen_image_fusion.training.assemble {meta['tar']} DIR"
+        print(f"wrote {meta['tar']}; build the checkpoint with: {assemble}")
     return 0
 
 

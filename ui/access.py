@@ -13,7 +13,7 @@ import ipaddress
 import socket
 from pathlib import Path
 
-from models.errors import InputError
+from qwen_image_fusion.models.errors import InputError
 
 
 def parse_account(text: str) -> tuple[str, str]:

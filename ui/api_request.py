@@ -15,8 +15,8 @@ from typing import Any
 import PIL.Image
 from fastapi.responses import JSONResponse
 
-from pipelines.limits import MAX_INPUT_PIXELS
-from ui.generation import (
+from qwen_image_fusion.pipelines.limits import MAX_INPUT_PIXELS
+from qwen_image_fusion.ui.generation import (
     FieldError,
     check_work,
     number_field,
@@ -25,9 +25,9 @@ from ui.generation import (
     text_field,
     whole_field,
 )
-from ui.image_cache import LOSSY, MEDIA_TYPES, Encoding
-from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
-from ui.runner import Job
+from qwen_image_fusion.ui.image_cache import LOSSY, MEDIA_TYPES, Encoding
+from qwen_image_fusion.ui.limits import MAX_IMAGES_PER_REQUEST, Limits
+from qwen_image_fusion.ui.runner import Job
 
 Start = tuple[PIL.Image.Image, PIL.Image.Image | None]  # img2img's image and inpainting's mask
 MAX_INPUT_IMAGES = 16  # files one edit request may carry (the model's own bound is checked too)

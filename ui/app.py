@@ -16,13 +16,13 @@ import gradio as gr
 import torch
 from PIL import Image
 
-import pipelines.pipeline
-from models.embedded import EMBEDDED_NAME
-from models.errors import InputError, QwenImageError
-from pipelines.load_options import LoadOptions
-from ui.controls import settings_controls, settings_fields
-from ui.edit_tab import Handlers, edit_tab
-from ui.generation import (
+from qwen_image_fusion.models.embedded import EMBEDDED_NAME
+from qwen_image_fusion.models.errors import InputError, QwenImageError
+from qwen_image_fusion.pipelines import pipeline
+from qwen_image_fusion.pipelines.load_options import LoadOptions
+from qwen_image_fusion.ui.controls import settings_controls, settings_fields
+from qwen_image_fusion.ui.edit_tab import Handlers, edit_tab
+from qwen_image_fusion.ui.generation import (
     CUSTOM,
     INPUT_NAMES,
     FieldError,
@@ -36,11 +36,11 @@ from ui.generation import (
     seed_note,
     starts_from_image,
 )
-from ui.limits import Limits
-from ui.lora_controls import load_lora_files, lora_details
-from ui.ranks import serve
-from ui.runner import CANCELLED, DISCONNECTED, STOP_PRESSED, Job, Runner, Stopped
-from ui.uploads import upload_options
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.lora_controls import load_lora_files, lora_details
+from qwen_image_fusion.ui.ranks import serve
+from qwen_image_fusion.ui.runner import CANCELLED, DISCONNECTED, STOP_PRESSED, Job, Runner, Stopped
+from qwen_image_fusion.ui.uploads import upload_options
 
 LORA_KWARGS = "lora_kwargs"  # the preset and LoRA controls' generate() arguments, beside INPUT_NAMES
 EDIT_SIZE = "size"  # the edit form's size choice (EDIT_INPUT_NAMES): it marks an /edit request
@@ -284,7 +284,7 @@ def launch(
     environment says (GRADIO_SHARE), and so does its MCP server; uploads are refused above 1 kB, except the
     Edit tab's images (ui/uploads.py).
     """
-    pipe = pipelines.pipeline.Pipeline.load(options)
+    pipe = pipeline.Pipeline.load(options)
     if lora_files is not None:
         load_lora_files(pipe, lora_files)
     applied = Limits.for_device(torch.device(pipe.device).type, **(limits or {}))

@@ -11,13 +11,17 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from models.cache_presets import CACHE_OFF, CACHE_PRESETS
-from models.errors import ParallelError, QwenImageError
-from models.family import DEFAULT_SEQUENCE_LENGTH, DEFAULT_TRUE_CFG_SCALE, MAX_SEQUENCE_LENGTH
-from pipelines.control import CONTROL_MODES
-from pipelines.generation_request import MAX_LAYERS
-from pipelines.launch_env import is_leader_process
-from pipelines.limits import (
+from qwen_image_fusion.models.cache_presets import CACHE_OFF, CACHE_PRESETS
+from qwen_image_fusion.models.errors import ParallelError, QwenImageError
+from qwen_image_fusion.models.family import (
+    DEFAULT_SEQUENCE_LENGTH,
+    DEFAULT_TRUE_CFG_SCALE,
+    MAX_SEQUENCE_LENGTH,
+)
+from qwen_image_fusion.pipelines.control import CONTROL_MODES
+from qwen_image_fusion.pipelines.generation_request import MAX_LAYERS
+from qwen_image_fusion.pipelines.launch_env import is_leader_process
+from qwen_image_fusion.pipelines.limits import (
     DTYPE_NAMES,
     MAX_IMAGES_PER_PROMPT,
     MAX_INPUT_PIXELS,
@@ -25,12 +29,12 @@ from pipelines.limits import (
     MAX_STEPS,
     MIN_STEPS,
 )
-from pipelines.presets import LORA_MODES, PRESETS
-from pipelines.variants import AUTO, VARIANTS
-from ui.access import parse_account
-from ui.commands import COMMANDS
-from ui.limits import DEVICE_LIMITS, Limits
-from ui.uploads import upload_caps
+from qwen_image_fusion.pipelines.presets import LORA_MODES, PRESETS
+from qwen_image_fusion.pipelines.variants import AUTO, VARIANTS
+from qwen_image_fusion.ui.access import parse_account
+from qwen_image_fusion.ui.commands import COMMANDS
+from qwen_image_fusion.ui.limits import DEVICE_LIMITS, Limits
+from qwen_image_fusion.ui.uploads import upload_caps
 
 PRESET_HELP = "settings for a distilled LoRA (explicit --steps / --true-cfg-scale win): " + "; ".join(
     p.describe() for p in PRESETS.values()
@@ -527,7 +531,7 @@ def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None
 def leave_ranks() -> None:
     """Leave the process group after a run that ended well (only a rank has joined one)."""
     if "torch.distributed" in sys.modules:
-        from pipelines.parallel import leave_ranks as leave
+        from qwen_image_fusion.pipelines.parallel import leave_ranks as leave
 
         leave()
 
@@ -542,7 +546,7 @@ def show_library_warnings() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ui.launch import USER_ERROR_STATUS, RanksFailed
+    from qwen_image_fusion.ui.launch import USER_ERROR_STATUS, RanksFailed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

@@ -12,21 +12,21 @@ from typing import Any
 
 import PIL.Image
 
-from models.errors import InputError
-from models.families import inspect_checkpoint
-from models.family import CheckpointSpec
-from models.memory import Workload
-from pipelines.generation_request import resolve_request
-from pipelines.images import MAX_INPUT_BYTES, open_input_image, read_input_images
-from pipelines.launch_env import is_leader_process, launched_world_size
-from pipelines.limits import check_size, check_steps
-from pipelines.load_options import LoadOptions
-from pipelines.memory_plan import checkpoint_plan, default_workload, parse_size
-from pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
-from pipelines.requests import check_requests_for, read_requests
-from pipelines.variants import resolve_variant
-from ui.access import check_access, is_loopback, read_accounts, read_api_keys
-from ui.limits import Limits
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.families import inspect_checkpoint
+from qwen_image_fusion.models.family import CheckpointSpec
+from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.pipelines.generation_request import resolve_request
+from qwen_image_fusion.pipelines.images import MAX_INPUT_BYTES, open_input_image, read_input_images
+from qwen_image_fusion.pipelines.launch_env import is_leader_process, launched_world_size
+from qwen_image_fusion.pipelines.limits import check_size, check_steps
+from qwen_image_fusion.pipelines.load_options import LoadOptions
+from qwen_image_fusion.pipelines.memory_plan import checkpoint_plan, default_workload, parse_size
+from qwen_image_fusion.pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
+from qwen_image_fusion.pipelines.requests import check_requests_for, read_requests
+from qwen_image_fusion.pipelines.variants import resolve_variant
+from qwen_image_fusion.ui.access import check_access, is_loopback, read_accounts, read_api_keys
+from qwen_image_fusion.ui.limits import Limits
 
 
 def image_paths(out: Path, count: int) -> list[Path]:
@@ -47,7 +47,7 @@ def check_model_args(args: argparse.Namespace) -> CheckpointSpec:
 
 def check_device(device: str | None) -> None:
     """The device names a usable device (imports torch, nothing heavier)."""
-    from pipelines.pipeline import pick_device
+    from qwen_image_fusion.pipelines.pipeline import pick_device
 
     pick_device(device)
 
@@ -57,8 +57,8 @@ def read_loras(specs: list[LoraSpec], spec: CheckpointSpec) -> list[tuple[Any, f
     from its config), so a bad file fails before the model loads."""
     if not specs:
         return []
-    from models.lora import check_lora_fits
-    from models.lora_files import read_lora_file
+    from qwen_image_fusion.models.lora import check_lora_fits
+    from qwen_image_fusion.models.lora_files import read_lora_file
 
     model = spec.family.meta_transformer(spec)
     loras = []
@@ -80,7 +80,7 @@ def load(options: LoadOptions) -> Any:
     if is_leader_process():
         where = "" if options.parallel is None else f" as {options.parallel.describe()}"
         print(f"loading {options.model or 'the embedded default model'}{where} ...", file=sys.stderr)
-    from pipelines.pipeline import Pipeline
+    from qwen_image_fusion.pipelines.pipeline import Pipeline
 
     return Pipeline.load(options)
 
@@ -147,7 +147,7 @@ def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
     world = launched_world_size()
     if world == 1 and args.gpus == 1:
         return None
-    from pipelines.parallel import check_supported, plan_for
+    from qwen_image_fusion.pipelines.parallel import check_supported, plan_for
 
     if world > 1 and args.gpus not in (1, world):
         raise InputError(f"--gpus {args.gpus}, but the launcher started {world} ranks")
@@ -164,7 +164,7 @@ def check_gpus_visible(gpus: int, device: str | None) -> None:
     if device is not None and device.startswith("cpu"):
         raise InputError(
             "--gpus starts one rank per GPU; for gloo ranks on the CPU run "
-            "`torchrun --nproc_per_node N -m ui.cli ... --device cpu`"
+            "`torchrun --nproc_per_node N -m qwen_image_fusion.ui.cli ... --device cpu`"
         )
     visible = torch.cuda.device_count()
     if visible < gpus:
@@ -173,10 +173,10 @@ def check_gpus_visible(gpus: int, device: str | None) -> None:
 
 def launch(args: argparse.Namespace, chosen: Any) -> None:
     """Start the ranks of `chosen`, each running this same command line (ui/launch.py)."""
-    from ui.launch import launch_ranks
+    from qwen_image_fusion.ui.launch import launch_ranks
 
     print(f"starting {chosen.describe()}", file=sys.stderr)
-    launch_ranks(chosen.world_size, [sys.executable, "-m", "ui.cli", *args.argv])
+    launch_ranks(chosen.world_size, [sys.executable, "-m", "qwen_image_fusion.ui.cli", *args.argv])
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -312,8 +312,8 @@ def cmd_info(args: argparse.Namespace) -> None:
         plan = gpu_memory_plan(args, spec, budget, default_workload(spec))
         print("\n".join(plan.describe()), flush=True)
     check_device(args.device)
-    from pipelines.info import describe, describe_plans
-    from pipelines.pipeline import pick_device
+    from qwen_image_fusion.pipelines.info import describe, describe_plans
+    from qwen_image_fusion.pipelines.pipeline import pick_device
 
     plans = describe_plans(args.gpus, spec) if args.gpus > 1 else None
     on_gpu = pick_device(args.device).type == "cuda"
@@ -344,7 +344,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     lora_specs = [parse_lora_spec(text) for text in args.lora or []]
     check_device(args.device)
     loras = read_loras(lora_specs, spec)
-    from pipelines.quantize import quantize_checkpoint
+    from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
     written = quantize_checkpoint(
         args.model,
@@ -387,7 +387,7 @@ def cmd_ui(args: argparse.Namespace) -> None:
         launch(args, chosen)
         return
     check_device(args.device)
-    from ui.app import launch as launch_app
+    from qwen_image_fusion.ui.app import launch as launch_app
 
     if is_leader_process():
         print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
@@ -409,7 +409,7 @@ def ui_workload(spec: CheckpointSpec) -> Workload:
     """The request the demo's memory plan holds: its largest aspect preset (or the model's default size),
     one image, true CFG, the input images of `default_workload`, a step cache's buffers (the demo and the
     server offer one); a larger request is refused with the reason when it would not fit."""
-    from ui.generation import ASPECT_RATIOS
+    from qwen_image_fusion.ui.generation import ASPECT_RATIOS
 
     sizes = [*ASPECT_RATIOS.values(), (spec.defaults.width, spec.defaults.height)]
     width, height = max(sizes, key=lambda size: size[0] * size[1])
@@ -463,7 +463,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         gpu_memory_plan(args, spec, budget, workload)
     lora_files = None if args.lora_dir is None else find_lora_files(Path(args.lora_dir))
     check_device(args.device)
-    from ui.server import serve
+    from qwen_image_fusion.ui.server import serve
 
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
     serve(

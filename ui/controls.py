@@ -6,9 +6,9 @@ from typing import Any
 
 import gradio as gr
 
-from pipelines.limits import MAX_STEPS, MIN_STEPS
-from ui.generation import MAX_IMAGES_PER_REQUEST, RANDOM_SEED, VARIANT_LABELS
-from ui.lora_controls import lora_controls
+from qwen_image_fusion.pipelines.limits import MAX_STEPS, MIN_STEPS
+from qwen_image_fusion.ui.generation import MAX_IMAGES_PER_REQUEST, RANDOM_SEED, VARIANT_LABELS
+from qwen_image_fusion.ui.lora_controls import lora_controls
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from typing import Any
 
 import gradio as gr
 
-from pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
-from ui.controls import settings_controls, settings_fields
-from ui.generation import (
+from qwen_image_fusion.pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
+from qwen_image_fusion.ui.controls import settings_controls, settings_fields
+from qwen_image_fusion.ui.generation import (
     CUSTOM,
     DEFAULT_STRENGTH,
     EDIT_INPUT_NAMES,
@@ -31,7 +31,7 @@ from ui.generation import (
     inpaints_input,
     starts_from_image,
 )
-from ui.uploads import upload_caps
+from qwen_image_fusion.ui.uploads import upload_caps
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from models.errors import InputError
-from pipelines.generation_request import DEFAULT_LAYERS, DEFAULT_STRENGTH, GenerationRequest
-from pipelines.images import MAX_INPUT_BYTES, open_input_image
-from ui.limits import MAX_IMAGES_PER_REQUEST, Limits
-from ui.runner import Job
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.pipelines.generation_request import DEFAULT_LAYERS, DEFAULT_STRENGTH, GenerationRequest
+from qwen_image_fusion.pipelines.images import MAX_INPUT_BYTES, open_input_image
+from qwen_image_fusion.ui.limits import MAX_IMAGES_PER_REQUEST, Limits
+from qwen_image_fusion.ui.runner import Job
 
 CUSTOM = "custom"
 FROM_IMAGES = "from the images"  # the edit form's size choice: what the input images suggest

@@ -1,15 +1,15 @@
 """Start the ranks of a several-GPU run on this machine through torch's elastic launcher (what torchrun runs).
 
-`qwen-image generate --gpus N` and `qwen-image ui --gpus N` hand their own command line to
-`launch_ranks`; each rank finds WORLD_SIZE, RANK and LOCAL_RANK in its environment, joins the process
-group and takes GPU LOCAL_RANK (pipelines/parallel.py). `torchrun --nproc_per_node N -m ui.cli ...`
-does the same. When a rank fails the launcher stops the others at once, so no rank waits on a dead one.
+`qwen-image generate --gpus N` and `qwen-image ui --gpus N` hand their own command line to `launch_ranks`;
+each rank finds WORLD_SIZE, RANK and LOCAL_RANK in its environment, joins the process group and takes GPU
+LOCAL_RANK (pipelines/parallel.py). `torchrun --nproc_per_node N -m qwen_image_fusion.ui.cli ...` does the
+same. When a rank fails the launcher stops the others at once, so no rank waits on a dead one.
 """
 
 import logging
 import uuid
 
-from models.errors import QwenImageError
+from qwen_image_fusion.models.errors import QwenImageError
 
 USER_ERROR_STATUS = 2  # a rank's exit status after it printed a user error (ui/cli.py)
 

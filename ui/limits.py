@@ -5,7 +5,7 @@ import dataclasses
 import math
 from typing import Any
 
-from models.errors import InputError
+from qwen_image_fusion.models.errors import InputError
 
 # Default (max_work in megapixel-steps, time_limit_s) per device type. CUDA: about 2 minutes of FP8
 # fused on an H200 (about 0.11 s per megapixel-step at 1328x1328, BENCHMARKS.md); 1328x1328 x 50 steps x

@@ -12,8 +12,8 @@ from typing import Any
 
 import gradio as gr
 
-from models.cache_presets import CACHE_OFF, CACHE_PRESETS
-from pipelines.presets import PRESETS, presets_for
+from qwen_image_fusion.models.cache_presets import CACHE_OFF, CACHE_PRESETS
+from qwen_image_fusion.pipelines.presets import PRESETS, presets_for
 
 NO_PRESET = "none"
 NO_CACHE = CACHE_OFF

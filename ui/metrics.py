@@ -4,8 +4,8 @@ URL image cache and GPU memory, in Prometheus' text format."""
 import threading
 from typing import Any
 
-from ui.image_cache import ImageCache
-from ui.runner import Runner
+from qwen_image_fusion.ui.image_cache import ImageCache
+from qwen_image_fusion.ui.runner import Runner
 
 
 class HttpCounters:

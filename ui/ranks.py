@@ -10,8 +10,8 @@ exits, the leader tells the followers to quit.
 from collections.abc import Callable
 from typing import Any
 
-from models.errors import QwenImageError
-from ui.generation import Pipeline
+from qwen_image_fusion.models.errors import QwenImageError
+from qwen_image_fusion.ui.generation import Pipeline
 
 
 def serve(pipe: Any, run_app: Callable[[Pipeline], None]) -> None:

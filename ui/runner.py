@@ -17,9 +17,9 @@ from typing import Any
 
 from PIL import Image
 
-from models.errors import QwenImageError
-from pipelines.generation_request import GenerationRequest
-from ui.limits import Limits, work_of
+from qwen_image_fusion.models.errors import QwenImageError
+from qwen_image_fusion.pipelines.generation_request import GenerationRequest
+from qwen_image_fusion.ui.limits import Limits, work_of
 
 # Why a job stopped (Job.stop_reason); the time limit's reason names the limit.
 STOP_PRESSED = "Stop was pressed"
@@ -162,10 +162,10 @@ def batch_key(job: Job) -> tuple | None:
 class Runner:
     """Runs jobs on the process's single pipeline, in arrival order, one batch at a time.
 
-    With a `batch` plan (pipelines.batching.BatchPlan) of more than one image, jobs with the same batching
-    key that arrive within `window_s` of the first (or wait while another batch runs) share its batch, up
-    to `batch.slots(...)` jobs; every batch runs at that fixed size through `pipe.run`, so a job's images
-    do not depend on its companions. Without one (or under several ranks) every job runs alone through
+    With a `batch` plan (qwen_image_fusion.pipelines.batching.BatchPlan) of more than one image, jobs with the
+    same batching key that arrive within `window_s` of the first (or wait while another batch runs) share its
+    batch, up to `batch.slots(...)` jobs; every batch runs at that fixed size through `pipe.run`, so a job's
+    images do not depend on its companions. Without one (or under several ranks) every job runs alone through
     `pipe.run`, as the CLI runs it.
     """
 

@@ -28,10 +28,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from models.errors import QwenImageError
-from pipelines.load_options import LoadOptions
-from ui.access import ApiKeys
-from ui.api_request import (
+from qwen_image_fusion.models.errors import QwenImageError
+from qwen_image_fusion.pipelines.load_options import LoadOptions
+from qwen_image_fusion.ui.access import ApiKeys
+from qwen_image_fusion.ui.api_request import (
     EDIT_FIELDS,
     MAX_INPUT_IMAGES,
     ApiError,
@@ -40,11 +40,11 @@ from ui.api_request import (
     read_image,
     read_job,
 )
-from ui.generation import inpaints_input, starts_from_image
-from ui.image_cache import MEDIA_TYPES, Encoding, ImageCache, encode_all
-from ui.limits import Limits
-from ui.metrics import HttpCounters, prometheus_text
-from ui.runner import DISCONNECTED, SHUTTING_DOWN, Job, QueueFull, Runner, Stopped
+from qwen_image_fusion.ui.generation import inpaints_input, starts_from_image
+from qwen_image_fusion.ui.image_cache import MEDIA_TYPES, Encoding, ImageCache, encode_all
+from qwen_image_fusion.ui.limits import Limits
+from qwen_image_fusion.ui.metrics import HttpCounters, prometheus_text
+from qwen_image_fusion.ui.runner import DISCONNECTED, SHUTTING_DOWN, Job, QueueFull, Runner, Stopped
 
 LOG = logging.getLogger("qwen_image.server")
 
@@ -287,8 +287,8 @@ def build_server(
     if demo is not None:
         import gradio as gr
 
-        from ui.app import takes_images
-        from ui.uploads import upload_options
+        from qwen_image_fusion.ui.app import takes_images
+        from qwen_image_fusion.ui.uploads import upload_options
 
         auth = None if keys is None else (lambda user, password: keys.matches(password))
         uploads = upload_options(
@@ -329,9 +329,9 @@ def serve(
     (`memory`: the plan's summary when it keeps weights off the device, else "")."""
     import uvicorn
 
-    from pipelines.batching import BatchPlan
-    from pipelines.pipeline import Pipeline
-    from ui.lora_controls import load_lora_files
+    from qwen_image_fusion.pipelines.batching import BatchPlan
+    from qwen_image_fusion.pipelines.pipeline import Pipeline
+    from qwen_image_fusion.ui.lora_controls import load_lora_files
 
     pipe = Pipeline.load(options)
     if lora_files:
@@ -342,7 +342,7 @@ def serve(
     runner = Runner(pipe, applied, plan, window_s)
     demo = None
     if ui:
-        from ui.app import build_app
+        from qwen_image_fusion.ui.app import build_app
 
         demo = build_app(pipe, applied, runner)
     app = build_server(pipe, runner, ApiKeys(keys) if keys else None, demo)

@@ -20,8 +20,8 @@ from starlette.middleware import Middleware
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pipelines.images import MAX_INPUT_BYTES
-from pipelines.limits import MAX_INPUT_PIXELS
+from qwen_image_fusion.pipelines.images import MAX_INPUT_BYTES
+from qwen_image_fusion.pipelines.limits import MAX_INPUT_PIXELS
 
 NO_FILES = 1024  # bytes: what Gradio's upload route takes when no input takes files
 MAX_FILES_PER_UPLOAD = 4  # one upload request's files (the page sends one; a model takes at most 4)

@@ -9,16 +9,16 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 
-from models.checkpoint import read_json
-from models.family import DEFAULTS_KEY, GenerationDefaults
-from models.loading import (
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.family import DEFAULTS_KEY, GenerationDefaults
+from qwen_image_fusion.models.loading import (
     load_diffusers_model,
     load_scheduler,
     load_transformer,
     quiet_loading,
     save_transformer,
 )
-from models.qwen_image.config import (
+from qwen_image_fusion.models.qwen_image.config import (
     CONTROLNET_CLASS,
     PIPELINE_CLASS,
     ControlNetConfig,
@@ -26,10 +26,10 @@ from models.qwen_image.config import (
     check_compatible,
     vae_scale_factor,
 )
-from models.qwen_image.controlnet import QwenImageControlNet
-from models.qwen_image.text_encoder import load_text_encoder
-from models.qwen_image.tokenizer import build_qwen2_tokenizer, load_tokenizer
-from models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.qwen_image.controlnet import QwenImageControlNet
+from qwen_image_fusion.models.qwen_image.text_encoder import load_text_encoder
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer, load_tokenizer
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
 
 SCHEDULER_CONFIG: dict[str, Any] = {
     "num_train_timesteps": 1000,

@@ -5,8 +5,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from models.checkpoint import read_json
-from models.errors import CheckpointError
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.errors import CheckpointError
 
 PIPELINE_CLASS = "QwenImagePipeline"  # model_index.json `_class_name` of a text-to-image checkpoint
 CONTROLNET_PIPELINE_CLASS = "QwenImageControlNetPipeline"  # the same with a `controlnet/` folder

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.blocks import gate_blocks
-from models.fusion import FusionReport
-from models.modelopt import QuantConfig
-from models.numerics import set_numerics
-from models.qwen_image.config import ControlNetConfig
-from models.qwen_image.math import Rope, joint_key_mask
-from models.qwen_image.transformer import QwenImageTransformerBlock, RMSNorm, TimeTextEmbed
+from qwen_image_fusion.models.blocks import gate_blocks
+from qwen_image_fusion.models.fusion import FusionReport
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.numerics import set_numerics
+from qwen_image_fusion.models.qwen_image.config import ControlNetConfig
+from qwen_image_fusion.models.qwen_image.math import Rope, joint_key_mask
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformerBlock, RMSNorm, TimeTextEmbed
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,16 @@ weight."""
 from dataclasses import replace
 from pathlib import Path
 
-from models.checkpoint import is_fp8_transformer, read_json
-from models.errors import CheckpointError
-from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
-from models.qwen_image.config import (
+from qwen_image_fusion.models.checkpoint import is_fp8_transformer, read_json
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel, GenerationDefaults
+from qwen_image_fusion.models.qwen_image.config import (
     CONTROLNET_INPAINT_PIPELINE_CLASS,
     CONTROLNET_PIPELINE_CLASS,
     ControlNetConfig,
     QwenImageConfig,
 )
-from models.qwen_image.family import QwenImageFamily
+from qwen_image_fusion.models.qwen_image.family import QwenImageFamily
 
 MATCHING = ("inner_dim", "attention_head_dim", "axes_dims_rope", "joint_attention_dim", "in_channels")
 

@@ -2,11 +2,22 @@
 
 from pathlib import Path
 
-from models.checkpoint import check_layout, is_fp8_transformer, read_model_index
-from models.errors import CheckpointError
-from models.family import DEFAULTS_KEY, CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
-from models.qwen_image.config import LAYERED_FLAGS, PIPELINE_CLASS, QwenImageConfig, read_configs
-from models.qwen_image.presets import LIGHTNING_PRESETS
+from qwen_image_fusion.models.checkpoint import check_layout, is_fp8_transformer, read_model_index
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.family import (
+    DEFAULTS_KEY,
+    CheckpointSpec,
+    FamilyModel,
+    GenerationDefaults,
+    ModelFamily,
+)
+from qwen_image_fusion.models.qwen_image.config import (
+    LAYERED_FLAGS,
+    PIPELINE_CLASS,
+    QwenImageConfig,
+    read_configs,
+)
+from qwen_image_fusion.models.qwen_image.presets import LIGHTNING_PRESETS
 
 COMPONENT_DIRS = ("transformer", "text_encoder", "tokenizer", "vae", "scheduler")
 DEFAULT_SAMPLE_SIZE = 128  # latent cells per side by default, as diffusers' pipeline (1024 px at 8x)
@@ -60,7 +71,7 @@ class QwenImageFamily(ModelFamily):
             )
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
-        from models.qwen_image.model import QwenImageModel
+        from qwen_image_fusion.models.qwen_image.model import QwenImageModel
 
         return QwenImageModel.load(spec.directory, dtype, device, vae_dtype)
 
@@ -79,13 +90,13 @@ class QwenImageFamily(ModelFamily):
         )
 
     def meta_transformer(self, spec: CheckpointSpec):
-        from models.loading import meta_transformer
-        from models.qwen_image.components import build_transformer
+        from qwen_image_fusion.models.loading import meta_transformer
+        from qwen_image_fusion.models.qwen_image.components import build_transformer
 
         return meta_transformer(spec.directory / "transformer", build_transformer)
 
     def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
-        from models.qwen_image.memory import memory_profile
+        from qwen_image_fusion.models.qwen_image.memory import memory_profile
 
         return memory_profile(spec.directory, dtype_bytes, vae_dtype_bytes)
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from models.sequence_parallel import active_shards
+from qwen_image_fusion.models.sequence_parallel import active_shards
 
 ROPE_THETA = 10000
 ROPE_TABLE_LENGTH = 4096

@@ -14,9 +14,9 @@ planner's reserve. The H200 benchmark (bench/memory_bench.py) checks the peaks a
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.checkpoint import read_json
-from models.family import MAX_SEQUENCE_LENGTH
-from models.memory import (
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.family import MAX_SEQUENCE_LENGTH
+from qwen_image_fusion.models.memory import (
     DECODE,
     DENOISE,
     ENCODE,
@@ -27,7 +27,7 @@ from models.memory import (
     component_tensors,
     part_sizes,
 )
-from models.qwen_image.prompt_template import DROP_TOKENS
+from qwen_image_fusion.models.qwen_image.prompt_template import DROP_TOKENS
 
 TEXT_BYTES_PER_HIDDEN = 124  # per token: measured 108
 STEP_BYTES_PER_WIDTH = 32  # per joint token: measured 27.7

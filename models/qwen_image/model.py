@@ -17,7 +17,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
-from models.family import (
+from qwen_image_fusion.models.family import (
     Conditioning,
     ControlStart,
     FamilyModel,
@@ -28,13 +28,13 @@ from models.family import (
     StepControl,
     parameter_summary,
 )
-from models.mask_crop import MaskCrop
-from models.pixels import pil_images
-from models.qwen_image.components import Components, load_components, save_components
-from models.qwen_image.controlnet import ControlImage
-from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
-from models.qwen_image.text_encoder import encode_prompts, encode_prompts_batched
-from models.vae_decode import decode_frames
+from qwen_image_fusion.models.mask_crop import MaskCrop
+from qwen_image_fusion.models.pixels import pil_images
+from qwen_image_fusion.models.qwen_image.components import Components, load_components, save_components
+from qwen_image_fusion.models.qwen_image.controlnet import ControlImage
+from qwen_image_fusion.models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
+from qwen_image_fusion.models.qwen_image.text_encoder import encode_prompts, encode_prompts_batched
+from qwen_image_fusion.models.vae_decode import decode_frames
 
 OUTSIDE_BLOCKS = (
     "img_in",

@@ -3,7 +3,7 @@
 import math
 from typing import Any
 
-from models.presets import Preset
+from qwen_image_fusion.models.presets import Preset
 
 # The scheduler configuration Qwen-Image-Lightning was distilled for ("We use shift=3 in distillation"),
 # from ModelTC/Qwen-Image-Lightning generate_with_diffusers.py (docs/DESIGN.md §7 gives the source); the

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from models.errors import InputError
-from models.family import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
-from models.loading import load_pretrained_model
-from models.qwen_image.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
+from qwen_image_fusion.models.loading import load_pretrained_model
+from qwen_image_fusion.models.qwen_image.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
 
 LOG = logging.getLogger("qwen_image")
 VOCAB_SIZE = 152064  # Qwen2.5-VL-7B (the 3B model has 151936)

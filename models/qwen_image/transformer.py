@@ -1,8 +1,8 @@
 """Qwen-Image MMDiT: the whole model in one file, with diffusers' parameter names (DESIGN §1).
 
-Norm, modulate, gated-residual and q/k norm+RoPE steps go through `kernels.seam`; the producer modules
-(`NormModulate`, `ResidualNormModulate`) are where `post_load_weights` plugs in fused FP8 paths,
-so the block forward below stays free of special cases.
+Norm, modulate, gated-residual and q/k norm+RoPE steps go through `qwen_image_fusion.kernels.seam`; the
+producer modules (`NormModulate`, `ResidualNormModulate`) are where `post_load_weights` plugs in fused FP8
+paths, so the block forward below stays free of special cases.
 
 Edit-2511's `zero_cond_t` is data, not a branch: the image stream's conditioning `temb` has 2B rows (the
 step's t, then t = 0) and `mod_index` [B, L] names each image token's modulation row (target tokens row b,
@@ -14,9 +14,9 @@ then reference grids) is host data, so a step stays free of host syncs and captu
 import torch
 from torch import nn
 
-from kernels.numerics import Numerics
-from kernels.reference import rms_norm_reference
-from kernels.seam import (
+from qwen_image_fusion.kernels.numerics import Numerics
+from qwen_image_fusion.kernels.reference import rms_norm_reference
+from qwen_image_fusion.kernels.seam import (
     gelu,
     gelu_quant,
     norm_modulate,
@@ -25,18 +25,18 @@ from kernels.seam import (
     residual_norm_modulate,
     residual_norm_modulate_quant,
 )
-from models.blocks import EPS, Producer, QKNorm, gate_blocks
-from models.errors import InputError
-from models.fp8 import Fp8Linear, QuantizedActivation
-from models.fusion import (
+from qwen_image_fusion.models.blocks import EPS, Producer, QKNorm, gate_blocks
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.fp8 import Fp8Linear, QuantizedActivation
+from qwen_image_fusion.models.fusion import (
     FusionReport,
     PathDecision,
     configure_fp8_norm_quant,
 )
-from models.modelopt import QuantConfig
-from models.numerics import NumericsAware, set_numerics
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.math import (
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.numerics import NumericsAware, set_numerics
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.math import (
     Grid,
     ImageLayout,
     Rope,
@@ -46,8 +46,8 @@ from models.qwen_image.math import (
     rope_tables,
     timestep_embedding,
 )
-from models.sequence_parallel import SequencePlan
-from models.step_cache import Streams, run_blocks
+from qwen_image_fusion.models.sequence_parallel import SequencePlan
+from qwen_image_fusion.models.step_cache import Streams, run_blocks
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
 
 class NormModulate(Producer):
     """Producer 1: `modulate(LN(x), shift, scale)` feeding Q/K/V (or the output projection); modulation
-    rows per sample, or per token through `mod_index` (kernels.seam)."""
+    rows per sample, or per token through `mod_index` (qwen_image_fusion.kernels.seam)."""
 
     def forward(
         self,

@@ -12,10 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.checkpoint import check_layout, check_vision_processor, read_json, read_model_index
-from models.errors import CheckpointError
-from models.family import DEFAULTS_KEY, GenerationDefaults
-from models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.checkpoint import (
+    check_layout,
+    check_vision_processor,
+    read_json,
+    read_model_index,
+)
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.family import DEFAULTS_KEY, GenerationDefaults
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
 
 PIPELINE_CLASS = "QwenImage21Pipeline"
 COMPONENT_DIRS = ("transformer", "text_encoder", "processor", "vae", "scheduler")

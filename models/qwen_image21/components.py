@@ -11,8 +11,8 @@ import torch
 from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from models.family import DEFAULTS_KEY, GenerationDefaults
-from models.loading import (
+from qwen_image_fusion.models.family import DEFAULTS_KEY, GenerationDefaults
+from qwen_image_fusion.models.loading import (
     load_diffusers_model,
     load_pretrained_model,
     load_scheduler,
@@ -20,11 +20,11 @@ from models.loading import (
     quiet_loading,
     save_transformer,
 )
-from models.qwen_image21.checkpoint import PIPELINE_CLASS
-from models.qwen_image21.config import CLASS_NAME
-from models.qwen_image21.loading import build_transformer21
-from models.qwen_image21.transformer import QwenImage21Transformer
-from models.vl_processor import load_vl_processor
+from qwen_image_fusion.models.qwen_image21.checkpoint import PIPELINE_CLASS
+from qwen_image_fusion.models.qwen_image21.config import CLASS_NAME
+from qwen_image_fusion.models.qwen_image21.loading import build_transformer21
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
+from qwen_image_fusion.models.vl_processor import load_vl_processor
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 

@@ -18,9 +18,9 @@ from diffusers import AutoencoderKLQwenImage21
 from diffusers.image_processor import VaeImageProcessor
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from models.errors import InputError
-from models.family import calculate_dimensions
-from models.qwen_image.text_encoder import padded_prompt_rows
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import calculate_dimensions
+from qwen_image_fusion.models.qwen_image.text_encoder import padded_prompt_rows
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 TEMPLATE = (

@@ -5,7 +5,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from models.errors import CheckpointError
+from qwen_image_fusion.models.errors import CheckpointError
 
 CLASS_NAME = "QwenImage21Transformer2DModel"
 _POSITIVE_INTS = (

@@ -4,10 +4,10 @@ class with `sample_sigmas` in its model_index.json."""
 
 from pathlib import Path
 
-from models.checkpoint import is_fp8_transformer
-from models.family import CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
-from models.qwen_image.family import QwenImageFamily
-from models.qwen_image21.checkpoint import (
+from qwen_image_fusion.models.checkpoint import is_fp8_transformer
+from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
+from qwen_image_fusion.models.qwen_image.family import QwenImageFamily
+from qwen_image_fusion.models.qwen_image21.checkpoint import (
     MAX_CONDITION_IMAGES,
     PIPELINE_CLASS,
     SIZE_MULTIPLE,
@@ -26,7 +26,7 @@ class QwenImage21Family(ModelFamily):
         return self._spec(directory, name, heads, configs.defaults, fp8)
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
-        from models.qwen_image21.model import QwenImage21Model
+        from qwen_image_fusion.models.qwen_image21.model import QwenImage21Model
 
         sigmas = read_configs21(spec.directory).sample_sigmas
         return QwenImage21Model.load(spec.directory, dtype, device, vae_dtype, sigmas)
@@ -52,13 +52,13 @@ class QwenImage21Family(ModelFamily):
         )
 
     def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
-        from models.qwen_image21.memory import memory_profile
+        from qwen_image_fusion.models.qwen_image21.memory import memory_profile
 
         return memory_profile(spec.directory, dtype_bytes, vae_dtype_bytes)
 
     def meta_transformer(self, spec: CheckpointSpec):
-        from models.loading import meta_transformer
-        from models.qwen_image21.loading import build_transformer21
+        from qwen_image_fusion.models.loading import meta_transformer
+        from qwen_image_fusion.models.qwen_image21.loading import build_transformer21
 
         return meta_transformer(spec.directory / "transformer", build_transformer21)
 

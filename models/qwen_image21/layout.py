@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.scale_modulate import ModulationRows
-from models.errors import InputError
-from models.qwen_image21.checkpoint import SLOT_TOKENS
+from qwen_image_fusion.kernels.scale_modulate import ModulationRows
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.qwen_image21.checkpoint import SLOT_TOKENS
 
 ROPE_THETA = 10000
 ROPE_POSITIVE, ROPE_NEGATIVE = 8192, 1024  # diffusers' `QwenImage21Rope` table sizes

@@ -2,11 +2,12 @@
 
 from typing import Any
 
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image21.transformer import QwenImage21Transformer
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
 
 
 def build_transformer21(raw: dict[str, Any]) -> QwenImage21Transformer:
     """Our 2.1 DiT for a diffusers transformer config.json (a bad value is refused in one line); load its
-    weights with `models.loading.load_transformer(directory, build_transformer21, dtype, device)`."""
+    weights with `qwen_image_fusion.models.loading.load_transformer(directory, build_transformer21, dtype,
+    device)`."""
     return QwenImage21Transformer(QwenImage21Config.from_dict(raw))

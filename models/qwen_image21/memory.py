@@ -23,13 +23,18 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.checkpoint import read_json
-from models.env import env_flag
-from models.memory import MemoryProfile, Workload
-from models.qwen_image.memory import component_parts
-from models.qwen_image21.checkpoint import KV_CACHE_ENV, OUTPUT_RESOLUTION, SLOT_TOKENS, VAE_SCALE
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image_edit.memory import AREA_SLACK
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.env import env_flag
+from qwen_image_fusion.models.memory import MemoryProfile, Workload
+from qwen_image_fusion.models.qwen_image.memory import component_parts
+from qwen_image_fusion.models.qwen_image21.checkpoint import (
+    KV_CACHE_ENV,
+    OUTPUT_RESOLUTION,
+    SLOT_TOKENS,
+    VAE_SCALE,
+)
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image_edit.memory import AREA_SLACK
 
 TEXT_BYTES_PER_HIDDEN = 150  # per text-encoder token: measured 130.4
 VISION_BYTES_PER_WIDTH = 50  # per patch: measured 43.9

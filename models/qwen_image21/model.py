@@ -16,13 +16,23 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
 
-from models.env import env_flag
-from models.errors import InputError
-from models.family import FamilyModel, GenerationDefaults, StepCall, calculate_dimensions, parameter_summary
-from models.pixels import pil_images
-from models.qwen_image21.checkpoint import KV_CACHE_ENV, OUTPUT_RESOLUTION, VAE_SCALE
-from models.qwen_image21.components import Components21, load_components21, save_components21
-from models.qwen_image21.conditioning import (
+from qwen_image_fusion.models.env import env_flag
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import (
+    FamilyModel,
+    GenerationDefaults,
+    StepCall,
+    calculate_dimensions,
+    parameter_summary,
+)
+from qwen_image_fusion.models.pixels import pil_images
+from qwen_image_fusion.models.qwen_image21.checkpoint import KV_CACHE_ENV, OUTPUT_RESOLUTION, VAE_SCALE
+from qwen_image_fusion.models.qwen_image21.components import (
+    Components21,
+    load_components21,
+    save_components21,
+)
+from qwen_image_fusion.models.qwen_image21.conditioning import (
     ConditionImages,
     encode_condition_latents,
     encode_prompts21,
@@ -31,8 +41,8 @@ from models.qwen_image21.conditioning import (
     system_tokens,
     unpack_unpatched,
 )
-from models.qwen_image21.quantization import QUANTIZATION
-from models.qwen_image21.steps import Conditioning21, RequestSteps, StepPlanner
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
+from qwen_image_fusion.models.qwen_image21.steps import Conditioning21, RequestSteps, StepPlanner
 
 
 class QwenImage21Model(FamilyModel):

@@ -9,7 +9,7 @@ producer. Shared inputs: Q/K/V (producer a) and the MLP's gate_layer/proj (produ
 so each group shares one input scale for the fused producer to write their FP8 input once.
 """
 
-from models.family import QuantRecipe
+from qwen_image_fusion.models.family import QuantRecipe
 
 OUTSIDE_BLOCKS = ("img_in", "txt_in.*", "time_text_embed.*", "modulation.1", "norm_out.linear", "proj_out")
 QUANTIZATION = QuantRecipe(

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.scale_modulate import ModulationRows
-from models.family import Conditioning, StepCall
-from models.qwen_image21.checkpoint import SLOT_TOKENS
-from models.qwen_image21.layout import PrefixKVCache, TokenLayout, target_pass
-from models.qwen_image21.transformer import QwenImage21Transformer
+from qwen_image_fusion.kernels.scale_modulate import ModulationRows
+from qwen_image_fusion.models.family import Conditioning, StepCall
+from qwen_image_fusion.models.qwen_image21.checkpoint import SLOT_TOKENS
+from qwen_image_fusion.models.qwen_image21.layout import PrefixKVCache, TokenLayout, target_pass
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
 
 MAX_SLOTS = 4  # cache buffers kept for reuse (CFG branches of two request shapes), unless planned
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLProcessor
 
-from models.qwen_image.tokenizer import build_qwen2_tokenizer
-from models.vl_processor import without_video
+from qwen_image_fusion.models.qwen_image.tokenizer import build_qwen2_tokenizer
+from qwen_image_fusion.models.vl_processor import without_video
 
 # Enough of Qwen3-VL's chat template for what the pipeline renders: messages of text and image parts.
 CHAT_TEMPLATE = (

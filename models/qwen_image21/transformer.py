@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import zero_centered_rms_norm_reference
-from kernels.scale_modulate import ModulationRows, TanhGate
-from kernels.seam import (
+from qwen_image_fusion.kernels.reference import zero_centered_rms_norm_reference
+from qwen_image_fusion.kernels.scale_modulate import ModulationRows, TanhGate
+from qwen_image_fusion.kernels.seam import (
     Numerics,
     norm_scale,
     norm_scale_quant,
@@ -26,13 +26,13 @@ from kernels.seam import (
     tanh_residual_norm_scale,
     tanh_residual_norm_scale_quant,
 )
-from models.blocks import Producer, QKNorm, gate_blocks
-from models.fp8 import Fp8Linear, QuantizedActivation
-from models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant
-from models.modelopt import QuantConfig
-from models.numerics import NumericsAware, set_numerics
-from models.qwen_image21.config import QwenImage21Config
-from models.qwen_image21.layout import (
+from qwen_image_fusion.models.blocks import Producer, QKNorm, gate_blocks
+from qwen_image_fusion.models.fp8 import Fp8Linear, QuantizedActivation
+from qwen_image_fusion.models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.numerics import NumericsAware, set_numerics
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.layout import (
     PassPlan,
     PrefixKVCache,
     TokenLayout,
@@ -40,7 +40,7 @@ from models.qwen_image21.layout import (
     build_layout,
     rope_tables,
 )
-from models.step_cache import run_blocks
+from qwen_image_fusion.models.step_cache import run_blocks
 
 TIMESTEP_CHANNELS = 256
 

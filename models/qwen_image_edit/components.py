@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from models.checkpoint import read_json
-from models.loading import quiet_loading
-from models.qwen_image.components import Components, load_components
-from models.qwen_image_edit.conditioning import load_processor
-from models.qwen_image_edit.config import EDIT_KINDS, EditKind
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.loading import quiet_loading
+from qwen_image_fusion.models.qwen_image.components import Components, load_components
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
+from qwen_image_fusion.models.qwen_image_edit.config import EDIT_KINDS, EditKind
 
 PROCESSOR_CLASS = "Qwen2VLProcessor"  # what diffusers' Edit checkpoints name in model_index.json
 

@@ -37,12 +37,12 @@ from transformers import (
     Qwen2VLProcessor,
 )
 
-from models.errors import InputError
-from models.family import calculate_dimensions
-from models.qwen_image.math import pack_latents
-from models.qwen_image.text_encoder import padded_prompt_rows
-from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind
-from models.vl_processor import load_vl_processor
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import calculate_dimensions
+from qwen_image_fusion.models.qwen_image.math import pack_latents
+from qwen_image_fusion.models.qwen_image.text_encoder import padded_prompt_rows
+from qwen_image_fusion.models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind
+from qwen_image_fusion.models.vl_processor import load_vl_processor
 
 Grid = tuple[int, int, int]
 

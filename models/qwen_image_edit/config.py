@@ -5,9 +5,9 @@ tower fit the rest before any weight is read."""
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.checkpoint import read_json
-from models.errors import CheckpointError
-from models.family import calculate_dimensions
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.family import calculate_dimensions
 
 VAE_AREA = 1024 * 1024  # the pixels the VAE sees per input image, and the default output area
 CONDITION_AREA = 384 * 384  # Plus: the pixels the vision tower sees per input image

@@ -9,11 +9,11 @@ its size for the default output), so a request without one is refused in one lin
 from dataclasses import replace
 from pathlib import Path
 
-from models.checkpoint import read_model_index
-from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
-from models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
-from models.qwen_image_edit.config import EDIT_KINDS, EditKind, check_processor_fits
-from models.qwen_image_edit.presets import EDIT_LIGHTNING_PRESETS
+from qwen_image_fusion.models.checkpoint import read_model_index
+from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel, GenerationDefaults
+from qwen_image_fusion.models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
+from qwen_image_fusion.models.qwen_image_edit.config import EDIT_KINDS, EditKind, check_processor_fits
+from qwen_image_fusion.models.qwen_image_edit.presets import EDIT_LIGHTNING_PRESETS
 
 
 class QwenImageEditFamily(QwenImageFamily):
@@ -29,12 +29,12 @@ class QwenImageEditFamily(QwenImageFamily):
         return edit_spec(spec, kind)
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
-        from models.qwen_image_edit.model import QwenImageEditModel
+        from qwen_image_fusion.models.qwen_image_edit.model import QwenImageEditModel
 
         return QwenImageEditModel.load(spec.directory, dtype, device, vae_dtype)
 
     def memory_profile(self, spec: CheckpointSpec, dtype_bytes: int, vae_dtype_bytes: int):
-        from models.qwen_image_edit.memory import memory_profile
+        from qwen_image_fusion.models.qwen_image_edit.memory import memory_profile
 
         kind = EDIT_KINDS[read_model_index(spec.directory)["_class_name"]]
         return memory_profile(spec.directory, kind, dtype_bytes, vae_dtype_bytes)

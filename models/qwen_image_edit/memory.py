@@ -15,15 +15,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.checkpoint import read_json
-from models.memory import MemoryProfile, Workload
-from models.qwen_image.memory import (
+from qwen_image_fusion.models.checkpoint import read_json
+from qwen_image_fusion.models.memory import MemoryProfile, Workload
+from qwen_image_fusion.models.qwen_image.memory import (
     ENCODE_BYTES_PER_BASE,
     QwenImageActivations,
     activation_fields,
     component_parts,
 )
-from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind
+from qwen_image_fusion.models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, EditKind
 
 VISION_BYTES_PER_WIDTH = 40  # per patch: measured 34.5
 AREA_SLACK = 1.1  # sides rounded to multiples of 32 give a little more than the nominal area

@@ -14,19 +14,24 @@ from pathlib import Path
 import PIL.Image
 import torch
 
-from models.family import Conditioning, ImageStart
-from models.mask_crop import MaskCrop
-from models.qwen_image.math import ImageLayout
-from models.qwen_image.model import AppendedImageSteps, LatentCanvas, QwenImageModel, latent_size
-from models.qwen_image_edit.components import EditComponents, load_edit_components
-from models.qwen_image_edit.conditioning import (
+from qwen_image_fusion.models.family import Conditioning, ImageStart
+from qwen_image_fusion.models.mask_crop import MaskCrop
+from qwen_image_fusion.models.qwen_image.math import ImageLayout
+from qwen_image_fusion.models.qwen_image.model import (
+    AppendedImageSteps,
+    LatentCanvas,
+    QwenImageModel,
+    latent_size,
+)
+from qwen_image_fusion.models.qwen_image_edit.components import EditComponents, load_edit_components
+from qwen_image_fusion.models.qwen_image_edit.conditioning import (
     EditImages,
     encode_edit_prompts,
     encode_reference_latents,
     load_edit_image,
     prepare_edit_images,
 )
-from models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, default_output_size
+from qwen_image_fusion.models.qwen_image_edit.config import CONDITION_AREA, VAE_AREA, default_output_size
 
 
 @dataclass(frozen=True)

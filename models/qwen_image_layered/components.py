@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from models.loading import quiet_loading
-from models.qwen_image.components import Components, load_components
-from models.qwen_image.config import LAYERED_PIPELINE_CLASS
-from models.qwen_image_edit.components import PROCESSOR_CLASS, write_processor
-from models.qwen_image_edit.conditioning import load_processor
+from qwen_image_fusion.models.loading import quiet_loading
+from qwen_image_fusion.models.qwen_image.components import Components, load_components
+from qwen_image_fusion.models.qwen_image.config import LAYERED_PIPELINE_CLASS
+from qwen_image_fusion.models.qwen_image_edit.components import PROCESSOR_CLASS, write_processor
+from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
 
 
 @dataclass

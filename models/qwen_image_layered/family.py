@@ -8,9 +8,9 @@ one line): memory plans (no memory profile: CUDA loads everything) and Ulysses s
 from dataclasses import replace
 from pathlib import Path
 
-from models.family import CheckpointSpec, FamilyModel, GenerationDefaults
-from models.qwen_image.config import LAYERED_PIPELINE_CLASS, QwenImageConfig
-from models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
+from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel, GenerationDefaults
+from qwen_image_fusion.models.qwen_image.config import LAYERED_PIPELINE_CLASS, QwenImageConfig
+from qwen_image_fusion.models.qwen_image.family import COMPONENT_DIRS, QwenImageFamily
 
 
 class QwenImageLayeredFamily(QwenImageFamily):
@@ -26,7 +26,7 @@ class QwenImageLayeredFamily(QwenImageFamily):
         """Any Qwen-Image transformer: diffusers' Layered pipeline runs with or without the layer flags."""
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
-        from models.qwen_image_layered.model import QwenImageLayeredModel
+        from qwen_image_fusion.models.qwen_image_layered.model import QwenImageLayeredModel
 
         return QwenImageLayeredModel.load(spec.directory, dtype, device, vae_dtype)
 

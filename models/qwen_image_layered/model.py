@@ -17,21 +17,21 @@ import PIL.Image
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from models.errors import InputError
-from models.family import calculate_dimensions
-from models.pixels import pil_images
-from models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
-from models.qwen_image.model import (
+from qwen_image_fusion.models.errors import InputError
+from qwen_image_fusion.models.family import calculate_dimensions
+from qwen_image_fusion.models.pixels import pil_images
+from qwen_image_fusion.models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
+from qwen_image_fusion.models.qwen_image.model import (
     AppendedImageSteps,
     LatentCanvas,
     QwenImageModel,
     latent_size,
     latent_statistics,
 )
-from models.qwen_image_edit.conditioning import encode_reference_latents
-from models.qwen_image_layered.caption import caption_image
-from models.qwen_image_layered.components import LayeredComponents, load_layered_components
-from models.vae_decode import decode_frames
+from qwen_image_fusion.models.qwen_image_edit.conditioning import encode_reference_latents
+from qwen_image_fusion.models.qwen_image_layered.caption import caption_image
+from qwen_image_fusion.models.qwen_image_layered.components import LayeredComponents, load_layered_components
+from qwen_image_fusion.models.vae_decode import decode_frames
 
 DEFAULT_RESOLUTION = 640  # diffusers' default bucket: the output is about 640 x 640 at the image's aspect
 BASE_TOKENS = 256  # the time shift's base token count: mu = sqrt(condition tokens / 256)

@@ -20,21 +20,21 @@ from test_kernels_norm_modulate import EPS, exact_statistics_rows, make_inputs
 from test_kernels_quant import all_bf16
 from test_qk_norm_rope import make_inputs as qk_inputs
 
-from kernels.gelu_quant import (
+from qwen_image_fusion.kernels.gelu_quant import (
     GELU_CUBIC,
     SQRT_2_OVER_PI,
     gelu_tanh_quant_triton,
     gelu_tanh_torch,
     tanh_fp32,
 )
-from kernels.norm_modulate import (
+from qwen_image_fusion.kernels.norm_modulate import (
     gated_residual_layer_norm_modulate_torch,
     gated_residual_layer_norm_modulate_triton,
     layer_norm_modulate_torch,
     layer_norm_modulate_triton,
 )
-from kernels.qk_norm_rope import rms_norm_rope_torch, rms_norm_rope_triton
-from kernels.quant import inverse_scale
+from qwen_image_fusion.kernels.qk_norm_rope import rms_norm_rope_torch, rms_norm_rope_triton
+from qwen_image_fusion.kernels.quant import inverse_scale
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

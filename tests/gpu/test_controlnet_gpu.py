@@ -10,9 +10,9 @@ from helpers import png_sha256
 from test_controlnet import diffusers_controlnet_pipeline
 from test_img2img_oracle import ellipse_mask, photo
 
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
-from pipelines.requests import Request
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines.requests import Request
 
 pytestmark = pytest.mark.gpu
 MAPS = [edge_map(257, 177, seed=4), depth_map(257, 177)]

@@ -16,15 +16,20 @@ from diffusers import QwenImageTransformer2DModel
 from edit_fixtures import EDIT_2511, EDIT_LAYOUT, edit_step_inputs, meta_transformer
 from helpers import step_without_host_sync
 
-import kernels.norm_modulate as norm_modulate
-from models.calibration import fp8_state_dict, quantizable_linears, record_input_amax, share_group_amax
-from models.loading import transformer_from_state
-from models.modelopt import QuantConfig
-from models.qwen_image.config import QwenImageConfig
-from models.qwen_image.math import ImageLayout
-from models.qwen_image.model import QUANTIZATION
-from models.qwen_image.transformer import QwenImageTransformer
-from pipelines.cuda_graph import GraphedStep
+import qwen_image_fusion.kernels.norm_modulate as norm_modulate
+from qwen_image_fusion.models.calibration import (
+    fp8_state_dict,
+    quantizable_linears,
+    record_input_amax,
+    share_group_amax,
+)
+from qwen_image_fusion.models.loading import transformer_from_state
+from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
+from qwen_image_fusion.models.qwen_image.math import ImageLayout
+from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
+from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.pipelines.cuda_graph import GraphedStep
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

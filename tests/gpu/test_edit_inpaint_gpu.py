@@ -12,9 +12,9 @@ from edit_fixtures import build_edit_checkpoint, diffusers_edit_pipeline, drawn_
 from helpers import png_sha256
 from test_img2img_oracle import ellipse_mask
 
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
-from pipelines.requests import edit_requests_for
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines.requests import edit_requests_for
 
 pytestmark = pytest.mark.gpu
 IMAGE, MASK = drawn_image(1024, 768, 11), ellipse_mask(1024, 768)

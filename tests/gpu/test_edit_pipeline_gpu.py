@@ -15,9 +15,9 @@ import torch
 from edit_fixtures import build_edit_checkpoint, drawn_image
 from helpers import NoHostSync, png_sha256
 
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
-from pipelines.requests import edit_requests_for
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines.requests import edit_requests_for
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -1,8 +1,8 @@
 """The Qwen2-VL processor's two image backends on the machine that has torchvision (the H200 box): does
 transformers' torchvision backend (what `AutoProcessor` / diffusers' loading pick) give the same
-`pixel_values` and `image_grid_thw` as the PIL backend (`Qwen2VLImageProcessorPil`, what a CPU install
-without torchvision uses through `models.qwen_image_edit.conditioning.load_processor`)? Checked on the
-fixture's processor folder for small, odd, large, RGBA- and palette-converted images and the Edit / Plus
+`pixel_values` and `image_grid_thw` as the PIL backend (`Qwen2VLImageProcessorPil`, what a CPU install without
+torchvision uses through `qwen_image_fusion.models.qwen_image_edit.conditioning.load_processor`)? Checked on
+the fixture's processor folder for small, odd, large, RGBA- and palette-converted images and the Edit / Plus
 prepared images; then diffusers' own `from_pretrained` (no processor handed in) against our embeddings with
 the backend `load_processor` picks where torchvision is installed.
 
@@ -17,14 +17,14 @@ from diffusers import QwenImageEditPlusPipeline
 from edit_fixtures import build_edit_checkpoint, drawn_image
 from transformers import Qwen2VLProcessor
 
-from models.qwen_image_edit.conditioning import (
+from qwen_image_fusion.models.qwen_image_edit.conditioning import (
     encode_edit_prompts,
     load_edit_image,
     load_processor,
     prepare_edit_images,
 )
-from models.qwen_image_edit.config import EDIT_KINDS
-from models.vl_processor import torchvision_available
+from qwen_image_fusion.models.qwen_image_edit.config import EDIT_KINDS
+from qwen_image_fusion.models.vl_processor import torchvision_available
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,14 +22,14 @@ from test_kernels_gelu import within_tanh_slack
 from test_kernels_norm_modulate import EPS, explained_by_ln_statistics
 from test_kernels_quant import INPUT_SCALES, all_bf16
 
-import kernels.norm_modulate as norm_modulate
-from kernels.gelu_quant import (
+import qwen_image_fusion.kernels.norm_modulate as norm_modulate
+from qwen_image_fusion.kernels.gelu_quant import (
     _gelu_tanh_quant_kernel,
     gelu_tanh_quant_triton,
     gelu_tanh_torch,
     gelu_tanh_triton,
 )
-from kernels.norm_modulate import (
+from qwen_image_fusion.kernels.norm_modulate import (
     _gated_residual_layer_norm_modulate_kernel,
     _layer_norm_modulate_kernel,
     gated_residual_layer_norm_modulate_torch,
@@ -39,7 +39,7 @@ from kernels.norm_modulate import (
     layer_norm_modulate_torch,
     layer_norm_modulate_triton,
 )
-from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
+from qwen_image_fusion.kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
 
 pytestmark = pytest.mark.gpu
 ROWS = [1, 127, 1024, 4096]

@@ -11,9 +11,9 @@ from layered_fixtures import (
     small_size,
 )
 
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
-from pipelines.requests import Request
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines.requests import Request
 
 pytestmark = pytest.mark.gpu
 IMAGE = drawn_image(300, 200, 6, "RGBA")

@@ -12,9 +12,9 @@ import torch
 from helpers import png_sha256, step_without_host_sync
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 
-from pipelines import load_pipeline
-from pipelines.lora import fp8_input_clipping
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.lora import fp8_input_clipping
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

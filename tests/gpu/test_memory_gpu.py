@@ -21,14 +21,14 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import placed_pipeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.fp8_gemv import fp8_gemv_torch, fp8_gemv_triton
-from models.fp8_weight_only import quantize_per_channel
-from models.memory import DENOISE, Workload
-from models.streaming import CudaLink
-from pipelines import load_pipeline
-from pipelines.memory_plan import GiB, minimum_budget
-from pipelines.pipeline import Precision
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.kernels.fp8_gemv import fp8_gemv_torch, fp8_gemv_triton
+from qwen_image_fusion.models.fp8_weight_only import quantize_per_channel
+from qwen_image_fusion.models.memory import DENOISE, Workload
+from qwen_image_fusion.models.streaming import CudaLink
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.memory_plan import GiB, minimum_budget
+from qwen_image_fusion.pipelines.pipeline import Precision
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -11,10 +11,10 @@ from helpers import RANK_SCRIPT, REPO, launch, png_sha256, rank_env
 from parallel_rank import GPU_ARGS, PROMPTS
 from PIL import Image
 
-from eval.metrics import abs_diff, psnr
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
-from ui.cli import main
+from qwen_image_fusion.eval.metrics import abs_diff, psnr
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.ui.cli import main
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,7 +73,16 @@ def test_cli_gpus_2_writes_the_one_gpu_png(tmp_path, fp8_dir):
     args = ["generate", "a red fox", "--model", str(fp8_dir), "--negative-prompt", " ", "--seed", "7"]
     args += ["--width", "256", "--height", "192", "--steps", "6"]
     two = subprocess.run(
-        [sys.executable, "-m", "ui.cli", *args, "--gpus", "2", "-o", str(tmp_path / "two.png")],
+        [
+            sys.executable,
+            "-m",
+            "qwen_image_fusion.ui.cli",
+            *args,
+            "--gpus",
+            "2",
+            "-o",
+            str(tmp_path / "two.png"),
+        ],
         env=rank_env(),
         cwd=REPO,
         capture_output=True,

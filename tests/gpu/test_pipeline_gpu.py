@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import png_sha256, step_without_host_sync
 
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

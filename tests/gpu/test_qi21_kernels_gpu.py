@@ -21,10 +21,10 @@ from test_kernels_norm_modulate import EPS
 from test_kernels_quant import all_bf16
 from test_qi21_kernels import explained_scale_only, within_exp_slack
 
-import kernels.scale_modulate as scale_modulate
-import kernels.swiglu_quant as swiglu_quant
-from kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
-from kernels.scale_modulate import (
+import qwen_image_fusion.kernels.scale_modulate as scale_modulate
+import qwen_image_fusion.kernels.swiglu_quant as swiglu_quant
+from qwen_image_fusion.kernels.quant import inverse_scale, static_quant_fp8_torch, static_quant_fp8_triton
+from qwen_image_fusion.kernels.scale_modulate import (
     _layer_norm_scale_kernel,
     _tanh_residual_layer_norm_scale_kernel,
     layer_norm_scale,
@@ -36,8 +36,13 @@ from kernels.scale_modulate import (
     tanh_residual_layer_norm_scale_triton,
     tanh_rows,
 )
-from kernels.swiglu_quant import _silu_mul_quant_kernel, silu_mul, silu_mul_quant_triton, silu_mul_triton
-from models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.kernels.swiglu_quant import (
+    _silu_mul_quant_kernel,
+    silu_mul,
+    silu_mul_quant_triton,
+    silu_mul_triton,
+)
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
 
 pytestmark = pytest.mark.gpu
 CONFIG = QwenImage21Config()

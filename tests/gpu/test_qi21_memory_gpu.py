@@ -12,11 +12,11 @@ from helpers import png_sha256
 from memory_fixtures import placed_pipeline
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
-from models.qwen_image21.quantization import QUANTIZATION
-from models.streaming import CudaLink
-from pipelines import load_pipeline
-from pipelines.pipeline import Precision
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
+from qwen_image_fusion.models.streaming import CudaLink
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Precision
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -8,11 +8,11 @@ import torch
 from qi21_cases import model_pair
 from test_qi21_fp8 import CONFIG, REQUEST, NoDataDependentShapes, quantize, request_inputs, run_steps
 
-import kernels.scale_modulate as scale_modulate
-import kernels.swiglu_quant as swiglu_quant
-from models.loading import load_transformer
-from models.qwen_image21.loading import build_transformer21
-from models.qwen_image21.quantization import QUANTIZATION
+import qwen_image_fusion.kernels.scale_modulate as scale_modulate
+import qwen_image_fusion.kernels.swiglu_quant as swiglu_quant
+from qwen_image_fusion.models.loading import load_transformer
+from qwen_image_fusion.models.qwen_image21.loading import build_transformer21
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -19,11 +19,11 @@ from helpers import NoHostSync, png_sha256
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint, diffusers_pipeline
 from test_qi21_model_gpu import forbid_torch_twins
 
-from eval.metrics import psnr
-from models.qwen_image21 import steps
-from models.qwen_image21.quantization import QUANTIZATION
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.eval.metrics import psnr
+from qwen_image_fusion.models.qwen_image21 import steps
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -1,13 +1,13 @@
 """Qwen3-VL's processor, two image backends, on the machine that has torchvision (the H200 box): does
 transformers' torchvision backend (what `Qwen3VLProcessor.from_pretrained` and diffusers' loading pick) give
 the `pixel_values` and `image_grid_thw` of the PIL backend (`Qwen2VLImageProcessorPil`, what our CPU install
-without torchvision uses through `models.vl_processor.load_vl_processor`)? Checked with Qwen3-VL's own
-image-processor settings on the condition images 2.1 prepares (RGBA converted, resized to the 1024x1024
-area, flattened over white) for several aspects; then the prompt embeddings of the tiny text encoder with
-the backend `load_vl_processor` picks where torchvision is installed, against diffusers' own
-`from_pretrained` (no processor handed in). Qwen3-VL resizes with Qwen2-VL's image processors, which the
-H200 measured for the Edit family (docs/DESIGN.md §8): identical grids, pixel values one or two of 255
-levels apart; the tests hold that and print the counts (run with -s). The answer goes into DESIGN §11.
+without torchvision uses through `qwen_image_fusion.models.vl_processor.load_vl_processor`)? Checked with
+Qwen3-VL's own image-processor settings on the condition images 2.1 prepares (RGBA converted, resized to the
+1024x1024 area, flattened over white) for several aspects; then the prompt embeddings of the tiny text encoder
+with the backend `load_vl_processor` picks where torchvision is installed, against diffusers' own
+`from_pretrained` (no processor handed in). Qwen3-VL resizes with Qwen2-VL's image processors, which the H200
+measured for the Edit family (docs/DESIGN.md §8): identical grids, pixel values one or two of 255 levels
+apart; the tests hold that and print the counts (run with -s). The answer goes into DESIGN §11.
 """
 
 import pytest
@@ -18,15 +18,15 @@ from edit_fixtures import drawn_image
 from qi21_checkpoints import build_qi21_checkpoint
 from transformers import Qwen3VLProcessor
 
-from models.qwen_image21 import synthetic
-from models.qwen_image21.components import save_processor
-from models.qwen_image21.conditioning import (
+from qwen_image_fusion.models.qwen_image21 import synthetic
+from qwen_image_fusion.models.qwen_image21.components import save_processor
+from qwen_image_fusion.models.qwen_image21.conditioning import (
     encode_prompts21,
     flatten_alpha,
     prepare_condition_images,
     system_tokens,
 )
-from models.vl_processor import load_vl_processor, torchvision_available
+from qwen_image_fusion.models.vl_processor import load_vl_processor, torchvision_available
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,9 +15,9 @@ import torch
 from steps import step_distance
 from test_qk_norm_rope import EPS, explained_by_sum_order, same_rows
 
-import kernels.qk_norm_rope as qk_norm_rope
-from kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_torch, rms_norm_rope_triton
-from models.qwen_image.math import rope_frequencies, rope_tables
+import qwen_image_fusion.kernels.qk_norm_rope as qk_norm_rope
+from qwen_image_fusion.kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_torch, rms_norm_rope_triton
+from qwen_image_fusion.models.qwen_image.math import rope_frequencies, rope_tables
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import check_served_batches, png_sha256
 
-from pipelines import load_pipeline
-from pipelines.batching import BatchPlan
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.batching import BatchPlan
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [f"a red fox in the snow, picture {i}" for i in range(4)]
@@ -71,10 +71,10 @@ def test_served_batches_under_a_24_gib_plan_keep_each_requests_bytes() -> None:
     import httpx
 
     from bench.in_thread import InThread
-    from models.memory import Workload
-    from ui.limits import Limits
-    from ui.runner import Runner
-    from ui.server import build_server
+    from qwen_image_fusion.models.memory import Workload
+    from qwen_image_fusion.ui.limits import Limits
+    from qwen_image_fusion.ui.runner import Runner
+    from qwen_image_fusion.ui.server import build_server
 
     largest = Workload(512, 512, images=4, prompts=4)  # as `serve --max-batch 4` plans (shared encoding)
     pipe = load_pipeline(FULL_SIZE, device="cuda", gpu_memory="24GiB", workload=largest)

@@ -9,8 +9,8 @@ from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline
 from helpers import diffusers_twin, png_sha256
 from test_img2img_oracle import ellipse_mask, photo
 
-from pipelines import load_pipeline
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 IMAGE, MASK = photo(301, 203), ellipse_mask(301, 203)

@@ -11,11 +11,11 @@ import torch
 from helpers import png_sha256
 from memory_fixtures import placed_pipeline
 
-from models.cache_presets import CACHE_PRESETS, CachePreset
-from models.streaming import CudaLink
-from pipelines import load_pipeline
-from pipelines.pipeline import Precision
-from pipelines.quantize import quantize_checkpoint
+from qwen_image_fusion.models.cache_presets import CACHE_PRESETS, CachePreset
+from qwen_image_fusion.models.streaming import CudaLink
+from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Precision
+from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 ALWAYS = CachePreset("always", threshold=math.inf, warmup_steps=2, max_cached_in_a_row=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import check_served_batches, png_sha256
 
-from pipelines import load_pipeline
+from qwen_image_fusion.pipelines import load_pipeline
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [f"a red fox in the snow, picture {i}" for i in range(4)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from models.vae_decode import decode_frames
+from qwen_image_fusion.models.vae_decode import decode_frames
 
 pytestmark = pytest.mark.gpu
 
