@@ -26,6 +26,14 @@ CHROMIUM = Path("/usr/bin/chromium")  # Debian's chromium, driven by Playwright 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def tracked(*patterns: str) -> list[Path]:
+    """The checkout's files git tracks (all, or those matching `patterns`), as they are on disk."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--", *patterns], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
+    return [REPO / name for name in listed.split("\0") if name and (REPO / name).exists()]
+
+
 class NoHostSync(TorchDispatchMode):
     """Fails on device-to-host scalar reads (`.item()`, `bool(t)`), on tensors made from host data
     (`torch.tensor(...)`), and on host-to-device copies into a model on another device.
