@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_image_fusion.pipelines.pipeline import cpu_dtype_override, native_bf16
+from qwen_image_fusion.pipelines.precision import cpu_dtype_override, native_bf16
 
 
 def cpu_model() -> str:

@@ -154,8 +154,8 @@ def probe_decode() -> dict:
         report["graph_ms"] = timed_ms(replay, runs=10)
     except Exception as error:
         report["graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-    two_d = decode_frames(vae, z, fast=True).clone()
-    report["conv2d_ms"] = timed_ms(lambda: decode_frames(vae, z, fast=True), runs=10)
+    two_d = decode_frames(vae, z, fast=True)[0].clone()
+    report["conv2d_ms"] = timed_ms(lambda: decode_frames(vae, z, fast=True)[0], runs=10)
     levels = lambda x: ((x.float().clamp(-1, 1) + 1) * 127.5).round()  # noqa: E731
     reference = reference[:, :, 0]
     diff = (levels(two_d) - levels(reference)).abs()

@@ -62,7 +62,7 @@ def profile_request(
     _, text_ms, text = kernel_ms(lambda: pipe.encode(list(request.prompts), request.max_sequence_length))
     generated, latent_ms, to_latents = kernel_ms(lambda: pipe.run([request], output_type="latent"))
     canvas = pipe.model.canvas(request.width, request.height, list(request.images), len(request.prompts))
-    exact, decode_ms, decode = kernel_ms(lambda: pipe.model.decode(generated[0].images, canvas))
+    exact, decode_ms, decode = kernel_ms(lambda: pipe.model.decode(generated[0].images, canvas).images)
     denoise = {k: to_latents[k] - text.get(k, 0.0) for k in to_latents}
     report = {
         "name": name,
@@ -76,7 +76,7 @@ def profile_request(
     }
     if fast_decode:
         latents = generated[0].images
-        fast, fast_ms, kinds = kernel_ms(lambda: pipe.model.decode(latents, canvas, True))
+        fast, fast_ms, kinds = kernel_ms(lambda: pipe.model.decode(latents, canvas, True).images)
         pipe.run([replace(request, fast_decode=True)])
         report["fast_decode"] = {
             "profiled_wall_ms": fast_ms,

@@ -27,7 +27,7 @@ def decoded_both_ways(pipe, latents: torch.Tensor, canvas) -> tuple[np.ndarray, 
     for tiled in (False, True):
         if tiled:
             vae.enable_tiling()
-        images.append(np.asarray(pipe.model.decode(latents, canvas)[0].convert("RGB")))
+        images.append(np.asarray(pipe.model.decode(latents, canvas).images[0].convert("RGB")))
     vae.disable_tiling()
     return images[0], images[1]
 

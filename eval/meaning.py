@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -54,6 +55,9 @@ from qwen_image_fusion.eval.scenes import (
 )
 from qwen_image_fusion.models.cache_presets import get_cache_preset
 from qwen_image_fusion.models.errors import InputError, QwenImageError
+
+if TYPE_CHECKING:
+    from qwen_image_fusion.pipelines.run_info import CacheReport
 
 MAX_COLOUR_DISTANCE = 90.0
 MIN_BLOB_FRACTION = 0.0006  # a quarter of the smallest drawn shape (a star of side 0.085)
@@ -237,7 +241,7 @@ def generate_held_out(
     """One image per scene and language; scene i uses seed `settings.seed + i` in every language; `cache`
     a step-cache preset. Also each run's step-cache line (RunInfo.cache)."""
     images: dict[str, list[np.ndarray]] = {language: [] for language in settings.languages}
-    runs: list[str] = []
+    runs: list[CacheReport] = []
     jobs = [(language, i, scene) for language in settings.languages for i, scene in enumerate(scenes)]
     for language, i, scene in tqdm(jobs, desc=desc, file=sys.stderr):
         image = pipe.generate(
@@ -395,10 +399,10 @@ def compare_fp8(
     }
 
 
-def skipped_steps(runs: list[str]) -> dict:
-    """The steps each run's cache skipped (per CFG branch, from RunInfo.cache): min, mean and max."""
-    parts = [part for run in runs for part in run.split("skipped in ")[1].split(", ")]
-    counts = [float(part.split(" of ")[0]) for part in parts]
+def skipped_steps(runs: list["CacheReport"]) -> dict:
+    """The steps each run's cache skipped (per CFG branch and image, from RunInfo.cache): min, mean and
+    max."""
+    counts = [count for run in runs for branch in run.skipped.values() for count in branch]
     return {"min": min(counts), "mean": float(np.mean(counts)), "max": max(counts)}
 
 

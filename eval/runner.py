@@ -191,7 +191,8 @@ def pair_record(
             **asdict(getattr(metrics, slot)),
             "seconds": replies[slot]["seconds"],
             "timings": replies[slot]["timings"],
-            "cache": replies[slot].get("cache", ""),
+            "cache": replies[slot].get("cache"),
+            "decode": replies[slot].get("decode"),
         }
         for slot in SLOTS
     }

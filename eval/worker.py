@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import asdict
 from typing import TextIO
 
 from qwen_image_fusion.models.errors import QwenImageError
@@ -126,7 +127,8 @@ def generate(pipe: object, request: dict, cache: str | None = None, fast_decode:
         "height": run.height,
         "steps": run.num_inference_steps,
         "timings": dict(run.timings),
-        "cache": run.cache,
+        "cache": None if run.cache is None else asdict(run.cache),
+        "decode": None if run.decode is None else asdict(run.decode),
     }
 
 

@@ -52,9 +52,11 @@ def get_cache_preset(cache: "str | CachePreset | None") -> CachePreset | None:
     if cache is None or isinstance(cache, CachePreset):
         return cache
     if not isinstance(cache, str):
-        raise InputError(f"cache must be a preset name ({', '.join(CACHE_PRESETS)}) or 'off'")
+        raise InputError(f"cache must be a preset name ({', '.join(CACHE_PRESETS)}) or 'off'", "cache")
     if cache.strip().lower() in ("", CACHE_OFF, "none"):
         return None
     if cache not in CACHE_PRESETS:
-        raise InputError(f"cache {cache!r} is not a step-cache preset ({', '.join(CACHE_PRESETS)}, or 'off')")
+        raise InputError(
+            f"cache {cache!r} is not a step-cache preset ({', '.join(CACHE_PRESETS)}, or 'off')", "cache"
+        )
     return CACHE_PRESETS[cache]

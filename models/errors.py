@@ -6,7 +6,13 @@ class QwenImageError(Exception):
 
 
 class InputError(QwenImageError, ValueError):
-    """A generation argument is invalid (empty prompt, bad size, bad step count...)."""
+    """A generation argument is invalid (empty prompt, bad size, bad step count...); `field` names the
+    request option it concerns (pipelines/options.py), set where the check is made (None: no one option,
+    e.g. a combination), so each front end can name its own input (flag, JSON parameter, control)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class CheckpointError(QwenImageError):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from qwen_image_fusion.models.mask_crop import MaskCrop
+    from qwen_image_fusion.models.vae_decode import DecodeReport
 
 DEFAULTS_KEY = "_generation_defaults"  # model_index.json: this checkpoint's own defaults (diffusers skips _)
 DEFAULT_TRUE_CFG_SCALE = 4.0
@@ -186,6 +187,14 @@ class StepCall:
     graphable: bool = True
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """A run's decoded images and how the VAE decoded them (the decode stage's own report)."""
+
+    images: list[PIL.Image.Image]
+    report: DecodeReport
+
+
 @runtime_checkable
 class FusionBlock(Protocol):
     """A transformer block with fused producer paths: each names its producer and consumers, and the block
@@ -330,9 +339,10 @@ class FamilyModel(ABC):
         """True CFG from the two branches' velocities, as the family's diffusers pipeline combines them."""
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor, canvas: Any, fast: bool = False) -> list[PIL.Image.Image]:
-        """Images from final latents, a row's in a run (a family that `decomposes`: each row's layers);
-        `fast` (a spec that has `fast_decode`): the VAE's opt-in 2D form, close to exact, not identical."""
+    def decode(self, latents: torch.Tensor, canvas: Any, fast: bool = False) -> Decoded:
+        """Images from final latents, a row's in a run (a family that `decomposes`: each row's layers), and
+        how they were decoded; `fast` (a spec that has `fast_decode`): the VAE's opt-in 2D form, close to
+        exact, not identical."""
 
     def prompt_tokens(self, prompts: list[str]) -> int | None:
         """Tokens of the longest of `prompts`, for a family that keeps every token of a prompt (a memory

@@ -12,6 +12,7 @@ may move or stream them, and nothing here holds a copy.
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -21,6 +22,22 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCaus
 from torch import nn
 
 LOG = logging.getLogger("qwen_image")
+
+
+@dataclass(frozen=True)
+class DecodeReport:
+    """How the VAE decoded a request, as decided where it ran: in its 2D form (`fast`, opt-in and
+    approximate) or exactly, in tiles (a memory plan turned tiling on) or whole, and why a fast decode that
+    was asked for fell back to the exact one ("" when none did)."""
+
+    fast: bool
+    tiled: bool
+    fallback: str = ""
+
+    def summary(self) -> str:
+        form = "the VAE's 2D form (approximate)" if self.fast else "exact"
+        how = f"{form}, {'in tiles' if self.tiled else 'whole'}"
+        return f"{how} (fast decode fell back: {self.fallback})" if self.fallback else how
 
 
 def last_tap_forward(
@@ -48,27 +65,40 @@ def last_tap_convs(decoder: nn.Module) -> Iterator[None]:
             del conv.forward
 
 
-def tiles(vae: AutoencoderKLQwenImage, z: torch.Tensor) -> bool:
-    """Whether diffusers decodes latents `z` [B, C, T, h, w] in tiles (a memory plan turned tiling on)."""
+def tiles(vae: nn.Module, z: torch.Tensor) -> bool:
+    """Whether diffusers decodes latents `z` [B, C, T, h, w] in tiles (a memory plan turned tiling on): its
+    Qwen-Image VAEs tile a size above their smallest tile."""
+    if not getattr(vae, "use_tiling", False):
+        return False
     height, width = z.shape[-2:]
     ratio = vae.spatial_compression_ratio
     small = width <= vae.tile_sample_min_width // ratio and height <= vae.tile_sample_min_height // ratio
-    return bool(vae.use_tiling) and not small
+    return not small
+
+
+def fast_decode_fallback(vae: nn.Module, z: torch.Tensor) -> str:
+    """Why latents `z` cannot take the 2D form ("" when they can)."""
+    if not isinstance(vae, AutoencoderKLQwenImage):
+        return f"{type(vae).__name__} has no 2D form here"
+    if tiles(vae, z):
+        return "the VAE decodes this size in tiles (memory plan)"
+    return ""
 
 
 @torch.no_grad()
-def decode_frames(vae: nn.Module, z: torch.Tensor, fast: bool = False) -> torch.Tensor:
-    """Pixels [B, C, H, W] in [-1, 1] of single-frame latents `z` [B, C, 1, h, w] (denormalized).
+def decode_frames(vae: nn.Module, z: torch.Tensor, fast: bool = False) -> tuple[torch.Tensor, DecodeReport]:
+    """Pixels [B, C, H, W] in [-1, 1] of single-frame latents `z` [B, C, 1, h, w] (denormalized), and how
+    they were decoded.
 
     `fast`: the 2D form (close, not identical): the decoder run without its frame cache, its causal
     convolutions in their last-tap form; where that does not apply (tiled decoding, another VAE) the exact
-    decode runs and the log says why."""
-    if fast and not isinstance(vae, AutoencoderKLQwenImage):
-        LOG.warning("fast decode: %s has no 2D form here; decoding exactly", type(vae).__name__)
-    elif fast and tiles(vae, z):
-        LOG.warning("fast decode: the VAE decodes this size in tiles (memory plan); decoding exactly")
-    elif fast:
+    decode runs, the report says why and so does the log."""
+    fallback = fast_decode_fallback(vae, z) if fast else ""
+    if fallback:
+        LOG.warning("fast decode: %s; decoding exactly", fallback)
+    if fast and not fallback:
         with last_tap_convs(vae.decoder):
             out = vae.decoder(vae.post_quant_conv(z))
-        return out.clamp(-1.0, 1.0)[:, :, 0]
-    return vae.decode(z, return_dict=False)[0][:, :, 0]
+        return out.clamp(-1.0, 1.0)[:, :, 0], DecodeReport(fast=True, tiled=False)
+    report = DecodeReport(fast=False, tiled=tiles(vae, z), fallback=fallback)
+    return vae.decode(z, return_dict=False)[0][:, :, 0], report

@@ -12,7 +12,7 @@ from qwen_image_fusion.pipelines.variants import VARIANTS
 _LAZY = {
     "GenerationDefaults": "qwen_image_fusion.models.family",
     "Pipeline": "qwen_image_fusion.pipelines.pipeline",
-    "RunInfo": "qwen_image_fusion.pipelines.pipeline",
+    "RunInfo": "qwen_image_fusion.pipelines.run_info",
     "generate": "qwen_image_fusion.pipelines.pipeline",
     "load_pipeline": "qwen_image_fusion.pipelines.pipeline",
 }

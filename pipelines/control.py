@@ -53,7 +53,8 @@ class Control:
                 raise InputError(
                     f"control_image {i + 1} is {image.width}x{image.height} (aspect {theirs:.3g}) but the "
                     f"output is {width}x{height} (aspect {ours:.3g}): it would be stretched; crop it or ask "
-                    "for a size of its aspect"
+                    "for a size of its aspect",
+                    "control_image",
                 )
 
 
@@ -75,36 +76,44 @@ def check_control(
         named = ((scales, "controlnet_conditioning_scale"), (mode, "control_mode"), (mask, "control_mask"))
         for value, name in named:
             if value is not None:
-                raise InputError(f"{name} needs the control image it applies to (control_image)")
+                raise InputError(f"{name} needs the control image it applies to (control_image)", name)
         return None
     if not spec.takes_control:
         raise InputError(
             f"control_image needs a ControlNet, and {spec.name} holds none: give a "
-            "QwenImageControlNetPipeline checkpoint"
+            "QwenImageControlNetPipeline checkpoint",
+            "control_image",
         )
     images = [images] if isinstance(images, PIL.Image.Image) else list(images)
     if not images:
-        raise InputError("control_image is an empty list")
+        raise InputError("control_image is an empty list", "control_image")
     for i, image in enumerate(images):
         if not isinstance(image, PIL.Image.Image):
-            raise InputError(f"control_image {i + 1} is a {type(image).__name__}, not a PIL image")
-        check_pixels(image.width, image.height, f"control_image {i + 1}")
+            raise InputError(
+                f"control_image {i + 1} is a {type(image).__name__}, not a PIL image", "control_image"
+            )
+        check_pixels(image.width, image.height, f"control_image {i + 1}", "control_image")
     scales = [1.0] if scales is None else [scales] if isinstance(scales, int | float) else list(scales)
     if len(scales) == 1:
         scales = scales * len(images)
     if len(scales) != len(images):
         raise InputError(
-            f"controlnet_conditioning_scale has {len(scales)} values for {len(images)} control images"
+            f"controlnet_conditioning_scale has {len(scales)} values for {len(images)} control images",
+            "controlnet_conditioning_scale",
         )
     for scale in scales:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-            raise InputError(f"controlnet_conditioning_scale must be finite numbers, got {scale!r}")
+            raise InputError(
+                f"controlnet_conditioning_scale must be finite numbers, got {scale!r}",
+                "controlnet_conditioning_scale",
+            )
     for value, name in ((guidance_start, "control_guidance_start"), (guidance_end, "control_guidance_end")):
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-            raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
+            raise InputError(f"{name} must be a number in [0, 1], got {value!r}", name)
     if guidance_start >= guidance_end:
         raise InputError(
-            f"control_guidance_start {guidance_start} must be below control_guidance_end {guidance_end}"
+            f"control_guidance_start {guidance_start} must be below control_guidance_end {guidance_end}",
+            "control_guidance_start",
         )
     check_control_mask(spec, images, mask)
     maps = [control_map(image, mode) for image in images]
@@ -118,21 +127,27 @@ def check_control_mask(spec: CheckpointSpec, images: list[PIL.Image.Image], mask
     if not spec.control_inpaints:
         if mask is not None:
             raise InputError(
-                f"control_mask needs an inpainting ControlNet, and {spec.name}'s does not inpaint"
+                f"control_mask needs an inpainting ControlNet, and {spec.name}'s does not inpaint",
+                "control_mask",
             )
         return
     if len(images) != 1:
         raise InputError(
-            f"control_image: {spec.name}'s inpainting ControlNet takes one image, not {len(images)}"
+            f"control_image: {spec.name}'s inpainting ControlNet takes one image, not {len(images)}",
+            "control_image",
         )
     if mask is None:
-        raise InputError(f"control_mask is required: {spec.name}'s ControlNet repaints the mask's white part")
+        raise InputError(
+            f"control_mask is required: {spec.name}'s ControlNet repaints the mask's white part",
+            "control_mask",
+        )
     if not isinstance(mask, PIL.Image.Image):
-        raise InputError(f"control_mask is a {type(mask).__name__}, not a PIL image")
+        raise InputError(f"control_mask is a {type(mask).__name__}, not a PIL image", "control_mask")
     if mask.size != images[0].size:
         raise InputError(
             f"control_mask is {mask.width}x{mask.height} but control_image is "
-            f"{images[0].width}x{images[0].height}: give a mask of the image's size"
+            f"{images[0].width}x{images[0].height}: give a mask of the image's size",
+            "control_mask",
         )
 
 
@@ -143,10 +158,11 @@ def control_map(image: PIL.Image.Image, mode: str | None) -> PIL.Image.Image:
     if mode in MAPS_BROUGHT:
         raise InputError(
             f"control_mode {mode!r} needs a detector this project does not ship: give the {mode} map itself "
-            "as the control image (the Union ControlNet reads the kind of map from it), without control_mode"
+            "as the control image (the Union ControlNet reads the kind of map from it), without control_mode",
+            "control_mode",
         )
     if mode not in CONTROL_MODES:
-        raise InputError(f"control_mode {mode!r} is not one of {', '.join(CONTROL_MODES)}")
+        raise InputError(f"control_mode {mode!r} is not one of {', '.join(CONTROL_MODES)}", "control_mode")
     from skimage.feature import canny
 
     grey = np.asarray(image.convert("L"), dtype=np.float64) / 255.0

@@ -2,8 +2,10 @@
 server) turns its raw values into, through one function (`resolve_request`), and what `Pipeline.run` runs.
 Torch-free, so a front end checks a request before any model loads.
 
-A new generation option is added here: a field of `GenerationRequest`, its default and check in
-`resolve_request`; then its use in `Pipeline.run`, and the front ends that expose it pass it on by name.
+A new generation option is declared in pipelines/options.py (docs/DESIGN.md, "Adding a request option"),
+then added here: a field of `GenerationRequest`, its default and check in `resolve_request`; the front ends
+derive their flags, fields and controls from the declaration. Every InputError raised here names the
+option it concerns (`field`).
 """
 
 import math
@@ -23,12 +25,10 @@ from qwen_image_fusion.pipelines.limits import (
     check_images,
     check_pixels,
 )
+from qwen_image_fusion.pipelines.options import DEFAULT_LAYERS, DEFAULT_STRENGTH, MAX_LAYERS, OPTION
 from qwen_image_fusion.pipelines.presets import check_lora_scale, get_preset
 
 SizeSuggestion = Callable[[list[PIL.Image.Image]], tuple[int, int] | None]
-DEFAULT_STRENGTH = 0.6  # diffusers' img2img and inpainting default
-DEFAULT_LAYERS = 4  # diffusers' QwenImageLayeredPipeline default
-MAX_LAYERS = 16  # RGBA layers a request may ask for (each adds a target's worth of tokens per step)
 
 
 @dataclass(frozen=True)
@@ -201,21 +201,26 @@ def resolve_request(
         control_mask,
     )
     if control is not None and start is not None:
-        raise InputError("control_image does not combine with init_image: give one of them")
+        raise InputError("control_image does not combine with init_image: give one of them", "control_image")
     cache = get_cache_preset(cache)
     if control is not None and cache is not None:
-        raise InputError("cache: a step cache is not built for ControlNet requests yet: leave it out")
+        raise InputError(
+            "cache: a step cache is not built for ControlNet requests yet: leave it out", "cache"
+        )
     layers = check_layers(spec, layers)
     if not isinstance(use_en_prompt, bool) or (use_en_prompt and not spec.captions):
-        raise InputError(f"use_en_prompt: {spec.name} does not caption images (Qwen-Image-Layered does)")
+        raise InputError(
+            f"use_en_prompt: {spec.name} does not caption images (Qwen-Image-Layered does)", "use_en_prompt"
+        )
     if not isinstance(fast_decode, bool):
-        raise InputError(f"fast_decode must be true or false, not {fast_decode!r}")
+        raise InputError(f"fast_decode must be true or false, not {fast_decode!r}", "fast_decode")
     if fast_decode and not spec.fast_decode:
         raise InputError(
-            f"fast_decode: {spec.name}'s VAE has no faster form (its convolutions are 2D already)"
+            f"fast_decode: {spec.name}'s VAE has no faster form (its convolutions are 2D already)",
+            "fast_decode",
         )
     if layers is not None and cache is not None:
-        raise InputError("cache: a step cache is not built for Qwen-Image-Layered yet: leave it out")
+        raise InputError("cache: a step cache is not built for Qwen-Image-Layered yet: leave it out", "cache")
     suggested = suggest_size(images) if images and suggest_size is not None else None
     if resolution is not None:
         suggested = resolution_size(resolution, images, width, height, spec.size_multiple)
@@ -248,7 +253,9 @@ def resolve_request(
     if control is not None:
         control.check_aspect(width, height, spec.size_multiple)
     if start is not None and start.first_step(steps) >= steps:
-        raise InputError(f"strength {start.strength} leaves none of the {steps} steps to run: raise either")
+        raise InputError(
+            f"strength {start.strength} leaves none of the {steps} steps to run: raise either", "strength"
+        )
     if negatives is not None and len(negatives) == 1:
         negatives = negatives * len(prompts)
     return GenerationRequest(
@@ -293,37 +300,42 @@ def check_start(
         if image is not None:
             raise InputError(
                 f"init_image: {spec.name} inpaints its input image: give mask_image (and strength) with the "
-                "image to edit"
+                "image to edit",
+                "init_image",
             )
         if mask is None:
             raise InputError(
-                f"{given[0]} needs mask_image: {spec.name} starts from its input image to inpaint"
+                f"{given[0]} needs mask_image: {spec.name} starts from its input image to inpaint", given[0]
             )
         image, source = images[0], "the input image"
     elif image is None and spec.max_images:
-        raise InputError(f"{given[0]}: {spec.name} neither inpaints nor starts from an image")
+        raise InputError(f"{given[0]}: {spec.name} neither inpaints nor starts from an image", given[0])
     elif image is None:
-        raise InputError(f"{given[0]} needs the image it applies to (init_image)")
+        raise InputError(f"{given[0]} needs the image it applies to (init_image)", given[0])
     elif not spec.starts_from_image:
         raise InputError(
             f"{spec.name} does not start from an image: img2img and inpainting run on Qwen-Image "
-            "text-to-image checkpoints"
+            "text-to-image checkpoints",
+            "init_image",
         )
     else:
         source = "init_image"
     for value, name in ((image, "init_image"), (mask, "mask_image")):
         if value is not None and not isinstance(value, PIL.Image.Image):
-            raise InputError(f"{name} is a {type(value).__name__}, not a PIL image")
+            raise InputError(f"{name} is a {type(value).__name__}, not a PIL image", name)
         if value is not None:
-            check_pixels(value.width, value.height, name)
+            check_pixels(value.width, value.height, name, name)
     if strength is None:
         strength = DEFAULT_STRENGTH
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
-        raise InputError(f"strength must be a number in (0, 1], got {strength!r}")
+        raise InputError(
+            f"strength must be a number in {OPTION['strength'].bounds}, got {strength!r}", "strength"
+        )
     if mask is not None and mask.size != image.size:
         raise InputError(
             f"mask_image is {mask.width}x{mask.height} but {source} is {image.width}x{image.height}: "
-            "give a mask of the image's size"
+            "give a mask of the image's size",
+            "mask_image",
         )
     check_mask_crop(padding_mask_crop, mask)
     return StartImage(image, float(strength), mask, padding_mask_crop)
@@ -335,13 +347,18 @@ def check_mask_crop(padding_mask_crop: object, mask: PIL.Image.Image | None) -> 
     if padding_mask_crop is None:
         return
     if mask is None:
-        raise InputError("padding_mask_crop needs mask_image: it crops to the mask's white part")
+        raise InputError(
+            "padding_mask_crop needs mask_image: it crops to the mask's white part", "padding_mask_crop"
+        )
     if isinstance(padding_mask_crop, bool) or not isinstance(padding_mask_crop, int) or padding_mask_crop < 0:
         raise InputError(
-            f"padding_mask_crop must be a whole number of pixels >= 0, got {padding_mask_crop!r}"
+            f"padding_mask_crop must be a whole number of pixels >= 0, got {padding_mask_crop!r}",
+            "padding_mask_crop",
         )
     if mask.convert("L").getbbox() is None:
-        raise InputError("padding_mask_crop: mask_image is all black, with no part to crop around")
+        raise InputError(
+            "padding_mask_crop: mask_image is all black, with no part to crop around", "padding_mask_crop"
+        )
 
 
 def check_inpainting_edit(width: int | None, height: int | None, prompts: Sequence[str]) -> None:
@@ -349,9 +366,14 @@ def check_inpainting_edit(width: int | None, height: int | None, prompts: Sequen
     `QwenImageEditInpaintPipeline` makes it at the size its image suggests (it ignores width and height) and
     pairs a prompt batch's rows with other samples of the image, so one prompt runs per request."""
     if width is not None or height is not None:
-        raise InputError("width and height: an inpainting edit is made at the size its image suggests")
+        raise InputError(
+            "width and height: an inpainting edit is made at the size its image suggests",
+            "width" if width is not None else "height",
+        )
     if len(prompts) > 1:
-        raise InputError(f"prompt: an inpainting edit takes one prompt per request, got {len(prompts)}")
+        raise InputError(
+            f"prompt: an inpainting edit takes one prompt per request, got {len(prompts)}", "prompt"
+        )
 
 
 def check_layers(spec: CheckpointSpec, layers: object) -> int | None:
@@ -360,13 +382,14 @@ def check_layers(spec: CheckpointSpec, layers: object) -> int | None:
     if not spec.decomposes:
         if layers is not None:
             raise InputError(
-                f"layers: {spec.name} does not decompose images into layers (Qwen-Image-Layered does)"
+                f"layers: {spec.name} does not decompose images into layers (Qwen-Image-Layered does)",
+                "layers",
             )
         return None
     if layers is None:
         return DEFAULT_LAYERS
     if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
-        raise InputError(f"layers must be an integer in 1..{MAX_LAYERS}, got {layers!r}")
+        raise InputError(f"layers must be an integer in 1..{MAX_LAYERS}, got {layers!r}", "layers")
     return layers
 
 
@@ -381,11 +404,16 @@ def resolution_size(
     to 32 then floored to `multiple` (diffusers' Layered pipeline); InputError without an image, with an
     explicit width or height, or for a resolution that is not an integer in 256..4096."""
     if width is not None or height is not None:
-        raise InputError("resolution sets width and height: give either resolution or width/height")
+        raise InputError(
+            "resolution sets width and height: give either resolution or width/height", "resolution"
+        )
     if not images:
-        raise InputError("resolution needs an input image: it keeps the image's aspect")
+        raise InputError("resolution needs an input image: it keeps the image's aspect", "resolution")
     if isinstance(resolution, bool) or not isinstance(resolution, int) or not 256 <= resolution <= 4096:
-        raise InputError(f"resolution must be an integer in 256..4096, got {resolution!r}")
+        raise InputError(
+            f"resolution must be an integer in {OPTION['resolution'].bounds}, got {resolution!r}",
+            "resolution",
+        )
     width, height = calculate_dimensions(resolution * resolution, images[0].width / images[0].height)
     return max(multiple, width // multiple * multiple), max(multiple, height // multiple * multiple)
 
@@ -407,15 +435,16 @@ def checked_lora_scales(
     if scales is None:
         return ()
     if not isinstance(scales, Mapping):
-        raise InputError("lora_scales must be a mapping of {LoRA name: scale}")
+        raise InputError("lora_scales must be a mapping of {LoRA name: scale}", "lora_scales")
     checked = []
     for name, scale in scales.items():
         if loras is not None and name not in loras:
             raise InputError(
-                f"lora_scales: no LoRA named {name!r} is loaded (loaded: {', '.join(loras) or 'none'})"
+                f"lora_scales: no LoRA named {name!r} is loaded (loaded: {', '.join(loras) or 'none'})",
+                "lora_scales",
             )
         try:
             checked.append((name, check_lora_scale(scale, name)))
         except InputError as err:
-            raise InputError(f"lora_scales: {err}") from None
+            raise InputError(f"lora_scales: {err}", "lora_scales") from None
     return tuple(sorted(checked))

@@ -13,26 +13,31 @@ from qwen_image_fusion.pipelines.limits import check_image_count, check_pixels
 MAX_INPUT_BYTES = 40 * 1024 * 1024  # an input image file larger than this is refused (the demo's upload cap)
 
 
-def open_input_image(path: str | Path, max_bytes: int | None = None) -> PIL.Image.Image:
+def open_input_image(path: str | Path, max_bytes: int | None = None, field: str = "image") -> PIL.Image.Image:
     """The image of a file, decoded and turned upright by its EXIF orientation (as diffusers' load_image;
-    mode kept: a model may read alpha): InputError for a missing file, a file over `max_bytes`, one Pillow
-    cannot read, one above the pixel cap (from its header, before decoding) or a truncated one."""
+    mode kept: a model may read alpha): InputError (for request option `field`) for a missing file, a file
+    over `max_bytes`, one Pillow cannot read, one above the pixel cap (from its header, before decoding) or
+    a truncated one."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"input image {path} {'is not a file' if path.exists() else 'does not exist'}")
+        raise InputError(
+            f"input image {path} {'is not a file' if path.exists() else 'does not exist'}", field
+        )
     size = path.stat().st_size
     if max_bytes is not None and size > max_bytes:
-        raise InputError(f"input image {path} is {size / 2**20:.1f} MB: at most {max_bytes / 2**20:g} MB")
+        raise InputError(
+            f"input image {path} is {size / 2**20:.1f} MB: at most {max_bytes / 2**20:g} MB", field
+        )
     try:
         image = PIL.Image.open(path)
     except (PIL.UnidentifiedImageError, OSError) as err:
         what = type(err).__name__
-        raise InputError(f"input image {path} is not an image Pillow can read ({what})") from None
-    check_pixels(image.width, image.height, f"input image {path}")
+        raise InputError(f"input image {path} is not an image Pillow can read ({what})", field) from None
+    check_pixels(image.width, image.height, f"input image {path}", field)
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as err:  # Pillow's decoders raise these for broken data
-        raise InputError(f"input image {path} is truncated or corrupt: {err}") from None
+        raise InputError(f"input image {path} is truncated or corrupt: {err}", field) from None
     return PIL.ImageOps.exif_transpose(image)
 
 

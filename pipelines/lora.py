@@ -1,10 +1,12 @@
 """The LoRAs of one pipeline as one object: load, stack, scale, switch mode and unload, never reloading
 the base weights.
 
-`LoraSet` owns the loaded files, each adapter's scale (one mapping, shared with every `LoraLinear` of
-models/lora.py), the mode ("branch" or "merge") and the merge report. It changes the transformer's
-layers; the pipeline then re-syncs once (`Pipeline._resync`: branch or merge for the variant, the FP8
-fusion gate, captured CUDA graphs dropped).
+`LoraSet` owns the loaded files, each adapter's lasting scale (set by `load` and `set_scales`, as
+diffusers' `set_adapters`) and the scale in force (one mapping, shared with every `LoraLinear` of
+models/lora.py: the lasting scales, or a call's own for that call, as diffusers' per-call
+`cross_attention_kwargs={"scale": ...}`), the mode ("branch" or "merge") and the merge report. It changes
+the transformer's layers; the pipeline then re-syncs once (`Pipeline._resync`: branch or merge for the
+variant, the FP8 fusion gate, captured CUDA graphs dropped).
 """
 
 from dataclasses import dataclass
@@ -52,14 +54,15 @@ class LoraSet:
         self._device = device  # where LoRA math runs (None: each layer's weight's device)
         self._convert = convert
         self._files: dict[str, tuple[Path, int]] = {}  # name -> (path, layers)
-        self.scales: dict[str, float] = {}  # the one copy; every LoraLinear reads it
+        self.lasting: dict[str, float] = {}  # the scales a call without its own runs at
+        self.scales: dict[str, float] = {}  # the scales in force: the one copy every LoraLinear reads
         self.mode = "branch"
         self.merge_report: MergeReport | None = None
 
     @property
     def loaded(self) -> dict[str, LoadedLora]:
         return {
-            name: LoadedLora(name, path, self.scales[name], layers)
+            name: LoadedLora(name, path, self.lasting[name], layers)
             for name, (path, layers) in self._files.items()
         }
 
@@ -75,7 +78,9 @@ class LoraSet:
             raise InputError(f"a LoRA named {name!r} is already loaded: unload it or pick another name")
         lora = self.read(source)
         name = lora_name(lora.path, self._files) if name is None else name
-        self.scales[name] = check_lora_scale(scale, name)
+        scale = check_lora_scale(scale, name)
+        self.apply(self.lasting)  # a mounted layer reads the scales in force: the lasting ones
+        self.scales[name] = scale
         try:
             layers = mount_lora(self._transformer, name, lora, self.scales, self._dtype, self._device)
         except BaseException:
@@ -89,12 +94,28 @@ class LoraSet:
                 del self.scales[name]
                 raise
         self._files[name] = (lora.path, layers)
+        self.lasting[name] = scale
         return name
 
     def set_scales(self, scales: dict[str, float]) -> bool:
-        """Set the scale of loaded LoRAs by name (all checked before any changes); whether any changed."""
-        checked = {self._check_loaded(name): check_lora_scale(scale, name) for name, scale in scales.items()}
-        changed = {name: scale for name, scale in checked.items() if scale != self.scales[name]}
+        """Set the lasting scale of loaded LoRAs by name (all checked before any changes) and put them in
+        force; whether the scales in force changed."""
+        checked = self.checked(scales)
+        self.lasting.update(checked)
+        return self.apply(self.lasting)
+
+    def apply_for_call(self, scales: dict[str, float]) -> bool:
+        """Put in force the lasting scales with a call's own `scales` over them (checked first); whether
+        the scales in force changed. The next call without scales runs at the lasting ones again."""
+        return self.apply(self.lasting | self.checked(scales))
+
+    def checked(self, scales: dict[str, float]) -> dict[str, float]:
+        """`scales` of loaded LoRAs, each a finite number; InputError naming the first bad one."""
+        return {self._check_loaded(name): check_lora_scale(scale, name) for name, scale in scales.items()}
+
+    def apply(self, scales: dict[str, float]) -> bool:
+        """Put `scales` (checked) in force, refreshing the layers whose scales changed; whether any did."""
+        changed = {name: scale for name, scale in scales.items() if scale != self.scales[name]}
         self.scales.update(changed)
         for wrapper in lora_layers(self._transformer).values():
             if changed.keys() & wrapper.adapters.keys():
@@ -105,7 +126,7 @@ class LoraSet:
         """Unmount one LoRA (or all with None); layers left without LoRA get their original weights back."""
         for each in list(self._files) if name is None else [self._check_loaded(name)]:
             unmount_lora(self._transformer, each)
-            del self._files[each], self.scales[each]
+            del self._files[each], self.scales[each], self.lasting[each]
 
     def set_mode(self, mode: str) -> None:
         if mode not in LORA_MODES:
@@ -130,9 +151,11 @@ class LoraSet:
     def bake(self) -> int:
         """Fold the loaded LoRAs into the BF16 weights for good (one fp32 sum, rounded once) and forget
         them, as `quantize --lora` does before calibration; returns the number of layers changed."""
+        self.apply(self.lasting)
         layers = bake_loras(self._transformer)
         self._files.clear()
         self.scales.clear()
+        self.lasting.clear()
         return layers
 
     def summary(self) -> str:

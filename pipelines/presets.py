@@ -28,13 +28,14 @@ def get_preset(name: str | None, family: str | None = None) -> Preset | None:
     if name is None:
         return None
     if name not in PRESETS:
-        raise InputError(f"preset {name!r} is not one of {', '.join(PRESETS)}")
+        raise InputError(f"preset {name!r} is not one of {', '.join(PRESETS)}", "preset")
     preset = PRESETS[name]
     owners = families_of(preset)
     if family is not None and family not in owners:
         raise InputError(
             f"preset {name} is made for {' and '.join(owners)} checkpoints ({preset.lora}), "
-            f"not for the {family} family"
+            f"not for the {family} family",
+            "preset",
         )
     return preset
 

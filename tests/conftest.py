@@ -60,9 +60,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """A test without the `cpu_dtype` mark cannot read the CPU's default dtype (setup, call, teardown and
     the processes it starts): the pipeline refuses the value it finds in `QWEN_IMAGE_CPU_DTYPE`."""
-    from qwen_image_fusion.pipelines.pipeline import (
-        CPU_DTYPE_ENV,  # after TRITON_INTERPRET is set (kernels read it)
-    )
+    # after TRITON_INTERPRET is set (kernels read it)
+    from qwen_image_fusion.pipelines.precision import CPU_DTYPE_ENV
 
     saved = os.environ.get(CPU_DTYPE_ENV)
     if "cpu_dtype" not in item.keywords:

@@ -10,7 +10,8 @@ from qwen_image_fusion.models.memory import DECODE, DENOISE, ENCODE, Workload
 from qwen_image_fusion.models.streaming import HostLink, Link
 from qwen_image_fusion.pipelines.memory import DTYPE_BYTES, GpuMemory
 from qwen_image_fusion.pipelines.memory_plan import RESIDENT, STREAM, GiB, MemoryPlan, Placement, place_part
-from qwen_image_fusion.pipelines.pipeline import Pipeline, Precision
+from qwen_image_fusion.pipelines.pipeline import Pipeline
+from qwen_image_fusion.pipelines.precision import Precision
 
 FP32 = Precision(torch.float32, torch.float32, "diffusers' arithmetic, fast on a CPU")
 

@@ -96,7 +96,7 @@ def run_two(out: Path, fp8: str) -> dict:
     for name, images in generate_all(pipe).items():
         save(out, f"bf16-cfg2-{name}", images)
     save(out, "bf16-cfg2-cached", pipe.generate(PROMPTS, **CACHED))
-    cached_run = pipe.last_run.cache
+    cached_run = pipe.last_run.cache.summary()
     seen = web_demo_jobs(pipe, out)
     seen["cfg2_cached_run"] = cached_run
     pipe.set_parallel(ParallelPlan(ulysses=2))

@@ -13,7 +13,7 @@ from helpers import REPO
 
 import qwen_image_fusion.kernels._triton_common as triton_common
 from qwen_image_fusion.models.errors import InputError
-from qwen_image_fusion.pipelines.pipeline import pick_numerics
+from qwen_image_fusion.pipelines.precision import pick_numerics
 
 
 def item(marker: str) -> types.SimpleNamespace:

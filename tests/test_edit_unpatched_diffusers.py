@@ -20,7 +20,7 @@ from edit_fixtures import build_edit_checkpoint, drawn_image
 from helpers import REPO
 
 from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
-from qwen_image_fusion.pipelines.pipeline import pick_numerics
+from qwen_image_fusion.pipelines.precision import pick_numerics
 
 pytestmark = pytest.mark.slow
 PROMPT, NEGATIVE, SEED = "make the sky red", " ", 0

@@ -11,8 +11,10 @@ from PIL import Image
 from test_ui_app import FakePipe
 
 import qwen_image_fusion.pipelines as pipelines
+from qwen_image_fusion.models.vae_decode import DecodeReport
 from qwen_image_fusion.pipelines import load_pipeline
 from qwen_image_fusion.pipelines.presets import PRESETS, parse_lora_spec
+from qwen_image_fusion.pipelines.run_info import CacheReport, RunInfo
 from qwen_image_fusion.ui.app import build_app
 from qwen_image_fusion.ui.cli import build_parser, main
 from qwen_image_fusion.ui.lora_controls import NO_CACHE, NO_PRESET, lora_details, preset_settings, run_kwargs
@@ -144,10 +146,13 @@ def test_ui_controls_make_generate_arguments():
     run = SimpleNamespace(preset="lightning-4", loras="LoRA (branch): fast x1 on 28 layers")
     assert lora_details(run) == "\n**Preset:** lightning-4  \n**LoRA (branch): fast x1 on 28 layers**  "
     assert lora_details(SimpleNamespace(preset="", loras="")) == ""
-    run = SimpleNamespace(preset="", cache="fast: middle blocks skipped in 3 of 8 steps", loras="")
-    assert lora_details(run) == "\n**Step cache:** fast: middle blocks skipped in 3 of 8 steps  "
-    run = SimpleNamespace(preset="", cache="", loras="", fast_decode=True)
-    assert lora_details(run) == "\n**Fast decode:** the VAE's 2D form (approximate)  "
+    cache = CacheReport("fast", 8, {"positive": (3,)})
+    run = RunInfo(0, 64, 64, 8, "reference", "", cache=cache, decode=DecodeReport(fast=False, tiled=False))
+    assert (
+        lora_details(run) == "\n**Step cache:** fast: middle blocks skipped in 3 of 8 steps (approximate)  "
+    )
+    run = RunInfo(0, 64, 64, 8, "reference", "", decode=DecodeReport(fast=True, tiled=False))
+    assert lora_details(run) == "\n**Decode:** the VAE's 2D form (approximate), whole  "
 
 
 def test_ui_passes_the_lora_scales_and_preset_to_generate():

@@ -43,7 +43,7 @@ def one_process(fp8_dir, bf16_pipe) -> dict[str, list]:
         "bf16-cached": bf16_pipe.generate(PROMPTS, **CACHED),
     }
     return images | {
-        "bf16-cached-run": [bf16_pipe.last_run.cache],
+        "bf16-cached-run": [bf16_pipe.last_run.cache.summary()],
         "fp8-fused-cfg": fp8.generate(PROMPTS, **CFG_ON),
     }
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from qwen_image_fusion.models.errors import InputError
-from qwen_image_fusion.pipelines.pipeline import CPU_DTYPE_ENV, native_bf16, pick_precision
+from qwen_image_fusion.pipelines.precision import CPU_DTYPE_ENV, native_bf16, pick_precision
 from qwen_image_fusion.pipelines.variants import get_variant, resolve_variant
 from qwen_image_fusion.ui.cli import main
 

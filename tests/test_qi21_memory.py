@@ -154,7 +154,7 @@ def test_a_step_cache_under_a_streaming_placement_gives_the_resident_bytes(tiny,
     for each in (resident, pipe):
         each.model.resolution, each.model.use_kv_cache = RESOLUTION, kv_cache
     assert png_sha256(pipe.generate(**request)[0]) == png_sha256(resident.generate(**request)[0])
-    assert pipe.last_run.cache == resident.last_run.cache and "skipped in 0 of" not in pipe.last_run.cache
+    assert pipe.last_run.cache == resident.last_run.cache and pipe.last_run.cache.mean_skipped() > 0
 
 
 def test_a_planned_pipeline_keeps_one_cache_per_branch(tiny):

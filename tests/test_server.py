@@ -32,7 +32,7 @@ from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.family import CheckpointSpec, GenerationDefaults
 from qwen_image_fusion.pipelines import RunInfo, load_pipeline
 from qwen_image_fusion.pipelines.generation_request import resolve_request
-from qwen_image_fusion.pipelines.pipeline import Generated
+from qwen_image_fusion.pipelines.run_info import Generated
 from qwen_image_fusion.ui.access import ApiKeys, read_api_keys
 from qwen_image_fusion.ui.image_cache import Encoding, image_bytes
 from qwen_image_fusion.ui.limits import Limits

@@ -24,7 +24,7 @@ from PIL import Image
 from test_server import PROMPTS, FakePipe, _client, _serve
 
 from qwen_image_fusion.pipelines import load_pipeline
-from qwen_image_fusion.pipelines.pipeline import Generated
+from qwen_image_fusion.pipelines.run_info import Generated
 from qwen_image_fusion.ui import image_cache
 from qwen_image_fusion.ui.image_cache import MEDIA_TYPES, Encoding, encode_all, image_bytes, png_bytes
 from qwen_image_fusion.ui.limits import Limits

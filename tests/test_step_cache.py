@@ -24,6 +24,7 @@ from qwen_image_fusion.models.memory import DENOISE, Workload
 from qwen_image_fusion.models.step_cache import BranchCache, caching, run_blocks
 from qwen_image_fusion.pipelines import load_pipeline
 from qwen_image_fusion.pipelines.memory_plan import with_workload
+from qwen_image_fusion.pipelines.run_info import CacheReport
 from qwen_image_fusion.pipelines.variants import VARIANTS
 
 # Skips whenever it may: the schedule is then warm-up, then `max_cached_in_a_row` skipped, one computed, ...
@@ -120,7 +121,7 @@ def pipe():
 def test_off_is_exact_and_a_cache_skips_the_steps_it_reports(pipe) -> None:
     steps = 8
     exact = png_sha256(pipe.generate(**SMALL, num_inference_steps=steps)[0])
-    assert pipe.last_run.cache == ""
+    assert pipe.last_run.cache is None
     assert png_sha256(pipe.generate(**SMALL, num_inference_steps=steps, cache="off")[0]) == exact
     blocks = pipe.transformer.transformer_blocks
     calls = {0: 0, 1: 0, len(blocks) - 1: 0}
@@ -135,9 +136,8 @@ def test_off_is_exact_and_a_cache_skips_the_steps_it_reports(pipe) -> None:
     computed = sum(always_schedule(steps))
     assert calls == {0: 2 * steps, 1: 2 * computed, len(blocks) - 1: 2 * computed}
     skipped = steps - computed
-    assert pipe.last_run.cache == (
-        f"always: middle blocks skipped in {skipped} of {steps} (positive), "
-        f"{skipped} of {steps} (negative) steps"
+    assert pipe.last_run.cache == CacheReport(
+        "always", steps, {"positive": (skipped,), "negative": (skipped,)}, cfg=True
     )
     again = pipe.generate(**SMALL, num_inference_steps=steps)[0]
     assert png_sha256(again) == exact != png_sha256(cached)
@@ -154,12 +154,13 @@ def test_a_request_keeps_its_bytes_in_a_batch_with_a_cache(pipe) -> None:
                          num_inference_steps=8, cache="faster")
             for s, c in enumerate(("red", "blue", "green"))
         ]  # fmt: skip
-        alone = [png_sha256(pipe.run([r], slots=3)[0].images[0]) for r in requests]
+        alone = [pipe.run([r], slots=3)[0] for r in requests]
         together = pipe.run(requests, slots=3)
     finally:
         torch.set_num_threads(threads)
-    assert [png_sha256(r.images[0]) for r in together] == alone
-    assert all("faster: middle blocks skipped" in r.info.cache for r in together)
+    assert [png_sha256(r.images[0]) for r in together] == [png_sha256(r.images[0]) for r in alone]
+    assert [r.info.cache for r in together] == [r.info.cache for r in alone]
+    assert {r.info.cache.preset for r in together} == {"faster"}
 
 
 class CountingLink(LateLink):
@@ -197,7 +198,7 @@ def test_a_plan_that_streams_blocks_gives_the_resident_bytes_with_a_cache(pipe, 
     request = dict(SMALL, num_inference_steps=8, cache=preset)
     placed = placed_pipeline(None, "reference", text, blocks, LateLink(), precision=FP32, lend=lend)
     assert png_sha256(placed.generate(**request)[0]) == png_sha256(pipe.generate(**request)[0])
-    assert placed.last_run.cache == pipe.last_run.cache and "skipped in 0 of" not in placed.last_run.cache
+    assert placed.last_run.cache == pipe.last_run.cache and placed.last_run.cache.mean_skipped() > 0
 
 
 def test_a_skipped_call_copies_only_the_blocks_already_under_way(pipe):
@@ -258,7 +259,7 @@ def test_fused_and_unfused_fp8_skip_the_same_steps_with_the_same_bytes(fp8_dir, 
         images = pipe.generate(**SMALL, num_inference_steps=10, cache=preset)
         results[variant] = (png_sha256(images[0]), pipe.last_run.cache)
     assert pipe.variant == "fp8-unfused" and results["fp8-fused"] == results["fp8-unfused"]
-    assert "skipped in 0 of" not in results["fp8-fused"][1]
+    assert results["fp8-fused"][1].mean_skipped() > 0
 
 
 @pytest.mark.parametrize("mode", ["branch", "merge"])
@@ -287,7 +288,7 @@ def test_edit_2511_runs_a_cache_and_off_stays_exact(tmp_path) -> None:
     exact = png_sha256(pipe.generate(**edit)[0])
     cached = png_sha256(pipe.generate(**edit, cache=ALWAYS)[0])
     skipped = 6 - sum(always_schedule(6))
-    assert f"skipped in {skipped} of 6 (positive), {skipped} of 6 (negative)" in pipe.last_run.cache
+    assert pipe.last_run.cache.skipped == {"positive": (skipped,), "negative": (skipped,)}
     assert png_sha256(pipe.generate(**edit, cache="off")[0]) == exact != cached
 
 
@@ -303,5 +304,5 @@ def test_qwen_image_21_runs_a_cache_with_and_without_its_kv_cache(tmp_path, kv_c
     exact = png_sha256(pipe.generate(**request)[0])
     cached = png_sha256(pipe.generate(**request, cache=ALWAYS)[0])
     skipped = 6 - sum(always_schedule(6))
-    assert f"skipped in {skipped} of 6 (positive), {skipped} of 6 (negative)" in pipe.last_run.cache
+    assert pipe.last_run.cache.skipped == {"positive": (skipped,), "negative": (skipped,)}
     assert png_sha256(pipe.generate(**request)[0]) == exact != cached

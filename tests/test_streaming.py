@@ -31,7 +31,7 @@ from qwen_image_fusion.pipelines.memory_plan import (
     minimum_budget,
     plan_memory,
 )
-from qwen_image_fusion.pipelines.pipeline import pick_numerics
+from qwen_image_fusion.pipelines.precision import pick_numerics
 from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 from qwen_image_fusion.ui.cli import main
 

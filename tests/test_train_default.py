@@ -146,7 +146,7 @@ def test_model_latents_are_what_the_pipeline_decodes(smoke_run) -> None:
     with torch.no_grad():
         z = vae.encode(to_vae_input(images)).latent_dist.mode()[:, :, 0]
         mean, std = torch.tensor(vae.config.latents_mean), torch.tensor(vae.config.latents_std)
-        decoded = pipe.model.decode(model_latents(z, mean, std).float(), pipe.model.canvas(size, size))
+        decoded = pipe.model.decode(model_latents(z, mean, std).float(), pipe.model.canvas(size, size)).images
         direct = pipe.model.image_processor.postprocess(
             vae.decode(z[:, :, None]).sample[:, :, 0], output_type="pil"
         )

@@ -162,7 +162,7 @@ def test_page_generates_shows_errors_and_stops(server: tuple[str, list[int], Run
         # The fast decode, ticked in the same panel, runs and says so.
         page.locator("#fast_decode input").check()
         page.locator("#generate").click()
-        expect(page.locator("#details")).to_contain_text("Fast decode: the VAE's 2D form", timeout=60_000)
+        expect(page.locator("#details")).to_contain_text("Decode: the VAE's 2D form", timeout=60_000)
         browser.close()
     assert outside == []  # the page loads nothing from outside 127.0.0.1
 

@@ -9,6 +9,7 @@ import io
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,19 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, self.status, headers=self.headers)
+
+
+def run_metadata(run: Any) -> dict[str, Any]:
+    """What ran, as a response's `run` field (an extension OpenAI clients ignore): the variant, the steps,
+    seconds per stage, and the approximate paths as their stages recorded them (`cache`, `decode`; null
+    when none ran)."""
+    return {
+        "variant": run.variant,
+        "num_inference_steps": run.num_inference_steps,
+        "timings": dict(run.timings),
+        "cache": None if run.cache is None else asdict(run.cache),
+        "decode": None if run.decode is None else asdict(run.decode),
+    }
 
 
 def model_id(pipe: Any) -> str:

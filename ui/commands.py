@@ -47,7 +47,7 @@ def check_model_args(args: argparse.Namespace) -> CheckpointSpec:
 
 def check_device(device: str | None) -> None:
     """The device names a usable device (imports torch, nothing heavier)."""
-    from qwen_image_fusion.pipelines.pipeline import pick_device
+    from qwen_image_fusion.pipelines.precision import pick_device
 
     pick_device(device)
 
@@ -295,10 +295,8 @@ def print_run(pipe: Any, paths: list[Path]) -> None:
         print(f"memory: {pipe.memory.plan.summary()}")
     if run.preset:
         print(f"preset: {get_preset(run.preset).describe()}")
-    if run.cache:
-        print(f"step cache {run.cache} (approximate)")
-    if run.fast_decode:
-        print("fast decode: the VAE's 2D form (approximate)")
+    for label, text in run.approximations().items():
+        print(f"{label.lower()}: {text}")
     if run.loras:
         print(run.loras)
     if pipe.lora_merge is not None:
@@ -313,7 +311,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         print("\n".join(plan.describe()), flush=True)
     check_device(args.device)
     from qwen_image_fusion.pipelines.info import describe, describe_plans
-    from qwen_image_fusion.pipelines.pipeline import pick_device
+    from qwen_image_fusion.pipelines.precision import pick_device
 
     plans = describe_plans(args.gpus, spec) if args.gpus > 1 else None
     on_gpu = pick_device(args.device).type == "cuda"

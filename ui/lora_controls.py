@@ -89,13 +89,13 @@ def lora_controls(pipe: Any, steps: gr.Slider, cfg: gr.Slider) -> gr.State:
 
 
 def lora_details(run: Any) -> str:
-    """Markdown lines for the details panel: the preset, the step cache, the fast decode and the LoRAs that
-    ran ('' without them)."""
-    preset, cache, loras = getattr(run, "preset", ""), getattr(run, "cache", ""), getattr(run, "loras", "")
+    """Markdown lines for the details panel: the preset, the approximate paths that ran (a step cache's
+    skips, the 2D decode, a fast decode that fell back) and the LoRAs ('' without them)."""
+    preset, loras = getattr(run, "preset", ""), getattr(run, "loras", "")
+    approximations = run.approximations() if hasattr(run, "approximations") else {}
     lines = [
         f"**Preset:** {preset}" if preset else "",
-        f"**Step cache:** {cache}" if cache else "",
-        "**Fast decode:** the VAE's 2D form (approximate)" if getattr(run, "fast_decode", False) else "",
+        *(f"**{label}:** {text}" for label, text in approximations.items()),
         f"**{loras}**" if loras else "",
     ]
     return "".join(f"\n{line}  " for line in lines if line)

@@ -39,6 +39,7 @@ from qwen_image_fusion.ui.api_request import (
     openai_mask,
     read_image,
     read_job,
+    run_metadata,
 )
 from qwen_image_fusion.ui.generation import inpaints_input, starts_from_image
 from qwen_image_fusion.ui.image_cache import MEDIA_TYPES, Encoding, ImageCache, encode_all
@@ -192,6 +193,7 @@ def build_server(
             "size": f"{run.width}x{run.height}",
             "seed": run.seed,
             "model": model_id(pipe),
+            "run": run_metadata(run),
         }
 
     @app.post("/v1/images/generations")

@@ -20,6 +20,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from qwen_image_fusion.models.family import (
     Conditioning,
     ControlStart,
+    Decoded,
     FamilyModel,
     GenerationDefaults,
     ImageStart,
@@ -308,15 +309,13 @@ class QwenImageModel(FamilyModel):
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         return true_cfg(cond, uncond, scale)
 
-    def decode(
-        self, latents: torch.Tensor, canvas: LatentCanvas, fast: bool = False
-    ) -> list[PIL.Image.Image]:
+    def decode(self, latents: torch.Tensor, canvas: LatentCanvas, fast: bool = False) -> Decoded:
         """VAE-decode packed latents to PIL images (the VAE config's latent statistics)."""
         vae = self.components.vae
         z = unpack_latents(latents, canvas.height, canvas.width).to(vae.dtype)
         mean, inv_std = latent_statistics(vae, z.device, z.dtype)
-        z = z / inv_std + mean
-        return pil_images(self.image_processor, decode_frames(vae, z, fast))
+        pixels, report = decode_frames(vae, z / inv_std + mean, fast)
+        return Decoded(pil_images(self.image_processor, pixels), report)
 
     def describe(self) -> list[str]:
         c = self.components

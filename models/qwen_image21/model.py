@@ -19,6 +19,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from qwen_image_fusion.models.env import env_flag
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.family import (
+    Decoded,
     FamilyModel,
     GenerationDefaults,
     StepCall,
@@ -43,6 +44,7 @@ from qwen_image_fusion.models.qwen_image21.conditioning import (
 )
 from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
 from qwen_image_fusion.models.qwen_image21.steps import Conditioning21, RequestSteps, StepPlanner
+from qwen_image_fusion.models.vae_decode import DecodeReport, tiles
 
 
 class QwenImage21Model(FamilyModel):
@@ -170,9 +172,7 @@ class QwenImage21Model(FamilyModel):
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         return uncond + scale * (cond - uncond)
 
-    def decode(
-        self, latents: torch.Tensor, canvas: RequestSteps, fast: bool = False
-    ) -> list[PIL.Image.Image]:
+    def decode(self, latents: torch.Tensor, canvas: RequestSteps, fast: bool = False) -> Decoded:
         """VAE-decode packed latents (`z * std + mean` with the VAE config's statistics) to PIL images; its
         VAE's convolutions are 2D already, so there is no `fast` form (the spec refuses it)."""
         vae = self.components.vae
@@ -180,8 +180,10 @@ class QwenImage21Model(FamilyModel):
         shape = (1, vae.config.z_dim, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
-        pixels = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
-        return pil_images(self.image_processor, pixels)
+        z = z * std + mean
+        pixels = vae.decode(z, return_dict=False)[0][:, :, 0]
+        report = DecodeReport(fast=False, tiled=tiles(vae, z))
+        return Decoded(pil_images(self.image_processor, pixels), report)
 
     def describe(self) -> list[str]:
         c = self.components

@@ -14,7 +14,7 @@ from pathlib import Path
 import PIL.Image
 import torch
 
-from qwen_image_fusion.models.family import Conditioning, ImageStart
+from qwen_image_fusion.models.family import Conditioning, Decoded, ImageStart
 from qwen_image_fusion.models.mask_crop import MaskCrop
 from qwen_image_fusion.models.qwen_image.math import ImageLayout
 from qwen_image_fusion.models.qwen_image.model import (
@@ -151,7 +151,7 @@ class QwenImageEditModel(AppendedImageSteps, QwenImageModel):
         its sampled `image_latents` to the transformer, not the distribution's mode an edit reads)."""
         return replace(canvas, references=latents)
 
-    def decode(self, latents: torch.Tensor, canvas: EditCanvas, fast: bool = False) -> list[PIL.Image.Image]:
+    def decode(self, latents: torch.Tensor, canvas: EditCanvas, fast: bool = False) -> Decoded:
         return super().decode(latents, canvas.target, fast)
 
     def describe(self) -> list[str]:

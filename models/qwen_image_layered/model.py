@@ -18,7 +18,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from qwen_image_fusion.models.errors import InputError
-from qwen_image_fusion.models.family import calculate_dimensions
+from qwen_image_fusion.models.family import Decoded, calculate_dimensions
 from qwen_image_fusion.models.pixels import pil_images
 from qwen_image_fusion.models.qwen_image.math import ImageLayout, pack_latents, unpack_latents
 from qwen_image_fusion.models.qwen_image.model import (
@@ -116,16 +116,15 @@ class QwenImageLayeredModel(AppendedImageSteps, QwenImageModel):
         """`uncond + scale * (cond - uncond)`, not rescaled (diffusers' Layered `cfg_normalize=False`)."""
         return uncond + scale * (cond - uncond)
 
-    def decode(
-        self, latents: torch.Tensor, canvas: LayeredCanvas, fast: bool = False
-    ) -> list[PIL.Image.Image]:
+    def decode(self, latents: torch.Tensor, canvas: LayeredCanvas, fast: bool = False) -> Decoded:
         """Each row's layers (every frame but the first, the whole image) decoded as RGBA images, row after
         row, in one VAE batch."""
         vae, target, frames = self.components.vae, canvas.target, canvas.layers + 1
         tokens = latents.unflatten(1, (frames, -1))[:, 1:].flatten(0, 1)
         z = unpack_latents(tokens, target.height, target.width).to(vae.dtype)
         mean, inv_std = latent_statistics(vae, z.device, z.dtype)
-        return pil_images(self.image_processor, decode_frames(vae, z / inv_std + mean, fast))
+        pixels, report = decode_frames(vae, z / inv_std + mean, fast)
+        return Decoded(pil_images(self.image_processor, pixels), report)
 
     def describe(self) -> list[str]:
         return [

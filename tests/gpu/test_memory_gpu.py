@@ -27,7 +27,7 @@ from qwen_image_fusion.models.memory import DENOISE, Workload
 from qwen_image_fusion.models.streaming import CudaLink
 from qwen_image_fusion.pipelines import load_pipeline
 from qwen_image_fusion.pipelines.memory_plan import GiB, minimum_budget
-from qwen_image_fusion.pipelines.pipeline import Precision
+from qwen_image_fusion.pipelines.precision import Precision
 from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
 from qwen_image_fusion.models.streaming import CudaLink
 from qwen_image_fusion.pipelines import load_pipeline
-from qwen_image_fusion.pipelines.pipeline import Precision
+from qwen_image_fusion.pipelines.precision import Precision
 from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
