@@ -25,6 +25,7 @@ from torch import nn
 
 from qwen_image_fusion.models.qwen_image.transformer import TransformerBlocks
 from qwen_image_fusion.pipelines.load_options import LoadOptions
+from qwen_image_fusion.pipelines.loading import load
 from qwen_image_fusion.pipelines.pipeline import Pipeline
 
 PROMPT = "a red circle at the top left"
@@ -314,7 +315,7 @@ def main() -> None:
         return
     print(f"cache-dit {cache_dit.__version__}, torch {torch.__version__}")
     torch.manual_seed(0)
-    pipe = Pipeline.load(LoadOptions(device="cpu"))
+    pipe = load(LoadOptions(device="cpu"))
     print(
         f"pipeline: {pipe.model_name}, {pipe.variant}, {pipe.precision.describe()}, defaults {pipe.defaults}"
     )

@@ -64,6 +64,21 @@ def summarize(pairs: list[dict]) -> dict:
         "png_identical": sum(p["png_identical"] for p in pairs),
         "metrics": metrics,
         "time": time,
+        "ran": {slot: what_ran([p[slot] for p in pairs]) for slot in ("a", "b")},
+    }
+
+
+def what_ran(sides: list[dict]) -> dict:
+    """The approximate paths one side's runs took, as the workers' RunInfo recorded them: images decoded in
+    the 2D form, why fast decodes fell back, and the steps its step cache skipped (per branch and image)."""
+    decodes = [side["decode"] for side in sides if side.get("decode")]
+    skipped = [c for side in sides if side.get("cache") for branch in side["cache"]["skipped"].values()
+               for c in branch]  # fmt: skip
+    return {
+        "images": len(sides),
+        "fast_decode": sum(decode["fast"] for decode in decodes),
+        "decode_fallbacks": sorted({decode["fallback"] for decode in decodes if decode["fallback"]}),
+        "cache_skipped": stats([float(count) for count in skipped]),
     }
 
 
@@ -94,6 +109,14 @@ def summary_lines(report: dict) -> list[str]:
     for slot in ("a", "b"):
         t, spec = summary["time"][slot], variants[slot]["spec"]
         lines.append(f"time {slot} ({spec}): median {t['median_s']:.3f} s, total {t['total_s']:.3f} s")
+        ran = summary["ran"][slot]
+        if ran["fast_decode"] or ran["decode_fallbacks"]:
+            fell = "".join(f"; fell back: {why}" for why in ran["decode_fallbacks"])
+            lines.append(f"decode {slot}: 2D form in {ran['fast_decode']}/{ran['images']} images{fell}")
+        if ran["cache_skipped"] is not None:
+            k = ran["cache_skipped"]
+            skipped = f"{k['min']:g} / {k['median']:g} / {k['max']:g}"
+            lines.append(f"step cache {slot}: steps skipped min/median/max {skipped}")
     return lines
 
 

@@ -7,13 +7,17 @@ everything else the pipeline prints goes to stderr.
                  "load_seconds", "width", "height", "steps"}    (width/height/steps: pipe.defaults;
                                                                  width/height null for a model that edits
                                                                  or takes control maps)
-  request       {"id", "prompt", "seed", "width", "height", "steps", "negative_prompt",
-                 "true_cfg_scale", "images", "init_image", "mask", "strength", "control", "control_mode",
-                 "control_scale", "control_mask", "png"}        (null width/height/steps: defaults;
-                                                                 images, control: image files, may be [])
-  reply         {"event": "done", "id", "seconds", "seed", "width", "height", "steps", "timings"}
+  request       {"id", "png", and the eval keys of the request options (pipelines/options.py): "prompt",
+                 "seed", "width", "height", "steps", "negative_prompt", "true_cfg_scale", "images",
+                 "init_image", "mask", "strength", "control", "control_mode", "control_scale",
+                 "control_mask"}                                (null or absent: the default; image keys:
+                                                                 files, lists may be []; another key is
+                                                                 refused by name)
+  reply         {"event": "done", "id", "seconds", "seed", "width", "height", "steps", "timings",
+                 "cache", "decode"}                             (what ran: RunInfo's cache and decode)
   on error      {"event": "error", "id" (absent at load), "error": one line, "user_error": bool}
-The worker exits when stdin closes, or after a load error.
+The worker exits when stdin closes, or after a load error. Its per-variant flags (`--cache`,
+`--fast-decode`) are built from the same declarations as the CLI's.
 """
 
 import argparse
@@ -25,7 +29,8 @@ import traceback
 from dataclasses import asdict
 from typing import TextIO
 
-from qwen_image_fusion.models.errors import QwenImageError
+from qwen_image_fusion.models.errors import InputError, QwenImageError
+from qwen_image_fusion.pipelines.options import GENERATE, IMAGE, IMAGES, OPTION, OPTIONS, add_flag
 
 
 def open_protocol_channel() -> TextIO:
@@ -89,33 +94,37 @@ def side_by_side(images: list) -> object:
     return strip
 
 
-def generate(pipe: object, request: dict, cache: str | None = None, fast_decode: bool = False) -> dict:
-    from qwen_image_fusion.pipelines.requests import Request
+PROTOCOL_KEYS = ("id", "png")  # a request's own keys beside its options'
+PER_WORKER = ("cache", "fast_decode")  # options a worker applies to every request (its variant's)
 
+
+def request_values(request: dict) -> tuple[str, dict]:
+    """A request line's prompt and `generate()` values, read by the eval keys of the declared options:
+    image keys opened, absent keys left to the defaults; InputError naming an unknown key."""
+    from qwen_image_fusion.pipelines.images import open_input_image
+
+    options = {option.eval: option for option in OPTIONS if option.eval and option.name not in PER_WORKER}
+    unknown = sorted(set(request) - set(options) - set(PROTOCOL_KEYS))
+    if unknown:
+        raise InputError(
+            f"unknown request key {unknown[0]!r}: the worker takes {', '.join(options)}", unknown[0]
+        )
+    values = {}
+    for key, option in options.items():
+        value = request.get(key)
+        if option.kind == IMAGE and value is not None:
+            value = open_input_image(value, field=option.name)
+        elif option.kind == IMAGES:
+            value = [open_input_image(path, field=option.name) for path in value or ()] or None
+        values[option.name] = value
+    return values.pop("prompt"), values
+
+
+def generate(pipe: object, request: dict, per_worker: dict) -> dict:
+    """One request (its values and the worker's `per_worker` options), its image written to its `png`."""
     start = time.perf_counter()
-    inputs = Request(
-        request["prompt"],
-        tuple(request.get("images", [])),
-        request.get("init_image"),
-        request.get("mask"),
-        request.get("strength"),
-        tuple(request.get("control", [])),
-        request.get("control_mode"),
-        request.get("control_scale"),
-        request.get("control_mask"),
-    ).generation_inputs()
-    images = pipe.generate(
-        request["prompt"],
-        negative_prompt=request.get("negative_prompt"),
-        width=request.get("width"),
-        height=request.get("height"),
-        num_inference_steps=request.get("steps"),
-        true_cfg_scale=request.get("true_cfg_scale", 4.0),
-        seed=request["seed"],
-        cache=cache,
-        fast_decode=fast_decode,
-        **inputs,
-    )
+    prompt, values = request_values(request)
+    images = pipe.generate(prompt, **values, **per_worker)
     side_by_side(images).save(request["png"], format="PNG")
     run = pipe.last_run
     return {
@@ -132,7 +141,8 @@ def generate(pipe: object, request: dict, cache: str | None = None, fast_decode:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's load options, and its per-worker request options as declared (their CLI flags)."""
     parser = argparse.ArgumentParser(
         prog="python -m qwen_image_fusion.eval.worker", description=__doc__.splitlines()[0]
     )
@@ -140,9 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--cache", default=None, help="a step-cache preset for every image")
-    parser.add_argument("--fast-decode", action="store_true", help="the VAE's 2D decode (approximate)")
-    args = parser.parse_args(argv)
+    for name in PER_WORKER:
+        add_flag(parser, OPTION[name], OPTION[name].cli[GENERATE])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    per_worker = {name: getattr(args, name) for name in PER_WORKER}
     channel = open_protocol_channel()
     try:
         pipe, info = load(args)
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         request = json.loads(line)
         try:
-            send(channel, generate(pipe, request, args.cache, args.fast_decode))
+            send(channel, generate(pipe, request, per_worker))
         except Exception as exc:
             send_error(channel, exc, id=request.get("id"))
     return 0

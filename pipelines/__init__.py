@@ -13,8 +13,8 @@ _LAZY = {
     "GenerationDefaults": "qwen_image_fusion.models.family",
     "Pipeline": "qwen_image_fusion.pipelines.pipeline",
     "RunInfo": "qwen_image_fusion.pipelines.run_info",
-    "generate": "qwen_image_fusion.pipelines.pipeline",
-    "load_pipeline": "qwen_image_fusion.pipelines.pipeline",
+    "generate": "qwen_image_fusion.pipelines.loading",
+    "load_pipeline": "qwen_image_fusion.pipelines.loading",
 }
 __all__ = ["VARIANTS", *_LAZY]
 

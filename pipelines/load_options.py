@@ -14,7 +14,7 @@ from qwen_image_fusion.pipelines.variants import AUTO
 class LoadOptions:
     """docs/API.md `load_pipeline`: the checkpoint (None: the embedded default), the variant, the device and
     dtype (None: chosen for the device), a parallel plan ("auto" or a ParallelPlan: this process is one rank
-    of a launched group), the GPU-memory budget and the largest request it must hold; `Pipeline.load`
+    of a launched group), the GPU-memory budget and the largest request it must hold; `pipelines/loading.py`
     loads them. Hashable: the one-call `generate()` keeps one pipeline per options."""
 
     model: str | Path | None = None

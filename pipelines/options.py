@@ -8,12 +8,17 @@ Torch-free, so a front end builds its surface before any model loads. Adding an 
 "Adding a request option".
 """
 
+import argparse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from qwen_image_fusion.models.cache_presets import CACHE_OFF, CACHE_PRESETS
-from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH
+from qwen_image_fusion.models.family import (
+    DEFAULT_SEQUENCE_LENGTH,
+    DEFAULT_TRUE_CFG_SCALE,
+    MAX_SEQUENCE_LENGTH,
+)
 from qwen_image_fusion.pipelines.control import CONTROL_MODES
 from qwen_image_fusion.pipelines.limits import MAX_IMAGES_PER_PROMPT, MAX_SIDE, MAX_STEPS, MIN_STEPS
 from qwen_image_fusion.pipelines.presets import PRESETS
@@ -68,6 +73,7 @@ class Option:
     eval: str | None = None
     served_high: float | None = None
     demo_range: tuple[float, float] | None = None
+    model_default: str = ""  # what the checkpoints' own default usually is, for help ("1024 for Qwen-Image")
 
     @property
     def bounds(self) -> str:
@@ -109,7 +115,8 @@ def _routes(name: str, *routes: str) -> dict[str, str]:
     return dict.fromkeys(routes or (GENERATIONS, EDITS), name)
 
 
-SIDE = f"pixels, a multiple of the model's size multiple (`qwen-image info`) up to {MAX_SIDE}"
+MODEL_SIZES = "1024 for Qwen-Image checkpoints, 256 for the embedded model; an edit's: its images' aspect"
+SIDE = "pixels, a multiple of the model's size multiple (`qwen-image info`); input images suggest one"
 OPTIONS: tuple[Option, ...] = (
     Option("prompt", TEXT, REQUIRED, "what to draw (an edit: the instruction); empty on Qwen-Image-Layered: "
            "the model captions the image", cli={GENERATE: "prompt", EDIT: "instruction", LAYERS: "--prompt"},
@@ -118,20 +125,18 @@ OPTIONS: tuple[Option, ...] = (
            "true CFG on (the model's: none for diffusers checkpoints, \" \" for the embedded model)",
            cli=_every("--negative-prompt"), http=_routes("negative_prompt"), demo="negative_prompt",
            eval="negative_prompt"),
-    Option("width", WHOLE, FROM_MODEL, f"image width in {SIDE} (the model's, or what the input images "
-           "suggest)", high=MAX_SIDE, cli=_every("--width"), http=_routes("size"), demo="width",
-           eval="width"),
-    Option("height", WHOLE, FROM_MODEL, f"image height in {SIDE} (the model's, or what the input images "
-           "suggest)", high=MAX_SIDE, cli=_every("--height"), http=_routes("size"), demo="height",
-           eval="height"),
+    Option("width", WHOLE, FROM_MODEL, f"image width in {SIDE}", high=MAX_SIDE, cli=_every("--width"),
+           http=_routes("size"), demo="width", eval="width", model_default=MODEL_SIZES),
+    Option("height", WHOLE, FROM_MODEL, f"image height in {SIDE}", high=MAX_SIDE, cli=_every("--height"),
+           http=_routes("size"), demo="height", eval="height", model_default=MODEL_SIZES),
     Option("num_inference_steps", WHOLE, FROM_MODEL, "denoising steps (a preset sets its own; one step "
            "divides by zero in the scheduler's terminal-shift stretch)", low=MIN_STEPS, high=MAX_STEPS,
            cli=_every("--steps"), http=_routes("num_inference_steps"), demo="num_inference_steps",
-           eval="steps"),
+           eval="steps", model_default="50; 20 for the embedded model"),
     Option("true_cfg_scale", NUMBER, FROM_MODEL, "true CFG scale: above 1 with a negative prompt runs two "
            "transformer calls a step; 1 turns CFG off (a preset sets 1)", low=0,
            cli=_every("--true-cfg-scale"), http=_routes("true_cfg_scale"), demo="true_cfg_scale",
-           eval="true_cfg_scale", demo_range=(1.0, 10.0)),
+           eval="true_cfg_scale", demo_range=(1.0, 10.0), model_default=f"{DEFAULT_TRUE_CFG_SCALE:g}"),
     Option("seed", WHOLE, None, "random seed (none: a random one, reported)", low=0, high=MAX_SEED,
            cli=_every("--seed"), http=_routes("seed"), demo="seed", eval="seed"),
     Option("num_images_per_prompt", WHOLE, 1, "images per prompt", low=1, high=MAX_IMAGES_PER_PROMPT,
@@ -187,9 +192,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("control_mask", IMAGE, None, "an inpainting ControlNet checkpoint: repaint the white part of its "
            "one control image (the image's size)", cli={GENERATE: "--control-mask"},
            http=_routes("control_mask", GENERATIONS), demo="mask", eval="control_mask"),
-    Option("layers", WHOLE, FROM_MODEL, f"Qwen-Image-Layered: RGBA layers to decompose the image into "
-           f"({DEFAULT_LAYERS} on a Layered checkpoint)", low=1, high=MAX_LAYERS, cli={LAYERS: "--layers"},
-           http=_routes("layers", EDITS), demo="layers"),
+    Option("layers", WHOLE, FROM_MODEL, "Qwen-Image-Layered: RGBA layers to decompose the image into", low=1,
+           high=MAX_LAYERS, cli={LAYERS: "--layers"}, http=_routes("layers", EDITS), demo="layers",
+           model_default=str(DEFAULT_LAYERS)),
     Option("resolution", WHOLE, None, "Qwen-Image-Layered: the output's area as a square of this side, at "
            "the image's aspect (diffusers' buckets: 640 and 1024; none: 640, or width and height)", low=256,
            high=4096, cli={LAYERS: "--resolution"}, http=_routes("resolution", EDITS)),
@@ -219,3 +224,39 @@ def front_end_name(name: str | None, names: Mapping[str, str], fallback: str | N
     option names (`names`: option -> its name); `fallback` where the option has none there or none is
     named."""
     return names.get(name, fallback) if name is not None else fallback
+
+
+def add_flag(parser: argparse.ArgumentParser, option: Option, flag: str, required: bool = False) -> None:
+    """`option` as an argparse argument `flag` (no dashes: positional, `flag` its metavar), built from its
+    declaration: type, choices, help with bounds and default, `generate()`'s default as argparse's (None:
+    the pipeline decides); images are file paths, repeatable where the option takes several."""
+    positional = not flag.startswith("-")
+    kwargs: dict[str, Any] = {"help": flag_help(option)}
+    if positional:
+        kwargs["metavar"] = flag
+    else:
+        kwargs |= {"dest": option.name, "default": "" if option.default is REQUIRED else option.given_default}
+        if option.kind in (WHOLE, NUMBER, NUMBERS, TEXT):
+            kwargs["metavar"] = flag.removeprefix("--").upper().replace("-", "_")
+    if option.kind == FLAG:
+        kwargs["action"] = "store_true"
+    elif option.kind in (WHOLE, NUMBER, NUMBERS):
+        kwargs["type"] = int if option.kind == WHOLE else float
+    elif option.kind == CHOICE:
+        kwargs["choices"] = option.choices
+    elif option.kind in (IMAGE, IMAGES):
+        kwargs.setdefault("metavar", "FILE")
+    if option.kind in (IMAGES, NUMBERS) and not positional:
+        kwargs["action"] = "append"
+    if required:
+        kwargs["required"] = True
+    parser.add_argument(option.name if positional else flag, **kwargs)
+
+
+def flag_help(option: Option) -> str:
+    """A flag's help: the declaration's one line, its bounds, and a default the flag leaves to the model."""
+    bounds = f" ({option.bounds})" if option.bounds else ""
+    model = f", {option.model_default}" if option.model_default else ""
+    default = f" (default: the model's{model})" if option.default is FROM_MODEL else ""
+    repeat = "; repeatable, in order" if option.kind in (IMAGES, NUMBERS) and option.name != "image" else ""
+    return f"{option.help}{bounds}{repeat}{default}".replace("%", "%%")  # argparse formats help with %

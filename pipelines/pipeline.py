@@ -16,13 +16,11 @@ import torch
 
 from qwen_image_fusion.models.cache_presets import CachePreset
 from qwen_image_fusion.models.errors import InputError
-from qwen_image_fusion.models.families import inspect_checkpoint
 from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec, Conditioning, FamilyModel
 from qwen_image_fusion.models.lora import MergeReport
 from qwen_image_fusion.models.lora_files import LoraFile
 from qwen_image_fusion.models.memory import Workload
 from qwen_image_fusion.models.step_cache import BranchCache
-from qwen_image_fusion.pipelines import stages
 from qwen_image_fusion.pipelines.cuda_graph import (
     MAX_GRAPHS,
     GraphedStep,
@@ -30,18 +28,16 @@ from qwen_image_fusion.pipelines.cuda_graph import (
     cut_collectives_by_env,
 )
 from qwen_image_fusion.pipelines.generation_request import GenerationRequest, resolve_request
-from qwen_image_fusion.pipelines.load_options import LoadOptions
 from qwen_image_fusion.pipelines.lora import LoadedLora, LoraSet
-from qwen_image_fusion.pipelines.memory import GpuMemory, plan_for
+from qwen_image_fusion.pipelines.memory import GpuMemory
 from qwen_image_fusion.pipelines.memory_plan import MemoryPlan
+from qwen_image_fusion.pipelines.options import OPTION
 from qwen_image_fusion.pipelines.parallel import (
     ParallelPlan,
     Ranks,
     check_supported,
-    join_ranks,
-    resolve_plan,
 )
-from qwen_image_fusion.pipelines.precision import Precision, check_dtype, pick_device, pick_numerics
+from qwen_image_fusion.pipelines.precision import Precision
 from qwen_image_fusion.pipelines.request_loop import run_requests
 from qwen_image_fusion.pipelines.run_info import Generated, RunInfo
 from qwen_image_fusion.pipelines.variants import AUTO, Variant, get_variant, resolve_variant, variants_for
@@ -75,38 +71,6 @@ class Pipeline:
         self.ranks: Ranks | None = None  # this process's part in a parallel plan (pipelines/parallel.py)
         self.lora = LoraSet(model.transformer, self.dtype, spec.family.convert_lora, device=self.device)
         self.set_variant(variant)
-
-    @classmethod
-    def load(cls, options: LoadOptions) -> "Pipeline":
-        """Load a local diffusers-layout checkpoint of any registered family, or the embedded default
-        (`options.model` None). Every option and config is checked before any weight is read. A parallel
-        plan makes this process one rank of a launched group (refused before loading when it does not
-        fit). On CUDA the weights are placed for `gpu_memory` (bytes or a size such as "24GiB"; default:
-        what the device has free) and the largest request `workload` (default: the checkpoint's default
-        size): see pipelines/memory_plan.py. On a CPU an explicit `gpu_memory` places them the same way,
-        the CPU standing in for the device (what the CI tests run)."""
-        plan = resolve_plan(options.parallel, options.model)
-        device = pick_device(options.device)
-        if plan is not None:
-            device = join_ranks(device)
-        spec = inspect_checkpoint(options.model)
-        chosen, precision = pick_numerics(spec.fp8, options.variant, device, options.dtype)
-        gpu_memory, workload = options.gpu_memory, options.workload
-        planned = plan_for(spec, precision.dtype, precision.vae_dtype, device, gpu_memory, workload)
-        if plan is not None and planned is not None and not planned[1].resident:
-            raise InputError("weights streamed for a GPU-memory budget do not combine with several GPUs yet")
-        host = planned is not None and not planned[1].resident  # load on the host, place from there
-        model = spec.family.load(
-            spec, precision.dtype, torch.device("cpu") if host else device, precision.vae_dtype
-        )
-        memory = None
-        if planned is not None:
-            model.device = device
-            memory = GpuMemory.for_model(model, *planned)
-        pipe = cls(model, spec, precision, chosen, memory)
-        if plan is not None:
-            pipe.set_parallel(plan)
-        return pipe
 
     @classmethod
     def from_model(cls, model: FamilyModel, spec: CheckpointSpec, variant: str = AUTO) -> "Pipeline":
@@ -313,35 +277,8 @@ class Pipeline:
         `seed` may give one seed per prompt: each prompt's images then start from its own seed's noise, as
         when generated alone. Details of the run land in `self.last_run`. `output_type="latent"` returns the
         final packed latents and skips decoding (as diffusers' pipelines do). One request through `run`."""
-        request = self.request(
-            prompt,
-            negative_prompt=negative_prompt,
-            width=width,
-            height=height,
-            num_inference_steps=num_inference_steps,
-            true_cfg_scale=true_cfg_scale,
-            seed=seed,
-            num_images_per_prompt=num_images_per_prompt,
-            max_sequence_length=max_sequence_length,
-            preset=preset,
-            lora_scales=lora_scales,
-            image=image,
-            cache=cache,
-            init_image=init_image,
-            strength=strength,
-            mask_image=mask_image,
-            padding_mask_crop=padding_mask_crop,
-            control_image=control_image,
-            controlnet_conditioning_scale=controlnet_conditioning_scale,
-            control_guidance_start=control_guidance_start,
-            control_guidance_end=control_guidance_end,
-            control_mode=control_mode,
-            control_mask=control_mask,
-            layers=layers,
-            resolution=resolution,
-            use_en_prompt=use_en_prompt,
-            fast_decode=fast_decode,
-        )
+        values = {name: value for name, value in locals().items() if name in OPTION and name != "prompt"}
+        request = self.request(prompt, **values)
         return self.run([request], on_step=on_step, progress=progress, output_type=output_type)[0].images
 
     @torch.no_grad()
@@ -367,54 +304,7 @@ class Pipeline:
         offloaded components prefetched after."""
         return run_requests(self, requests, slots, on_step, progress, output_type)
 
-    @torch.no_grad()
-    def denoise(
-        self,
-        branches: list[Conditioning],
-        canvas: object,
-        steps: int,
-        true_cfg_scale: float,
-        seed: int | list[int],
-        **options: Any,
-    ) -> torch.Tensor:
-        """The flow-matching loop alone (pipelines/stages.py `denoise`): final packed latents."""
-        return stages.denoise(self, branches, canvas, steps, true_cfg_scale, seed, **options)
-
     def use_call_lora_scales(self, scales: dict[str, float]) -> None:
         """Put a call's LoRA scales in force over the lasting ones (re-syncing only when they change)."""
         if self.lora.apply_for_call(scales):
             self._resync()
-
-
-_CACHE: dict[LoadOptions, Pipeline] = {}
-
-
-def load_pipeline(
-    model: str | Path | None = None,
-    variant: str = AUTO,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    parallel: ParallelPlan | str | None = None,
-    gpu_memory: int | str | None = None,
-    workload: Workload | None = None,
-) -> Pipeline:
-    """A new pipeline for `model` (None: the embedded default); the options of `LoadOptions`
-    (docs/API.md)."""
-    return Pipeline.load(LoadOptions(model, variant, device, dtype, parallel, gpu_memory, workload))
-
-
-def generate(
-    prompt: str | list[str],
-    model: str | Path | None = None,
-    variant: str = AUTO,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    parallel: ParallelPlan | str | None = None,
-    gpu_memory: int | str | None = None,
-    **kwargs,
-) -> list[PIL.Image.Image]:
-    """One-call generation (`Pipeline.generate`'s arguments); keeps one pipeline per load options."""
-    options = LoadOptions(model, variant, device, check_dtype(dtype), parallel, gpu_memory)
-    if options not in _CACHE:
-        _CACHE[options] = Pipeline.load(options)
-    return _CACHE[options].generate(prompt, **kwargs)

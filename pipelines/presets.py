@@ -4,6 +4,7 @@ Torch-free, so the CLI and the UI show the presets and refuse a bad LoRA argumen
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,10 @@ def find_lora_files(directory: Path) -> list[Path]:
     if not files:
         raise InputError(f"LoRA directory {directory} holds no *.safetensors files")
     return files
+
+
+def load_lora_files(pipe: Any, files: Sequence[Path]) -> None:
+    """Mount every LoRA file at scale 0 (off until a request's `lora_scales` or a slider sets one): what a
+    server's `--lora-dir` loads, once, so switching a LoRA on never reloads weights."""
+    for path in files:
+        pipe.load_lora(path, scale=0.0)

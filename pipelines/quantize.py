@@ -30,7 +30,8 @@ from qwen_image_fusion.models.family import CheckpointSpec
 from qwen_image_fusion.models.fp8_weight_only import WEIGHT_ONLY_KEY
 from qwen_image_fusion.models.loading import save_tensors
 from qwen_image_fusion.models.lora_files import LoraFile
-from qwen_image_fusion.pipelines.pipeline import Pipeline, load_pipeline
+from qwen_image_fusion.pipelines.loading import load_pipeline
+from qwen_image_fusion.pipelines.pipeline import Pipeline
 from qwen_image_fusion.pipelines.presets import get_preset
 from qwen_image_fusion.pipelines.requests import (
     Request,

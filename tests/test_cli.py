@@ -125,12 +125,12 @@ def test_unreadable_calibration_prompts_give_one_line_error(tmp_path, capsys):
     ],
 )
 def test_generation_arguments_fail_before_any_model_loads(args, message, tmp_path, monkeypatch, capsys):
-    """The checks run before loading: loading would fail the test."""
+    """The checks run before loading: loading would fail the test. The line names the flag."""
     monkeypatch.setattr(
         "qwen_image_fusion.ui.commands.load", lambda _args: pytest.fail("the model loaded before the checks")
     )
     assert main(["generate", "a fox", "-o", str(tmp_path / "a.png"), *args]) == 2
-    assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert capsys.readouterr().err.strip() == f"error: {args[0]}: {message}"
 
 
 def test_bad_size_is_refused_in_under_a_second_with_the_checkpoints_own_multiple(saved_model, tmp_path):
@@ -140,7 +140,7 @@ def test_bad_size_is_refused_in_under_a_second_with_the_checkpoints_own_multiple
     assert len(config["temperal_downsample"]) == 3  # 8x: sides are multiples of 16
     result = run_cli("generate", "a fox", "--model", str(saved_model), "--width", "40", "-o", "x.png")
     assert result.returncode == 2 and result.stderr.strip().endswith(
-        "width 40 must be a multiple of 16 between 16 and 2048"
+        "--width: width 40 must be a multiple of 16 between 16 and 2048"
     )
 
 

@@ -55,27 +55,27 @@ def refusals(checkpoints: dict[str, Path], files: dict[str, Path]) -> dict[str, 
     return {
         "not an image": (
             ["edit", "x", "--image", str(files["text"]), "--model", plus],
-            f"input image {files['text']} is not an image Pillow can read (UnidentifiedImageError)",
+            f"--image: input image {files['text']} is not an image Pillow can read (UnidentifiedImageError)",
         ),
         "truncated PNG": (
             ["edit", "x", "--image", str(files["truncated"]), "--model", plus],
-            f"input image {files['truncated']} is truncated or corrupt: image file is truncated",
+            f"--image: input image {files['truncated']} is truncated or corrupt: image file is truncated",
         ),
         "missing file": (
             ["edit", "x", "--image", "/nonexistent/photo.png", "--model", plus],
-            "input image /nonexistent/photo.png does not exist",
+            "--image: input image /nonexistent/photo.png does not exist",
         ),
         "too many images for Edit": (
             ["edit", "x", "--image", a, "--image", a, "--model", edit],
-            f"2 input images, but {edit} takes at most 1",
+            f"--image: 2 input images, but {edit} takes at most 1",
         ),
         "too many images for Plus": (
             ["edit", "x", *["--image", a] * 4, "--model", plus],
-            f"4 input images, but {plus} takes at most 3",
+            f"--image: 4 input images, but {plus} takes at most 3",
         ),
         "above the pixel cap": (
             ["edit", "x", "--image", str(files["huge"]), "--model", plus],
-            f"input image {files['huge']} is 5000x4000: at most 16.8 MP (4096x4096)",
+            f"--image: input image {files['huge']} is 5000x4000: at most 16.8 MP (4096x4096)",
         ),
         "text-only checkpoint asked to edit": (
             ["edit", "x", "--image", a],
@@ -90,7 +90,7 @@ def refusals(checkpoints: dict[str, Path], files: dict[str, Path]) -> dict[str, 
         ),
         "width not a multiple": (
             ["edit", "x", "--image", a, "--model", plus, "--width", "40"],
-            "width 40 must be a multiple of 16 between 16 and 2048",
+            "--width: width 40 must be a multiple of 16 between 16 and 2048",
         ),
         "a GPU-memory budget too small for the model": (
             ["edit", "x", "--image", a, "--model", plus, "--gpu-memory", "1MiB"],

@@ -235,11 +235,18 @@ def test_fp8_unfused_vs_fused_is_identical(prompts: Path, tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     pairs = load(cached)["pairs"]
     assert all(p["a"]["cache"] == p["b"]["cache"] and p["a"]["cache"]["preset"] == "faster" for p in pairs)
+    ran = load(cached)["summary"]["ran"]
+    assert (
+        ran["a"] == ran["b"] and ran["a"]["cache_skipped"] is not None and "step cache a: " in result.stdout
+    )
     # with the VAE's fast decode (opt-in, approximate) fused and unfused still decode to the same bytes
     result = parity("--model", str(checkpoint), "--prompts", str(prompts), "--a", "fp8-unfused+fast-decode",
                     "--b", "fp8-fused+fast-decode", "--size", "64x64", "--steps", "3", "--out",
                     str(tmp_path / "fast"), "--expect", "identical")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    ran = load(tmp_path / "fast")["summary"]["ran"]
+    assert ran["a"]["fast_decode"] == ran["a"]["images"] == ran["b"]["fast_decode"] > 0
+    assert f"decode a: 2D form in {ran['a']['images']}/{ran['a']['images']} images" in result.stdout
     # the built-in inpainting set (drawn start images and masks): fused and unfused give the same bytes
     inpaint = tmp_path / "inpaint"
     result = parity("--model", str(checkpoint), "--prompts", "inpaint", "--a", "fp8-unfused",

@@ -26,7 +26,7 @@ from layered_fixtures import (
 from qwen_image_fusion.models.errors import CheckpointError, InputError
 from qwen_image_fusion.models.families import inspect_checkpoint
 from qwen_image_fusion.pipelines import load_pipeline
-from qwen_image_fusion.pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
+from qwen_image_fusion.pipelines.options import DEFAULT_LAYERS, MAX_LAYERS
 from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 

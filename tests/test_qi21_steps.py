@@ -12,6 +12,7 @@ from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
 from qwen_image_fusion.models.qwen_image21 import steps
 from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.stages import denoise
 
 PROMPT, NEGATIVE = "make the sky blue and add a small boat", "blurry, low quality, dark"
 IMAGE = drawn_image(96, 64, seed=5, mode="RGBA")
@@ -82,9 +83,9 @@ def test_a_branch_refills_its_slot_after_another_request_used_it(pipe):
         return branches, model.canvas(width, height, inputs)
 
     a, b = request(PROMPT), request("make the sky green and add a small boat")
-    first = pipe.denoise(*a, steps=3, true_cfg_scale=1.0, seed=1)
-    pipe.denoise(*b, steps=3, true_cfg_scale=1.0, seed=1)
-    assert torch.equal(pipe.denoise(*a, steps=3, true_cfg_scale=1.0, seed=1), first)
+    first = denoise(pipe, *a, steps=3, true_cfg_scale=1.0, seed=1)
+    denoise(pipe, *b, steps=3, true_cfg_scale=1.0, seed=1)
+    assert torch.equal(denoise(pipe, *a, steps=3, true_cfg_scale=1.0, seed=1), first)
 
 
 def test_without_the_cache_every_step_is_the_full_pass(pipe, calls):

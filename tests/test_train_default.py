@@ -15,6 +15,7 @@ from qwen_image_fusion.models.family import Conditioning
 from qwen_image_fusion.models.qwen_image.config import vae_scale_factor
 from qwen_image_fusion.models.qwen_image.text_encoder import VOCAB_SIZE
 from qwen_image_fusion.pipelines import load_pipeline
+from qwen_image_fusion.pipelines.stages import denoise
 from qwen_image_fusion.training import assemble, train_default
 from qwen_image_fusion.training.recipe import RECIPES, build_text_encoder, build_transformer, build_vae
 from qwen_image_fusion.training.train_default import (
@@ -131,7 +132,7 @@ def test_a_model_predicting_the_training_target_denoises_to_x0_in_the_pipeline(s
 
     pipe.model.run_step = oracle  # the transformer call, replaced
     embeds = torch.zeros(1, 3, RECIPES["smoke"].text_hidden)
-    result = pipe.denoise([Conditioning(embeds, None)], pipe.model.canvas(side, side), 8, 1.0, seed=1)
+    result = denoise(pipe, [Conditioning(embeds, None)], pipe.model.canvas(side, side), 8, 1.0, seed=1)
     assert torch.allclose(result, x0, atol=1e-4)
 
 

@@ -31,6 +31,7 @@ from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.family import CheckpointSpec, GenerationDefaults
 from qwen_image_fusion.pipelines import RunInfo
 from qwen_image_fusion.pipelines.generation_request import GenerationRequest, resolve_request
+from qwen_image_fusion.pipelines.options import MAX_IMAGES_PER_REQUEST
 from qwen_image_fusion.ui.app import build_app
 from qwen_image_fusion.ui.generation import (
     ASPECT_RATIOS,
@@ -41,7 +42,7 @@ from qwen_image_fusion.ui.generation import (
     job_from_inputs,
     preset_for,
 )
-from qwen_image_fusion.ui.limits import DEVICE_LIMITS, MAX_IMAGES_PER_REQUEST, Limits, work_of
+from qwen_image_fusion.ui.limits import DEVICE_LIMITS, Limits, work_of
 from qwen_image_fusion.ui.runner import STOP_PRESSED, Job, Runner, Stopped
 
 VARIANTS = ["reference", "contract", "fp8-unfused", "fp8-fused"]

@@ -1,7 +1,8 @@
 """The HTTP API's request parsing: an OpenAI Images API request (JSON, or multipart for edits) into a Job with
-the pipeline's `GenerationRequest`, or one ApiError in OpenAI's shape naming the parameter. Parsing only:
-every value is resolved and checked by `pipe.request` (pipelines/generation_request.py), as for the CLI and
-the demo."""
+the pipeline's `GenerationRequest`, or one ApiError in OpenAI's shape naming the parameter. The fields each
+route takes are the request options declared for it (pipelines/options.py) plus OpenAI's own; each value is
+read by its declared kind, then resolved and checked by `pipe.request` (pipelines/generation_request.py),
+as for the CLI and the demo, and an error's option is named by its field here."""
 
 import base64
 import binascii
@@ -17,6 +18,22 @@ import PIL.Image
 from fastapi.responses import JSONResponse
 
 from qwen_image_fusion.pipelines.limits import MAX_INPUT_PIXELS
+from qwen_image_fusion.pipelines.options import (
+    CHOICE,
+    EDITS,
+    FLAG,
+    GENERATIONS,
+    IMAGE,
+    IMAGES,
+    NUMBER,
+    OPTION,
+    REQUIRED,
+    TEXT,
+    WHOLE,
+    Option,
+    http_options,
+    number_text,
+)
 from qwen_image_fusion.ui.generation import (
     FieldError,
     check_work,
@@ -27,53 +44,26 @@ from qwen_image_fusion.ui.generation import (
     whole_field,
 )
 from qwen_image_fusion.ui.image_cache import LOSSY, MEDIA_TYPES, Encoding
-from qwen_image_fusion.ui.limits import MAX_IMAGES_PER_REQUEST, Limits
+from qwen_image_fusion.ui.limits import Limits
 from qwen_image_fusion.ui.runner import Job
 
 Start = tuple[PIL.Image.Image, PIL.Image.Image | None]  # img2img's image and inpainting's mask
 MAX_INPUT_IMAGES = 16  # files one edit request may carry (the model's own bound is checked too)
 RESPONSE_FORMATS = ("b64_json", "url")
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+OPENAI_FIELDS = ("model", "response_format", "output_format", "output_compression")  # the response's
 IGNORED = ("user", "quality", "style", "moderation")  # OpenAI fields that change nothing here
-# extension fields of /v1/images/generations for a ControlNet checkpoint (JSON: maps as base64 strings)
-CONTROL_FIELDS = (
-    "control_image",
-    "controlnet_conditioning_scale",
-    "control_mode",
-    "control_guidance_start",
-    "control_guidance_end",
-    "control_mask",
-)
-BASE_FIELDS = (
-    "prompt",
-    "model",
-    "n",
-    "size",
-    "response_format",
-    "output_format",
-    "output_compression",
-    "seed",
-    "negative_prompt",
-    "num_inference_steps",
-    "true_cfg_scale",
-    "preset",
-    "lora_scales",
-    "cache",
-    "fast_decode",
-    *IGNORED,
-)
-FIELDS = (*BASE_FIELDS, *CONTROL_FIELDS)
-# extension fields of /v1/images/edits for a Qwen-Image-Layered checkpoint (each image's RGBA layers)
-LAYER_FIELDS = ("layers", "resolution", "use_en_prompt")
-EDIT_FIELDS = (*BASE_FIELDS, "image", "image[]", "mask", "strength", "padding_mask_crop", *LAYER_FIELDS)
-# The pipeline's argument names and the API parameters they come from (an error names the parameter).
-API_FIELDS = {name: name for name in (*EDIT_FIELDS, *CONTROL_FIELDS)} | {
-    "width": "size",
-    "height": "size",
-    "num_images_per_prompt": "n",
-    "init_image": "image",
-    "mask_image": "mask",
-}
+# Fields read apart from their declared kind: the size (width and height), the count, LoRA scales, uploads.
+SPECIAL = {"width", "height", "num_images_per_prompt", "lora_scales", "image", "init_image", "mask_image"}
+
+
+def route_fields(route: str) -> tuple[str, ...]:
+    """Every field `route` takes: its request options' (declared), OpenAI's own, and an edit's `image[]`."""
+    declared = dict.fromkeys(field for _, field in http_options(route))
+    return (*declared, *OPENAI_FIELDS, *IGNORED, *(("image[]",) if route == EDITS else ()))
+
+
+FIELDS, EDIT_FIELDS = route_fields(GENERATIONS), route_fields(EDITS)
 
 
 class ApiError(Exception):
@@ -129,12 +119,12 @@ def read_job(
     one. Multipart values arrive as text; a number field's text is read as a number. An edit brings input
     `images` (an edit model's, with the `mask` of an inpainting edit) or the image to `start` from and its
     mask (a text-to-image model's img2img and inpainting)."""
-    edit = images is not None or start is not None
-    unknown = sorted(set(values) - set(EDIT_FIELDS if edit else FIELDS))
+    route = EDITS if images is not None or start is not None else GENERATIONS
+    unknown = sorted(set(values) - set(route_fields(route)))
     if unknown:
         raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     try:
-        return _job_of(values, pipe, limits, variant, images, start, mask, text_numbers=edit)
+        return _job_of(values, pipe, limits, variant, route, images, start, mask)
     except FieldError as err:
         raise ApiError(400, str(err), err.field, "invalid_value") from None
 
@@ -144,75 +134,86 @@ def _job_of(
     pipe: Any,
     limits: Limits,
     variant: str,
+    route: str,
     images: list | None,
     start: Start | None,
     mask: PIL.Image.Image | None,
-    text_numbers: bool,
 ) -> tuple[Job, str, Encoding]:
-    def number(name: str, whole: bool) -> Any:
-        value = values.get(name)
-        if value is None:
-            return None
-        if text_numbers and isinstance(value, str):
-            try:
-                value = float(value) if any(c in value for c in ".eEnN") else int(value)
-            except ValueError:
-                raise FieldError(name, f"{name} must be a number, not {value!r}") from None
-        return whole_field(name, value) if whole else number_field(name, value)
-
+    text_numbers = route == EDITS  # multipart: every value is text
     served = values.get("model")
     if served is not None and served not in (model_id(pipe), pipe.model_name):
         raise FieldError(
             "model", f"model {served!r} is not served here: this server serves {model_id(pipe)!r}"
         )
-    negative = values.get("negative_prompt")
-    n = number("n", whole=True)
-    n = 1 if n is None else n
-    if not 1 <= n <= MAX_IMAGES_PER_REQUEST:
-        raise FieldError("n", f"n {n} must be between 1 and {MAX_IMAGES_PER_REQUEST}")
-    seed = number("seed", whole=True)
     response_format = values.get("response_format") or "b64_json"
     if response_format not in RESPONSE_FORMATS:
         raise FieldError("response_format", f"response_format {response_format!r} must be b64_json or url")
-    encoding = _encoding(values.get("output_format"), number("output_compression", whole=True))
-    for name in (*IGNORED, "preset", "cache"):
+    compression = _number(values.get("output_compression"), "output_compression", WHOLE, text_numbers)
+    encoding = _encoding(values.get("output_format"), compression)
+    for name in IGNORED:
         if values.get(name) is not None and not isinstance(values[name], str):
             raise FieldError(name, f"{name} must be text, not {values[name]!r}")
-    preset = values.get("preset")
+    request_values = {
+        option.name: _field_value(option, field, values.get(field), text_numbers)
+        for option, field in http_options(route)
+        if option.name not in SPECIAL
+    }
+    n = _field_value(OPTION["num_images_per_prompt"], "n", values.get("n"), text_numbers)
+    low, high = OPTION["num_images_per_prompt"].served_bounds
+    if not low <= n <= high:
+        raise FieldError("n", f"n {n} must be between {number_text(low)} and {number_text(high)}")
     width, height = _size(values.get("size"))
-    request = request_of(
-        pipe,
-        API_FIELDS,
-        text_field("prompt", values.get("prompt")),
-        negative_prompt=None if negative is None else text_field("negative_prompt", negative),
-        width=width,
-        height=height,
-        num_inference_steps=number("num_inference_steps", whole=True),
-        true_cfg_scale=number("true_cfg_scale", whole=False),
-        seed=random_seed() if seed is None else seed,
-        num_images_per_prompt=n,
-        preset=preset or None,
-        cache=values.get("cache"),
-        lora_scales=_lora_scales(values.get("lora_scales"), getattr(pipe, "loras", {}), text_numbers),
-        image=images or None,
-        init_image=None if start is None else start[0],
-        mask_image=mask if start is None else start[1],
-        strength=number("strength", whole=False),
-        padding_mask_crop=number("padding_mask_crop", whole=True),
-        control_image=_control_images(values.get("control_image")),
-        control_mask=_one_image(values.get("control_mask"), "control_mask"),
-        controlnet_conditioning_scale=values.get("controlnet_conditioning_scale"),
-        control_mode=values.get("control_mode"),
-        control_guidance_start=_or(number("control_guidance_start", whole=False), 0.0),
-        control_guidance_end=_or(number("control_guidance_end", whole=False), 1.0),
-        layers=number("layers", whole=True),
-        resolution=number("resolution", whole=True),
-        use_en_prompt=_flag(values.get("use_en_prompt"), "use_en_prompt"),
-        fast_decode=_flag(values.get("fast_decode"), "fast_decode"),
-    )
+    request_values |= {
+        "width": width,
+        "height": height,
+        "num_images_per_prompt": n,
+        "seed": random_seed() if request_values["seed"] is None else request_values["seed"],
+        "lora_scales": _lora_scales(values.get("lora_scales"), getattr(pipe, "loras", {}), text_numbers),
+        "image": images or None,
+        "init_image": None if start is None else start[0],
+        "mask_image": mask if start is None else start[1],
+    }
+    prompt = request_values.pop("prompt")
+    names = {option.name: field for option, field in http_options(route)}
+    request = request_of(pipe, names, prompt, **request_values)
     job = Job(None, variant, request)
     check_work(job, limits)
     return job, response_format, encoding
+
+
+def _field_value(option: Option, field: str, value: Any, text_numbers: bool) -> Any:
+    """A field's raw value read as its option's kind (absent: the option's `generate()` default); the
+    pipeline checks the range."""
+    if value is None:
+        return "" if option.default is REQUIRED else option.given_default
+    if option.kind == TEXT:
+        return text_field(field, value)
+    if option.kind in (WHOLE, NUMBER):
+        return _number(value, field, option.kind, text_numbers)
+    if option.kind == FLAG:
+        return _flag(value, field)
+    if option.kind == CHOICE and not isinstance(value, str):
+        raise FieldError(field, f"{field} must be text, not {value!r}")
+    if option.kind == CHOICE and not value:
+        return option.given_default
+    if option.kind == IMAGES:
+        return _images(value, field)
+    if option.kind == IMAGE:
+        return _one_image(value, field)
+    return value  # a choice's text, a list of numbers: the pipeline checks them
+
+
+def _number(value: Any, field: str, kind: str, text_numbers: bool) -> Any:
+    """A number field (None stays None): a finite number, whole for a WHOLE kind; multipart text is read
+    as a number first."""
+    if value is None:
+        return None
+    if text_numbers and isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eEnN") else int(value)
+        except ValueError:
+            raise FieldError(field, f"{field} must be a number, not {value!r}") from None
+    return whole_field(field, value) if kind == WHOLE else number_field(field, value)
 
 
 def _encoding(output_format: Any, compression: int | None) -> Encoding:
@@ -242,24 +243,17 @@ def _flag(value: Any, name: str) -> bool:
     raise FieldError(name, f"{name} must be true or false, not {value!r}")
 
 
-def _or(value: Any, default: float) -> Any:
-    return default if value is None else value
-
-
-def _control_images(value: Any) -> list[PIL.Image.Image] | None:
-    """The `control_image` extension field: one base64 image (a data URL too) or a list of them."""
-    if value is None:
-        return None
+def _images(value: Any, param: str) -> list[PIL.Image.Image]:
+    """An extension field holding one base64 image (a data URL too) or a list of them."""
     items = value if isinstance(value, list) else [value]
     if not items or not all(isinstance(item, str) for item in items):
-        raise FieldError("control_image", "control_image must be a base64 image or a list of them")
-    return [_base64_image(item, f"control image {i}", "control_image") for i, item in enumerate(items, 1)]
+        raise FieldError(param, f"{param} must be a base64 image or a list of them")
+    what = param.replace("_", " ")
+    return [_base64_image(item, f"{what} {i}", param) for i, item in enumerate(items, 1)]
 
 
-def _one_image(value: Any, param: str) -> PIL.Image.Image | None:
-    """An extension field holding one base64 image (None when absent)."""
-    if value is None:
-        return None
+def _one_image(value: Any, param: str) -> PIL.Image.Image:
+    """An extension field holding one base64 image."""
     if not isinstance(value, str):
         raise FieldError(param, f"{param} must be a base64 image")
     return _base64_image(value, param, param)

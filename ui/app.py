@@ -18,8 +18,9 @@ from PIL import Image
 
 from qwen_image_fusion.models.embedded import EMBEDDED_NAME
 from qwen_image_fusion.models.errors import InputError, QwenImageError
-from qwen_image_fusion.pipelines import pipeline
+from qwen_image_fusion.pipelines import loading
 from qwen_image_fusion.pipelines.load_options import LoadOptions
+from qwen_image_fusion.pipelines.presets import load_lora_files
 from qwen_image_fusion.ui.controls import settings_controls, settings_fields
 from qwen_image_fusion.ui.edit_tab import Handlers, edit_tab
 from qwen_image_fusion.ui.generation import (
@@ -37,7 +38,7 @@ from qwen_image_fusion.ui.generation import (
     starts_from_image,
 )
 from qwen_image_fusion.ui.limits import Limits
-from qwen_image_fusion.ui.lora_controls import load_lora_files, lora_details
+from qwen_image_fusion.ui.lora_controls import lora_details
 from qwen_image_fusion.ui.ranks import serve
 from qwen_image_fusion.ui.runner import CANCELLED, DISCONNECTED, STOP_PRESSED, Job, Runner, Stopped
 from qwen_image_fusion.ui.uploads import upload_options
@@ -284,7 +285,7 @@ def launch(
     environment says (GRADIO_SHARE), and so does its MCP server; uploads are refused above 1 kB, except the
     Edit tab's images (ui/uploads.py).
     """
-    pipe = pipeline.Pipeline.load(options)
+    pipe = loading.load(options)
     if lora_files is not None:
         load_lora_files(pipe, lora_files)
     applied = Limits.for_device(torch.device(pipe.device).type, **(limits or {}))

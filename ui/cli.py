@@ -11,33 +11,49 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from qwen_image_fusion.models.cache_presets import CACHE_OFF, CACHE_PRESETS
 from qwen_image_fusion.models.errors import ParallelError, QwenImageError
-from qwen_image_fusion.models.family import (
-    DEFAULT_SEQUENCE_LENGTH,
-    DEFAULT_TRUE_CFG_SCALE,
-    MAX_SEQUENCE_LENGTH,
-)
-from qwen_image_fusion.pipelines.control import CONTROL_MODES
-from qwen_image_fusion.pipelines.generation_request import MAX_LAYERS
 from qwen_image_fusion.pipelines.launch_env import is_leader_process
-from qwen_image_fusion.pipelines.limits import (
-    DTYPE_NAMES,
-    MAX_IMAGES_PER_PROMPT,
-    MAX_INPUT_PIXELS,
-    MAX_SIDE,
-    MAX_STEPS,
-    MIN_STEPS,
-)
-from qwen_image_fusion.pipelines.presets import LORA_MODES, PRESETS
+from qwen_image_fusion.pipelines.limits import DTYPE_NAMES
+from qwen_image_fusion.pipelines.options import EDIT, GENERATE, LAYERS, OPTION, add_flag, cli_options
+from qwen_image_fusion.pipelines.presets import LORA_MODES
 from qwen_image_fusion.pipelines.variants import AUTO, VARIANTS
 from qwen_image_fusion.ui.access import parse_account
 from qwen_image_fusion.ui.commands import COMMANDS
 from qwen_image_fusion.ui.limits import DEVICE_LIMITS, Limits
 from qwen_image_fusion.ui.uploads import upload_caps
 
-PRESET_HELP = "settings for a distilled LoRA (explicit --steps / --true-cfg-scale win): " + "; ".join(
-    p.describe() for p in PRESETS.values()
+# The commands that run one request: their help, and where `-o` writes by default (and what it names).
+REQUEST_COMMANDS = {
+    GENERATE: (
+        "generate images from a prompt",
+        ("out.png", "output PNG (index appended for several images)"),
+    ),
+    EDIT: (
+        "edit images following an instruction (a Qwen-Image-Edit checkpoint)",
+        ("out.png", "output PNG (index appended for several images)"),
+    ),
+    LAYERS: (
+        "decompose an image into RGBA layers, one PNG each (a Qwen-Image-Layered checkpoint)",
+        (
+            "layers",
+            "output folder (created): layer-0.png, layer-1.png, ... (image-I-layer-J.png for several)",
+        ),
+    ),
+}
+REQUIRED_FLAGS = {(EDIT, "image")}  # an edit needs its input images
+LORA_MODE_HELP = (
+    "branch: each LoRA beside its layers, FP8 paths stay fused (dual output); merge: folded into the "
+    "weights, no extra GEMMs (FP8 weights requantized)"
+)
+UI_EPILOG = (
+    "By default only this machine can open the page. To serve others, listen on another address with "
+    "accounts: qwen-image ui --host 0.0.0.0 --auth alice:s3cret (or --auth-file FILE, one USER:PASS per "
+    "line). --no-auth serves without sign-in. A model that edits images gets an Edit tab, which takes "
+    "{uploads}; a text-to-image model's page takes no uploads (1 kB at most)."
+)
+SERVE_HELP = (
+    "the HTTP image server: the OpenAI Images API (/v1/images/generations, /v1/images/edits), requests "
+    "batched, optionally the web demo on the same port"
 )
 
 
@@ -45,7 +61,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default; options whose default depends on the model say so in their help."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
+        return action.help if action.default in (None, "") else super()._get_help_string(action)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -72,16 +88,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_mask_crop_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--padding-mask-crop",
-        type=int,
-        metavar="PIXELS",
-        help="with --mask: generate only the box around the mask's white part, PIXELS wider on each side and "
-        "widened to the output's aspect, then paste it back into the image (diffusers' padding_mask_crop)",
-    )
-
-
 def _add_gpus_arg(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--gpus",
@@ -99,164 +105,41 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
 
-    gen = command("generate", "generate images from a prompt")
-    gen.add_argument("prompt")
-    _add_sampling_args(gen, "the model's, 1024 for Qwen-Image checkpoints, 256 for the embedded model")
-    gen.add_argument(
-        "--image",
-        action="append",
-        metavar="FILE",
-        help="an input image for models that take them (Qwen-Image 2.1: condition images, at most 4), in "
-        "order; repeatable. Without --width/--height the output takes the last image's aspect "
-        "(`qwen-image info` says how many a model takes)",
-    )
-    gen.add_argument(
-        "--init-image",
-        metavar="FILE",
-        help="start from this image (img2img; Qwen-Image checkpoints): noised to --strength, then denoised "
-        "by the prompt; without --width/--height the output takes its size (scaled down to the model's "
-        "default area when larger)",
-    )
-    gen.add_argument(
-        "--strength",
-        type=float,
-        help="img2img: how much of the schedule reworks --init-image, in (0, 1]; 1 starts from pure noise "
-        "(default: 0.6, as diffusers)",
-    )
-    gen.add_argument(
-        "--mask",
-        metavar="FILE",
-        help="inpainting: repaint only the white part of --init-image (grey levels binarized at 0.5; the "
-        "image's size)",
-    )
-    _add_mask_crop_arg(gen)
-    gen.add_argument(
-        "--control-image",
-        action="append",
-        metavar="FILE",
-        help="a control map for a ControlNet checkpoint (canny, depth, pose or soft-edge map; the Union "
-        "ControlNet reads which from the map); repeatable: each guides at its own --control-scale. Without "
-        "--width/--height the output takes the first map's size (scaled down to the model's default area)",
-    )
-    gen.add_argument(
-        "--control-scale",
-        action="append",
-        type=float,
-        metavar="S",
-        help="conditioning scale of each --control-image, in order (one value: every image; default 1.0)",
-    )
-    gen.add_argument(
-        "--control-mask",
-        metavar="FILE",
-        help="an inpainting ControlNet checkpoint (QwenImageControlNetInpaintPipeline): repaint the white "
-        "part of the one --control-image (the image's size)",
-    )
-    gen.add_argument(
-        "--control-mode",
-        choices=CONTROL_MODES,
-        help="make each control map here from a photo (canny: its edges) instead of giving the map",
-    )
-    gen.add_argument(
-        "--control-start",
-        type=float,
-        default=0.0,
-        help="the share of the steps after which the control guides (diffusers' control_guidance_start)",
-    )
-    gen.add_argument(
-        "--control-end",
-        type=float,
-        default=1.0,
-        help="the share of the steps after which it stops guiding (diffusers' control_guidance_end)",
-    )
-    gen.add_argument(
-        "--max-sequence-length",
-        type=int,
-        default=DEFAULT_SEQUENCE_LENGTH,
-        help=f"text tokens kept, 1..{MAX_SEQUENCE_LENGTH}",
-    )
-    _add_lora_run_args(gen)
-    _add_model_args(gen)
-    _add_gpus_arg(gen, "generate")
-
-    edit = command("edit", "edit images following an instruction (a Qwen-Image-Edit checkpoint)")
-    edit.add_argument("prompt", metavar="instruction", help="what to change, e.g. 'make the sky red'")
-    edit.add_argument(
-        "--image",
-        action="append",
-        required=True,
-        metavar="FILE",
-        help=f"an input image (any format Pillow reads, at most {MAX_INPUT_PIXELS / 1e6:.1f} MP: 4096x4096); "
-        "repeat it for a model that takes several (`qwen-image info` says how many: 3 for Edit-2509/2511, "
-        "which call them Picture 1, 2, ... in this order)",
-    )
-    edit.add_argument(
-        "--mask",
-        metavar="FILE",
-        help="an inpainting edit (Edit checkpoints, as diffusers' QwenImageEditInpaintPipeline; not Plus): "
-        "repaint only the white part of the input image (grey levels binarized at 0.5; the image's size), "
-        "starting from the image noised to --strength; the output takes the size the image suggests",
-    )
-    edit.add_argument(
-        "--strength",
-        type=float,
-        help="with --mask: the share of the schedule that reworks the image, in (0, 1] (default: 0.6)",
-    )
-    _add_mask_crop_arg(edit)
-    _add_sampling_args(
-        edit, "the aspect of the first (Edit) or last (Plus) image at about 1024x1024 pixels, as diffusers"
-    )
-    _add_lora_run_args(edit)
-    _add_model_args(edit)
-    _add_gpus_arg(edit, "edit")
-    edit.set_defaults(max_sequence_length=DEFAULT_SEQUENCE_LENGTH)  # Edit prompts ignore it, as in diffusers
-
-    layers = command(
-        "layers", "decompose an image into RGBA layers, one PNG each (a Qwen-Image-Layered checkpoint)"
-    )
-    layers.add_argument("image", metavar="IMAGE", help="the image to decompose (any format Pillow reads)")
-    layers.add_argument(
-        "--prompt",
-        default="",
-        help="a caption of the image; empty: the model's vision-language model writes one (printed), as "
-        "diffusers does",
-    )
-    layers.add_argument(
-        "--use-en-prompt",
-        action="store_true",
-        help="with an empty --prompt: caption in English (default: Chinese, diffusers' default)",
-    )
-    layers.add_argument(
-        "--layers", type=int, default=4, help=f"RGBA layers to decompose it into, 1..{MAX_LAYERS}"
-    )
-    layers.add_argument(
-        "--resolution",
-        type=int,
-        help="the output's area as a square of this side, at the image's aspect (diffusers' buckets: 640 "
-        "and 1024; default 640); or give --width and --height",
-    )
-    _add_sampling_args(
-        layers,
-        "the image's aspect at about 640x640 pixels, as diffusers",
-        (
-            "layers",
-            "output folder (created): layer-0.png, layer-1.png, ... (image-I-layer-J.png for several)",
-        ),
-    )
-    layers.add_argument(
-        "--max-sequence-length",
-        type=int,
-        default=DEFAULT_SEQUENCE_LENGTH,
-        help=f"text tokens kept, 1..{MAX_SEQUENCE_LENGTH}",
-    )
-    _add_lora_run_args(layers)
-    _add_model_args(layers)
-    layers.set_defaults(gpus=1)
+    for name, (help, out) in REQUEST_COMMANDS.items():
+        runs = command(name, help)
+        runs.add_argument("-o", "--out", default=out[0], help=out[1])
+        add_request_flags(runs, name)
+        _add_lora_args(runs)
+        runs.add_argument("--lora-mode", choices=LORA_MODES, default="branch", help=LORA_MODE_HELP)
+        _add_model_args(runs)
+        if name != LAYERS:
+            _add_gpus_arg(runs, name)
+        runs.set_defaults(gpus=1)
 
     info = command("info", "components, dtypes, parameter counts, quantization and fusion")
     _add_model_args(info)
     _add_gpus_arg(info, "also show the parallel plans")
+    _add_quantize_command(
+        command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
+    )
+    ui = command("ui", "the Gradio web demo: one model, requests queued and run one at a time")
+    ui.epilog = UI_EPILOG.format(uploads=upload_caps())
+    _add_ui_args(ui)
+    ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
+    _add_model_args(ui)
+    _add_gpus_arg(ui, "serve")
+    _add_serve_command(command("serve", SERVE_HELP))
+    return parser
 
-    quant = command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
+
+def add_request_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The request options CLI `command` takes, as flags built from their declarations (pipelines/options.py);
+    a value the user gives none of is the declaration's `generate()` default (None: the pipeline's)."""
+    for option, flag in cli_options(command):
+        add_flag(parser, option, flag, required=(command, option.name) in REQUIRED_FLAGS)
+
+
+def _add_quantize_command(quant: argparse.ArgumentParser) -> None:
     quant.add_argument("--model", help="BF16 checkpoint dir (default: the embedded model)")
     quant.add_argument("--out", required=True, help="new checkpoint directory")
     quant.add_argument(
@@ -284,32 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(BENCHMARKS.md: FP8 modulation)",
     )
     _add_lora_args(quant, "bake into the BF16 weights before calibration")
+    preset = OPTION["preset"]
     quant.add_argument(
-        "--preset", choices=list(PRESETS), help="calibrate with a preset's steps, CFG and scheduler"
+        "--preset", choices=preset.choices, help="calibrate with a preset's steps, CFG and scheduler"
     )
 
-    ui = command("ui", "the Gradio web demo: one model, requests queued and run one at a time")
-    ui.epilog = (
-        "By default only this machine can open the page. To serve others, listen on another address with "
-        "accounts: qwen-image ui --host 0.0.0.0 --auth alice:s3cret (or --auth-file FILE, one USER:PASS per "
-        "line). --no-auth serves without sign-in. A model that edits images gets an Edit tab, which takes "
-        f"{upload_caps()}; a text-to-image model's page takes no uploads (1 kB at most)."
-    )
-    _add_ui_args(ui)
-    ui.add_argument("--lora-dir", help="offer the *.safetensors LoRAs of this directory, each with a scale")
-    _add_model_args(ui)
-    _add_gpus_arg(ui, "serve")
 
-    serve = command(
-        "serve",
-        "the HTTP image server: the OpenAI Images API (/v1/images/generations, /v1/images/edits), "
-        "requests batched, optionally the web demo on the same port",
-    )
+def _add_serve_command(serve: argparse.ArgumentParser) -> None:
     serve.epilog = (
         "By default only this machine can reach it. To serve others, listen on another address with API "
         "keys: qwen-image serve --host 0.0.0.0 --api-key-file keys.txt (one key per line, at least 16 "
-        "characters). "
-        "--no-auth serves without keys."
+        "characters). --no-auth serves without keys."
     )
     _add_listen_args(serve, 8000, "an --api-key-file")
     serve.add_argument(
@@ -349,7 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-dir", help="load the *.safetensors LoRAs of this directory at scale 0 (lora_scales)"
     )
     _add_model_args(serve)
-    return parser
 
 
 def _add_listen_args(parser: argparse.ArgumentParser, port: int, credentials: str) -> None:
@@ -450,74 +317,6 @@ def _positive(kind: type) -> Callable[[str], float]:
     return parse
 
 
-def _add_sampling_args(
-    parser: argparse.ArgumentParser,
-    size_default: str,
-    out: tuple[str, str] = ("out.png", "output PNG (index appended for several images)"),
-) -> None:
-    """The options `generate`, `edit` and `layers` share: output (default, help), negative prompt, size,
-    steps, CFG, seed, count."""
-    parser.add_argument("-o", "--out", default=out[0], help=out[1])
-    parser.add_argument(
-        "--negative-prompt",
-        help="enables true CFG when --true-cfg-scale > 1 (default: the model's: none for diffusers "
-        'checkpoints, " " for the embedded model, which was trained for it)',
-    )
-    side = f"a multiple of the model's size multiple (16 for Qwen-Image: `qwen-image info`) up to {MAX_SIDE}"
-    parser.add_argument("--width", type=int, help=f"image width in pixels, {side} (default: {size_default})")
-    parser.add_argument(
-        "--height", type=int, help=f"image height in pixels, {side} (default: {size_default})"
-    )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        dest="num_inference_steps",
-        help=f"denoising steps, {MIN_STEPS}..{MAX_STEPS}; a --preset sets its own "
-        "(default: the model's, 50; 20 for the embedded model)",
-    )
-    parser.add_argument(
-        "--true-cfg-scale",
-        type=float,
-        help="true CFG scale; needs a negative prompt; 1 turns CFG off; a --preset sets 1.0 "
-        f"(default: the model's, {DEFAULT_TRUE_CFG_SCALE:g})",
-    )
-    parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
-    parser.add_argument(
-        "--cache",
-        choices=[CACHE_OFF, *CACHE_PRESETS],
-        help="step cache, opt-in and approximate: skip the middle blocks while the first block's output "
-        + "barely changes; "
-        + "; ".join(p.describe() for p in CACHE_PRESETS.values())
-        + " (default: off, every block runs; docs/DESIGN.md §13 gives the measured difference)",
-    )
-    parser.add_argument(
-        "--fast-decode",
-        action="store_true",
-        help="decode with the VAE's 2D form, opt-in and approximate: about 40%% less decoding time, a few "
-        "pixel levels off the exact decode (BENCHMARKS.md, fast decode); Qwen-Image's VAE only",
-    )
-    parser.add_argument(
-        "--num-images",
-        type=int,
-        default=1,
-        dest="num_images_per_prompt",
-        help=f"images, 1..{MAX_IMAGES_PER_PROMPT}",
-    )
-
-
-def _add_lora_run_args(parser: argparse.ArgumentParser) -> None:
-    """LoRAs to run with, their mode, and a distilled LoRA's preset (`generate` and `edit`)."""
-    _add_lora_args(parser)
-    parser.add_argument(
-        "--lora-mode",
-        choices=LORA_MODES,
-        default="branch",
-        help="branch: each LoRA beside its layers, FP8 paths stay fused (dual output); "
-        "merge: folded into the weights, no extra GEMMs (FP8 weights requantized)",
-    )
-    parser.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
-
-
 def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None:
     parser.add_argument(
         "--lora",
@@ -526,6 +325,14 @@ def _add_lora_args(parser: argparse.ArgumentParser, what: str = "apply") -> None
         help=f"LoRA safetensors file to {what} (diffusers/PEFT, kohya, ComfyUI or Lightning layout), "
         "scale 1.0 by default; repeat to stack several",
     )
+
+
+def error_text(err: QwenImageError, command: str) -> str:
+    """A user error's line, led by the flag it concerns where the request option it names has one in
+    `command` (a positional argument: its name)."""
+    field = getattr(err, "field", None)
+    flag = OPTION[field].cli.get(command) if field in OPTION else None
+    return f"{flag}: {err}" if flag else str(err)
 
 
 def leave_ranks() -> None:
@@ -567,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except QwenImageError as err:
         if is_leader_process():  # the other ranks fail the same way, quietly
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {error_text(err, args.command)}", file=sys.stderr)
         return USER_ERROR_STATUS
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -6,7 +6,6 @@ import dataclasses
 import socket
 import sys
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,13 @@ from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.families import inspect_checkpoint
 from qwen_image_fusion.models.family import CheckpointSpec
 from qwen_image_fusion.models.memory import Workload
-from qwen_image_fusion.pipelines.generation_request import resolve_request
+from qwen_image_fusion.pipelines.generation_request import GenerationRequest, resolve_request
 from qwen_image_fusion.pipelines.images import MAX_INPUT_BYTES, open_input_image, read_input_images
 from qwen_image_fusion.pipelines.launch_env import is_leader_process, launched_world_size
 from qwen_image_fusion.pipelines.limits import check_size, check_steps
 from qwen_image_fusion.pipelines.load_options import LoadOptions
 from qwen_image_fusion.pipelines.memory_plan import checkpoint_plan, default_workload, parse_size
+from qwen_image_fusion.pipelines.options import IMAGE, IMAGES, cli_options
 from qwen_image_fusion.pipelines.presets import LoraSpec, find_lora_files, get_preset, parse_lora_spec
 from qwen_image_fusion.pipelines.requests import check_requests_for, read_requests
 from qwen_image_fusion.pipelines.variants import resolve_variant
@@ -29,8 +29,10 @@ from qwen_image_fusion.ui.access import check_access, is_loopback, read_accounts
 from qwen_image_fusion.ui.limits import Limits
 
 
-def image_paths(out: Path, count: int) -> list[Path]:
-    """Where `count` images go: `out` itself, or `out` with an index for several. The folder must exist."""
+def image_paths(out: Path, request: GenerationRequest) -> list[Path]:
+    """Where a request's images go: `out` itself, or `out` with an index for several. The folder must
+    exist."""
+    count = request.outputs
     if out.suffix.lower() not in PIL.Image.registered_extensions():
         raise InputError(f"output {out} needs an image extension such as .png")
     if not out.parent.is_dir():
@@ -80,9 +82,9 @@ def load(options: LoadOptions) -> Any:
     if is_leader_process():
         where = "" if options.parallel is None else f" as {options.parallel.describe()}"
         print(f"loading {options.model or 'the embedded default model'}{where} ...", file=sys.stderr)
-    from qwen_image_fusion.pipelines.pipeline import Pipeline
+    from qwen_image_fusion.pipelines.loading import load as load_pipeline
 
-    return Pipeline.load(options)
+    return load_pipeline(options)
 
 
 def memory_budget(args: argparse.Namespace) -> int | None:
@@ -104,41 +106,21 @@ def gpu_memory_plan(args: argparse.Namespace, spec: CheckpointSpec, budget: int,
 
 
 def request_values(args: argparse.Namespace, images: list[PIL.Image.Image]) -> dict[str, Any]:
-    """`generate`'s and `edit`'s flags as the values of a request (`resolve_request`), with the start image,
-    mask and control maps read from their files."""
-    names = (
-        "negative_prompt",
-        "width",
-        "height",
-        "num_inference_steps",
-        "true_cfg_scale",
-        "seed",
-        "num_images_per_prompt",
-        "max_sequence_length",
-        "preset",
-        "cache",
-        "fast_decode",
-    )
-    values = {name: getattr(args, name) for name in names} | {"image": images or None}
-    start, mask = getattr(args, "init_image", None), getattr(args, "mask", None)
-    values["init_image"] = None if start is None else open_input_image(start, MAX_INPUT_BYTES)
-    values["mask_image"] = None if mask is None else open_input_image(mask, MAX_INPUT_BYTES)
-    controls = [
-        open_input_image(path, MAX_INPUT_BYTES) for path in getattr(args, "control_image", None) or ()
-    ]
-    control_mask = getattr(args, "control_mask", None)
-    values |= {
-        "control_image": controls or None,
-        "controlnet_conditioning_scale": getattr(args, "control_scale", None),
-        "control_mode": getattr(args, "control_mode", None),
-        "control_guidance_start": getattr(args, "control_start", 0.0),
-        "control_guidance_end": getattr(args, "control_end", 1.0),
-        "control_mask": None if control_mask is None else open_input_image(control_mask, MAX_INPUT_BYTES),
-    }
-    layered = {name: getattr(args, name, None) for name in ("layers", "resolution")}
-    layered["use_en_prompt"] = getattr(args, "use_en_prompt", False)
-    crop = getattr(args, "padding_mask_crop", None)
-    return values | layered | {"strength": getattr(args, "strength", None), "padding_mask_crop": crop}
+    """The request values the command's flags give (declared in pipelines/options.py), files read: the
+    input `images` (already read and checked against the model), start image, masks and control maps."""
+    values: dict[str, Any] = {}
+    for option, _ in cli_options(args.command):
+        value = getattr(args, option.name)
+        if option.name == "prompt":
+            continue
+        if option.name == "image":
+            value = images or None
+        elif option.kind == IMAGE and value is not None:
+            value = open_input_image(value, MAX_INPUT_BYTES, option.name)
+        elif option.kind == IMAGES and value:
+            value = [open_input_image(path, MAX_INPUT_BYTES, option.name) for path in value]
+        values[option.name] = value
+    return values
 
 
 def plan(args: argparse.Namespace, spec: CheckpointSpec, true_cfg: bool) -> Any:
@@ -210,14 +192,16 @@ def cmd_layers(args: argparse.Namespace) -> None:
             "Qwen-Image-Layered checkpoint (its model_index.json names QwenImageLayeredPipeline)"
         )
     images = read_input_images([args.image], spec.max_images, spec.images_required, spec.name)
-    run_generation(args, spec, images, partial(layer_paths, layers=args.layers))
+    run_generation(args, spec, images, layer_paths)
 
 
-def layer_paths(out: Path, count: int, layers: int) -> list[Path]:
-    """Where `count` layers go, `layers` per image: `out/layer-J.png`, or `out/image-I-layer-J.png` for
-    several images. `out` may be new; its parent must exist, and it must not be a file."""
+def layer_paths(out: Path, request: GenerationRequest) -> list[Path]:
+    """Where a request's layers go, `request.layers` per image: `out/layer-J.png`, or
+    `out/image-I-layer-J.png` for several images. `out` may be new; its parent must exist, and it must not
+    be a file."""
     if (out.exists() and not out.is_dir()) or not out.parent.is_dir():
         raise InputError(f"output {out} must be a folder whose parent exists")
+    count, layers = request.outputs, request.layers
     if count == layers:
         return [out / f"layer-{j}.png" for j in range(layers)]
     return [out / f"image-{i}-layer-{j}.png" for i in range(count // layers) for j in range(layers)]
@@ -227,7 +211,7 @@ def run_generation(
     args: argparse.Namespace,
     spec: CheckpointSpec,
     images: list[PIL.Image.Image],
-    outputs: Callable[[Path, int], list[Path]] = image_paths,
+    outputs: Callable[[Path, GenerationRequest], list[Path]] = image_paths,
 ) -> None:
     """`generate`, `edit` (with input `images`) and `layers` (writing `outputs`): the request resolved and
     checked, the ranks started when asked (each reads the image files itself), then the model loaded and the
@@ -235,7 +219,7 @@ def run_generation(
     (the loaded model's)."""
     values = request_values(args, images)
     checked = resolve_request(spec, args.prompt, **values)
-    outputs(Path(args.out), checked.outputs)
+    outputs(Path(args.out), checked)
     budget = memory_budget(args)
     workload = checked.workload()
     if budget is not None and not (args.device or "cuda").startswith("cpu"):
@@ -251,10 +235,11 @@ def run_generation(
     for lora_file, scale in loras:
         pipe.load_lora(lora_file, scale)
     pipe.set_lora_mode(args.lora_mode)
-    [result] = pipe.run([pipe.request(args.prompt, **values)], progress=is_leader_process())
+    request = pipe.request(args.prompt, **values)
+    [result] = pipe.run([request], progress=is_leader_process())
     if not is_leader_process():
         return
-    paths = outputs(Path(args.out), len(result.images))
+    paths = outputs(Path(args.out), request)
     paths[0].parent.mkdir(exist_ok=True)
     for image, path in zip(result.images, paths, strict=True):
         save_image(image, path)

@@ -18,11 +18,10 @@ from typing import Any
 
 import gradio as gr
 
-from qwen_image_fusion.pipelines.generation_request import DEFAULT_LAYERS, MAX_LAYERS
-from qwen_image_fusion.ui.controls import settings_controls, settings_fields
+from qwen_image_fusion.pipelines.options import DEFAULT_LAYERS, DEFAULT_STRENGTH, OPTION
+from qwen_image_fusion.ui.controls import option_slider, settings_controls, settings_fields
 from qwen_image_fusion.ui.generation import (
     CUSTOM,
-    DEFAULT_STRENGTH,
     EDIT_INPUT_NAMES,
     FROM_IMAGES,
     IMAGE_ROLES,
@@ -91,13 +90,11 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
             )
             negative = gr.Textbox("", label="Negative prompt (true CFG)", lines=1, elem_id="edit_negative")
             if masks:
-                start_inputs["strength"] = gr.Slider(
-                    0.05,
-                    1.0,
+                start_inputs["strength"] = option_slider(
+                    OPTION["strength"],
                     DEFAULT_STRENGTH,
-                    step=0.05,
-                    label="Strength: the share of the steps that rework the image (1: from noise)"
-                    + ("" if starts else "; with a mask"),
+                    "Strength" + ("" if starts else " (with a mask)"),
+                    0.05,
                     elem_id="edit_strength",
                 )
                 start_inputs["padding_mask_crop"] = gr.Number(
@@ -109,13 +106,8 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                     elem_id="edit_padding_mask_crop",
                 )
             if decomposes:
-                start_inputs["layers"] = gr.Slider(
-                    1,
-                    MAX_LAYERS,
-                    DEFAULT_LAYERS,
-                    step=1,
-                    label="Layers: the RGBA layers the image is decomposed into",
-                    elem_id="edit_layers",
+                start_inputs["layers"] = option_slider(
+                    OPTION["layers"], DEFAULT_LAYERS, "Layers", 1, elem_id="edit_layers"
                 )
             if controls:
                 start_inputs["role"] = gr.Radio(
@@ -125,9 +117,10 @@ def edit_tab(pipe: Any, variants: list[str], handlers: Handlers, stop_api: str |
                     "edge), or a photo whose canny edges guide the ControlNet",
                     elem_id="edit_role",
                 )
-                start_inputs["control_scale"] = gr.Slider(
-                    0.0, 2.0, 1.0, step=0.05, label="Control scale", elem_id="edit_control_scale"
-                )
+                start_inputs["control_scale"] = option_slider(
+                    OPTION["controlnet_conditioning_scale"], 1.0, "Control scale", 0.05,
+                    elem_id="edit_control_scale",
+                )  # fmt: skip
             with gr.Row():
                 edit_btn = gr.Button("Generate" if starts else "Edit", variant="primary", elem_id="edit")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="edit_stop")

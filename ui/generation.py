@@ -12,9 +12,16 @@ from typing import Any, Protocol
 from PIL import Image
 
 from qwen_image_fusion.models.errors import InputError
-from qwen_image_fusion.pipelines.generation_request import DEFAULT_LAYERS, DEFAULT_STRENGTH, GenerationRequest
+from qwen_image_fusion.pipelines.generation_request import GenerationRequest
 from qwen_image_fusion.pipelines.images import MAX_INPUT_BYTES, open_input_image
-from qwen_image_fusion.ui.limits import MAX_IMAGES_PER_REQUEST, Limits
+from qwen_image_fusion.pipelines.options import (
+    DEFAULT_LAYERS,
+    DEFAULT_STRENGTH,
+    OPTION,
+    OPTIONS,
+    front_end_name,
+)
+from qwen_image_fusion.ui.limits import Limits
 from qwen_image_fusion.ui.runner import Job
 
 CUSTOM = "custom"
@@ -56,17 +63,8 @@ INPUT_NAMES = (
     "num_images",
     "variant",
 )
-DEMO_FIELDS = {name: name for name in INPUT_NAMES} | {
-    "num_images_per_prompt": "num_images",
-    "init_image": "image_1",
-    "mask_image": "mask",
-    "strength": "strength",
-    "padding_mask_crop": "padding_mask_crop",
-    "control_image": "image_1",
-    "control_mode": "role",
-    "controlnet_conditioning_scale": "control_scale",
-    "control_mask": "mask",
-}
+# The request options' demo inputs, as declared (pipelines/options.py): an error's option names its input.
+DEMO_FIELDS = {option.name: option.demo for option in OPTIONS if option.demo}
 
 
 class Pipeline(Protocol):
@@ -129,8 +127,9 @@ def job_from_inputs(
     given = None if values["seed"] in (None, RANDOM_SEED) else whole_field("seed", values["seed"])
     seed = random_seed() if randomize or given is None else given
     images = whole_field("num_images", values["num_images"])
-    if not 1 <= images <= MAX_IMAGES_PER_REQUEST:
-        raise FieldError("num_images", f"num_images {images} must be between 1 and {MAX_IMAGES_PER_REQUEST}")
+    low, high = OPTION["num_images_per_prompt"].served_bounds
+    if not low <= images <= high:
+        raise FieldError("num_images", f"num_images {images} must be between {low:g} and {high:g}")
     variants = pipe.available_variants()
     variant = values["variant"]
     if variant not in variants:
@@ -155,12 +154,14 @@ def job_from_inputs(
 
 def request_of(pipe: Any, fields: Mapping[str, str], prompt: str, **values: Any) -> GenerationRequest:
     """`pipe.request(prompt, **values)`, the one resolution of a request; its InputError becomes a FieldError
-    naming the front door's input (`fields`: the pipeline's argument name -> that input's name; any other
-    concerns the prompt)."""
+    naming the front door's input for the option it concerns (`fields`: option name -> that input's name;
+    an error of no one option, or of one this front door has no input for, concerns the prompt)."""
     try:
         return pipe.request(prompt, **values)
+    except FieldError:
+        raise
     except InputError as err:
-        raise FieldError(fields.get(str(err).split()[0].rstrip(":"), "prompt"), str(err)) from None
+        raise FieldError(front_end_name(err.field, fields, "prompt"), str(err)) from None
 
 
 # The /edit API's parameters besides the input images (`image_1` ... `image_N`, N the images the model

@@ -12,7 +12,6 @@ from qwen_image_fusion.models.errors import InputError
 # 4 images with true CFG is 705. CPU serves the embedded model (a full-size one is impractical there):
 # 512x512 x 30 steps with true CFG is 16.
 DEVICE_LIMITS: dict[str, tuple[float, float]] = {"cuda": (1000.0, 300.0), "cpu": (32.0, 120.0)}
-MAX_IMAGES_PER_REQUEST = 10  # images one request may ask for, on the page and in the API (OpenAI's `n`)
 
 
 # An Edit model sees each input image at about this many pixels (diffusers' fixed 1024x1024 VAE area): its

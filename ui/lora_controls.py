@@ -7,7 +7,6 @@ on or off at run time never reloads weights.
 """
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -17,12 +16,6 @@ from qwen_image_fusion.pipelines.presets import PRESETS, presets_for
 
 NO_PRESET = "none"
 NO_CACHE = CACHE_OFF
-
-
-def load_lora_files(pipe: Any, files: Sequence[Path]) -> None:
-    """Mount every LoRA file at scale 0 (off until its slider moves)."""
-    for path in files:
-        pipe.load_lora(path, scale=0.0)
 
 
 def run_kwargs(
