@@ -20,6 +20,7 @@ the figure of a claim whose quote sits in that table.
 
 import json
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from functools import cache
@@ -757,8 +758,46 @@ def failures(claims: tuple[Claim, ...] = CLAIMS) -> list[str]:
     return found
 
 
+RECORDS = f"{RESULTS}/README.md"
+COMMIT = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def known_commit(name: str) -> bool:
+    """Whether `name` is a commit of this checkout's history (True when the history is not there to ask:
+    a shallow clone or an unpacked copy)."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    shallow = subprocess.run([*git, "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        return True
+    found = subprocess.run(
+        [*git, "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}"], capture_output=True
+    )
+    return found.returncode == 0
+
+
+def record_problems() -> list[str]:
+    """Result folders without a machine record or without a row in bench/results/README.md, and commits
+    named there or in a record that the history does not have."""
+    rows = {
+        line.split("|")[1].strip(): line for line in doc_text(RECORDS).splitlines() if line.startswith("| 20")
+    }
+    problems = []
+    for folder in sorted(p for p in (ROOT / RESULTS).iterdir() if p.is_dir()):
+        records = [f for f in folder.iterdir() if "machine" in f.name and f.suffix == ".txt"]
+        if not records:
+            problems.append(f"{folder.name}: no machine record")
+        if folder.name not in rows:
+            problems.append(f"{folder.name}: no row in {RECORDS}")
+        named = [m for f in records for m in re.findall(r"^commit ([0-9a-f]{7,40})", f.read_text(), re.M)]
+        named += COMMIT.findall(rows.get(folder.name, ""))
+        problems += [
+            f"{folder.name}: commit {name} is not in the history" for name in named if not known_commit(name)
+        ]
+    return problems
+
+
 def main() -> int:
-    wrong = failures()
+    wrong = failures() + record_problems()
     for line in wrong:
         print(line)
     print(f"{len(CLAIMS)} claims, {len(wrong)} failures")

@@ -86,3 +86,33 @@ def test_a_figure_must_be_one_number_of_its_quote():
     twice = claims.Claim("README.md", "1.6 / 1.6 ms", "1.6", claims.TIMINGS, "commands.first.median_s")
     assert "not exactly one number of the quote" in claims.check(twice)
     assert claims.printed(0.0245, "+0.02") == "+0.02" and claims.printed(29.51, "29.5") == "29.5"
+
+
+def test_every_result_folder_has_a_record_and_a_row_naming_known_commits():
+    assert claims.record_problems() == []
+
+
+def test_a_folder_without_a_record_or_with_an_unknown_commit_is_caught(tmp_path, monkeypatch):
+    if not claims.known_commit("261013b") or claims.known_commit("0000000"):
+        pytest.skip("no full git history here to tell a known commit from an unknown one")
+    results = tmp_path / claims.RESULTS
+    results.mkdir(parents=True)
+    (results / "README.md").write_text(
+        "| folder | record names | code that ran | agrees? |\n|---|---|---|---|\n"
+        "| 2026-12-06-h200-session20 | 0000000 | 0000000 | yes |\n"
+    )
+    (results / "2026-12-06-cpu-new").mkdir()
+    (results / "2026-12-06-cpu-new" / "timings.json").write_text("{}")
+    (results / "2026-12-06-h200-session20").mkdir()
+    (results / "2026-12-06-h200-session20" / "call1_machine.txt").write_text("commit 261013b\n")
+    monkeypatch.setattr(claims, "ROOT", tmp_path)
+    claims.doc_text.cache_clear()
+    try:
+        assert claims.record_problems() == [
+            "2026-12-06-cpu-new: no machine record",
+            f"2026-12-06-cpu-new: no row in {claims.RECORDS}",
+            "2026-12-06-h200-session20: commit 0000000 is not in the history",
+            "2026-12-06-h200-session20: commit 0000000 is not in the history",
+        ]
+    finally:
+        claims.doc_text.cache_clear()
