@@ -253,8 +253,8 @@ PAIRS = "workloads.1024.http_overhead_paired"
 BATCHING = "workloads.512.batching_{}.by_clients.16"
 
 
-def cache_row(quote: str, raw: str, figures: dict[str, str]) -> tuple[Claim, ...]:
-    """Claims for one row of a cache table: each figure of `quote` and the key that gives it in `raw`."""
+def bench_row(quote: str, raw: str, figures: dict[str, str]) -> tuple[Claim, ...]:
+    """Claims for a row or line of BENCHMARKS.md: each figure of `quote` and the key giving it in `raw`."""
     return tuple(Claim(BENCH, quote, figure, raw, key) for figure, key in figures.items())
 
 
@@ -391,11 +391,11 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
     *preset_row(FAST_20, MEANING_20, "fast"),
     *preset_row(FASTER_20, MEANING_20, "faster"),
     # Step cache: the speed table (fixed schedules, one H200).
-    *cache_row("| 10.55 (10.48 in call 4)", T2I_CACHE, {"10.55": OFF}),
-    *cache_row("| 10.55 (10.48 in call 4)", T2I_SCHEDULE, {"10.48": OFF}),
-    *cache_row("| 10.58 (+0.3%) |", T2I_CACHE, {"10.58": NEVER}),
+    *bench_row("| 10.55 (10.48 in call 4)", T2I_CACHE, {"10.55": OFF}),
+    *bench_row("| 10.55 (10.48 in call 4)", T2I_SCHEDULE, {"10.48": OFF}),
+    *bench_row("| 10.58 (+0.3%) |", T2I_CACHE, {"10.58": NEVER}),
     Claim(BENCH, "| 10.58 (+0.3%) |", "+0.3", T2I_CACHE, CHANGE, PERCENT, -1.0),
-    *cache_row("| 10.57 / 10.55, 0 skipped", T2I_CACHE, {"10.57": FAST, "10.55": FASTER}),
+    *bench_row("| 10.57 / 10.55, 0 skipped", T2I_CACHE, {"10.57": FAST, "10.55": FASTER}),
     Claim(
         BENCH,
         "near `fast`'s 29.5** | **4.46** | **2.35x** |",
@@ -403,22 +403,22 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
         MEANING_50,
         "cache.fast.skipped_steps.mean",
     ),
-    *cache_row(
+    *bench_row(
         "near `fast`'s 29.5** | **4.46** | **2.35x** |", T2I_SCHEDULE, {"4.46": ALWAYS, "2.35": SPEEDUP}
     ),
     Claim(
         BENCH, "near `faster`'s 35.0 | 3.26 | 3.24x |", "35.0", MEANING_50, "cache.faster.skipped_steps.mean"
     ),
-    *cache_row("near `faster`'s 35.0 | 3.26 | 3.24x |", T2I_CACHE, {"3.26": ALWAYS, "3.24": SPEEDUP}),
-    *cache_row(
+    *bench_row("near `faster`'s 35.0 | 3.26 | 3.24x |", T2I_CACHE, {"3.26": ALWAYS, "3.24": SPEEDUP}),
+    *bench_row(
         "| 0.934 | | 0.941 / 0.947, 0 skipped | 4 of 8 (W 2, N 2) | 0.531 | 1.76x |",
         L8_CACHE,
         {"0.934": OFF, "0.941": FAST, "0.947": FASTER, "0.531": ALWAYS, "1.76": SPEEDUP},
     ),
-    *cache_row("(CFG off) | 0.561 | |", L4_CACHE, {"0.561": OFF}),
-    *cache_row("| 0.561 / 0.555, 0 skipped", L4_CACHE, {"0.561": FAST, "0.555": FASTER}),
-    *cache_row("| 0.354 | 1.58x |", L4_CACHE, {"0.354": ALWAYS, "1.58": SPEEDUP}),
-    *cache_row(
+    *bench_row("(CFG off) | 0.561 | |", L4_CACHE, {"0.561": OFF}),
+    *bench_row("| 0.561 / 0.555, 0 skipped", L4_CACHE, {"0.561": FAST, "0.555": FASTER}),
+    *bench_row("| 0.354 | 1.58x |", L4_CACHE, {"0.354": ALWAYS, "1.58": SPEEDUP}),
+    *bench_row(
         "| 3.514 | 3.547 (+0.9%) | 3.482 / 3.508, 0 skipped |",
         QI21_CACHE,
         {"3.514": OFF, "3.547": NEVER, "3.482": FAST, "3.508": FASTER},
@@ -432,8 +432,8 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
         PERCENT,
         -1.0,
     ),
-    *cache_row("| 1.183 | 2.97x |", QI21_CACHE, {"1.183": ALWAYS, "2.97": SPEEDUP}),
-    *cache_row(
+    *bench_row("| 1.183 | 2.97x |", QI21_CACHE, {"1.183": ALWAYS, "2.97": SPEEDUP}),
+    *bench_row(
         "| 19.67 | 19.73 (+0.3%) | 19.65 / 19.75, 0 skipped |",
         EDIT_CACHE,
         {"19.67": OFF, "19.73": NEVER, "19.65": FAST, "19.75": FASTER},
@@ -447,10 +447,10 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
         PERCENT,
         -1.0,
     ),
-    *cache_row("| 6.06 | 3.25x |", EDIT_CACHE, {"6.06": ALWAYS, "3.25": SPEEDUP}),
+    *bench_row("| 6.06 | 3.25x |", EDIT_CACHE, {"6.06": ALWAYS, "3.25": SPEEDUP}),
     # Step cache under memory plans (session 15).
-    *cache_row("| 24 GiB | 42 of 60 blocks resident", CACHE_24GIB, {"24": "gpu_memory ~ (\\d+)GiB"}),
-    *cache_row(
+    *bench_row("| 24 GiB | 42 of 60 blocks resident", CACHE_24GIB, {"24": "gpu_memory ~ (\\d+)GiB"}),
+    *bench_row(
         "18 streamed: 8.83 GB per call | 17.66 | **9.10** | 1.94x | 22.37 GiB |",
         CACHE_24GIB,
         {
@@ -461,8 +461,8 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
             "22.37": "peak_reserved_gib",
         },
     ),
-    *cache_row("| 16 GiB | 25 resident", CACHE_16GIB, {"16": "gpu_memory ~ (\\d+)GiB"}),
-    *cache_row(
+    *bench_row("| 16 GiB | 25 resident", CACHE_16GIB, {"16": "gpu_memory ~ (\\d+)GiB"}),
+    *bench_row(
         "35 streamed: 17.18 GB per call | 32.58 | **14.97** | 2.18x | 14.59 GiB |",
         CACHE_16GIB,
         {
@@ -516,7 +516,7 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
         "stages_s.total",
     ),
     Claim(BENCH, "| 1.173 s (session 7; not re-run) |", "1.173", EDIT, "lightning4.seconds"),
-    *cache_row(
+    *bench_row(
         "**15.0 ms** in one run (call 5: median of 40 served / direct pairs, p10 -0.5, p90 27.7)",
         SERVE_1024,
         {
@@ -526,7 +526,7 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
             "27.7": f"{PAIRS}.p90_ms",
         },
     ),
-    *cache_row(
+    *bench_row(
         "21.9 ms in call 4 (30 pairs, p10 10.6, p90 36.7; before pybase64)",
         SERVE_1024_BEFORE,
         {
@@ -536,7 +536,7 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
             "36.7": f"{PAIRS}.p90_ms",
         },
     ),
-    *cache_row(
+    *bench_row(
         "**1.34x** in one run (96 requests, 7.4 per batch; 3.17 -> 4.26 images/s)",
         SERVE_512,
         {
@@ -548,14 +548,14 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
         },
     ),
     # Section titles.
-    *cache_row(
+    *bench_row(
         "4.46 s per 50-step CFG image skipping 30 of 50 steps (2.35x)",
         T2I_SCHEDULE,
         {"4.46": ALWAYS, "30": ALWAYS_SKIPPED, "2.35": SPEEDUP},
     ),
-    *cache_row("fixed schedule (speed only): 24 GiB 1.94x, 16 GiB 2.18x", CACHE_24GIB, {"1.94": SPEEDUP}),
-    *cache_row("fixed schedule (speed only): 24 GiB 1.94x, 16 GiB 2.18x", CACHE_16GIB, {"2.18": SPEEDUP}),
-    *cache_row(
+    *bench_row("fixed schedule (speed only): 24 GiB 1.94x, 16 GiB 2.18x", CACHE_24GIB, {"1.94": SPEEDUP}),
+    *bench_row("fixed schedule (speed only): 24 GiB 1.94x, 16 GiB 2.18x", CACHE_16GIB, {"2.18": SPEEDUP}),
+    *bench_row(
         "30 of 50 steps in 17.9 s, 1.51x diffusers per step",
         EDIT_INPAINT,
         {
@@ -564,12 +564,12 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
             "1.51": "per_step_ms.speedup",
         },
     ),
-    *cache_row(
+    *bench_row(
         "4 layers at 640x640 in 29.8 s, 1.52x diffusers per step",
         LAYERED,
         {"4": "layers", "29.8": "per_image.seconds", "1.52": "per_step_ms.speedup"},
     ),
-    *cache_row("one map adds 22 ms per CFG step, 1.60x diffusers", CONTROL, {"1.60": "per_step_ms.speedup"}),
+    *bench_row("one map adds 22 ms per CFG step, 1.60x diffusers", CONTROL, {"1.60": "per_step_ms.speedup"}),
     Claim(
         BENCH,
         "one map adds 22 ms per CFG step, 1.60x diffusers",
@@ -577,7 +577,7 @@ BENCH_CLAIMS: tuple[Claim, ...] = (
         CONTROL,
         "per_image.one_map.ms_per_step - per_image.text_to_image.ms_per_step",
     ),
-    *cache_row(
+    *bench_row(
         "costs what a text-to-image step costs, 1.70x diffusers",
         START,
         {"1.70": "per_step_ms.img2img.speedup"},
