@@ -30,10 +30,10 @@ from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
 SMALL_AREA = 96 * 96
 
 
-def tiny_rgba_vae(seed: int, channels: int = 4) -> AutoencoderKLQwenImage:
+def tiny_rgba_vae(seed: int, channels: int = 4, base_dim: int = 8) -> AutoencoderKLQwenImage:
     """An 8x, z_dim 16 VAE reading `channels` pixel channels, latent statistics that are not 0 / 1."""
     vae = AutoencoderKLQwenImage(
-        base_dim=8,
+        base_dim=base_dim,
         z_dim=16,
         dim_mult=[1, 2, 4, 4],
         num_res_blocks=1,
@@ -46,8 +46,11 @@ def tiny_rgba_vae(seed: int, channels: int = 4) -> AutoencoderKLQwenImage:
     return vae.eval()
 
 
-def build_layered_checkpoint(directory: Path, flags: bool = True, channels: int = 4, seed: int = 0) -> Path:
-    """Random weights in diffusers' and transformers' classes, saved by their `save_pretrained`."""
+def build_layered_checkpoint(
+    directory: Path, flags: bool = True, channels: int = 4, seed: int = 0, vae_base_dim: int = 8
+) -> Path:
+    """Random weights in diffusers' and transformers' classes, saved by their `save_pretrained`; a smaller
+    `vae_base_dim` makes the VAE cheaper where a test runs it at a full bucket's size."""
     transformer = QwenImageTransformer2DModel(
         **TRANSFORMER, use_additional_t_cond=flags, use_layer3d_rope=flags
     )
@@ -55,7 +58,7 @@ def build_layered_checkpoint(directory: Path, flags: bool = True, channels: int 
     tokenizer = build_qwen2_tokenizer()
     pipe = QwenImageLayeredPipeline(
         scheduler=default_scheduler(),
-        vae=tiny_rgba_vae(seed + 1, channels),
+        vae=tiny_rgba_vae(seed + 1, channels, vae_base_dim),
         text_encoder=build_tiny_text_encoder(seed=seed + 2, hidden_size=TEXT_HIDDEN),
         tokenizer=tokenizer,
         processor=None,

@@ -20,7 +20,16 @@ from contextlib import contextmanager, nullcontext
 import pytest
 from helpers import REPO, free_port
 
-DOCS = ("README.md", "docs/API.md", "ui/README.md", "eval/README.md")
+DOCS = (
+    "README.md",
+    "docs/API.md",
+    "docs/caching.md",
+    "docs/fp8.md",
+    "docs/memory.md",
+    "docs/server.md",
+    "ui/README.md",
+    "eval/README.md",
+)
 BLOCK = re.compile(r"^<!-- cpu-example(?:: (server|serve))? -->\n```(bash|python)\n(.*?)\n```", re.M | re.S)
 # The server a marked block runs against: its command, the port the doc names, what it prints once up.
 SERVERS = {"server": ("ui", "7860", "Qwen-Image demo on"), "serve": ("serve", "8000", "Qwen-Image API on")}

@@ -62,14 +62,14 @@ def test_plans_that_do_not_fit_are_refused(gpus, true_cfg, message):
         plan_for(gpus, QWEN_IMAGE_HEADS, true_cfg)
 
 
-def test_the_refusal_lists_the_counts_that_fit_and_so_does_the_readme():
+def test_the_refusal_lists_the_counts_that_fit_and_so_does_the_gpu_guide():
     with pytest.raises(
         InputError, match=r"counts that fit \(with true CFG\): 1, 2, 3, 4, 6, 8, 12, 16, 24, 48$"
     ):
         plan_for(5, QWEN_IMAGE_HEADS, True)
     listed = ", ".join(map(str, counts_that_fit(QWEN_IMAGE_HEADS, true_cfg=True)))
     assert f"attention heads (24 for Qwen-Image): {listed} GPUs fit with true CFG" in " ".join(
-        (REPO / "README.md").read_text().split()
+        (REPO / "docs" / "gpu.md").read_text().split()
     )
 
 
