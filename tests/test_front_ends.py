@@ -68,7 +68,14 @@ def test_cli_page_and_api_build_the_same_request(runs: list[Any], tmp_path: Any)
         )
         body = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "n": 2, "size": "48x32", "seed": v["seed"]}
         body |= {"num_inference_steps": 3, "true_cfg_scale": 3.5, "cache": "fast", "fast_decode": True}
-        assert httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120).status_code == 200
+        answer = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
+        assert answer.status_code == 200
+        ran = answer.json()["run"]  # what ran, as the stages recorded it
+        assert (
+            ran["decode"] == {"fast": True, "tiled": False, "fallback": ""}
+            and ran["cache"]["preset"] == "fast"
+        )
+        assert ran["cache"]["cfg"] and len(ran["cache"]["skipped"]["positive"]) == 2  # one count per image
     finally:
         server.close()
         demo.close()

@@ -240,3 +240,36 @@ def test_an_error_names_its_option_and_each_front_end_its_own_input(name: str) -
         with pytest.raises(FieldError) as front:
             request_of(pipe, fields, prompt, **values)
         assert front.value.field == fields.get(name, "prompt")
+
+
+def test_the_server_publishes_the_bodies_and_says_what_ran() -> None:
+    """/openapi.json carries each route's body model (behind the API keys, as the other routes); a response's
+    `run` is the RunInfo of what ran."""
+    from fastapi.testclient import TestClient
+
+    from qwen_image_fusion.ui.access import ApiKeys
+    from qwen_image_fusion.ui.runner import Runner
+    from qwen_image_fusion.ui.server import build_server
+
+    pipe = FakePipe()
+    runner = Runner(pipe, Limits.for_device("cpu"))
+    key = "k" * 16
+    try:
+        client = TestClient(build_server(pipe, runner, ApiKeys([key])))
+        assert client.get("/openapi.json").status_code == 401
+        document = client.get("/openapi.json", headers={"Authorization": f"Bearer {key}"}).json()
+        for path, route, media in (("/v1/images/generations", GENERATIONS, "application/json"),
+                                   ("/v1/images/edits", EDITS, "multipart/form-data")):  # fmt: skip
+            published = document["paths"][path]["post"]["requestBody"]["content"][media]["schema"]
+            declared = body_model(route).model_json_schema()["properties"]
+            assert {name: prop.get("description") for name, prop in published["properties"].items()} == {
+                name: prop.get("description") for name, prop in declared.items()
+            }
+        body = {"prompt": "a fox", "size": "64x32", "num_inference_steps": 3, "seed": 1}
+        answer = client.post("/v1/images/generations", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert answer.status_code == 200, answer.text
+        run, info = answer.json()["run"], pipe.last_run
+        assert (run["variant"], run["num_inference_steps"], run["timings"]) == (info.variant, 3, info.timings)
+        assert run["cache"] is None and run["decode"] is None  # the fake ran neither
+    finally:
+        runner.close()

@@ -94,7 +94,7 @@ def _add_gpus_arg(parser: argparse.ArgumentParser, what: str) -> None:
         type=int,
         default=1,
         help=f"{what} on N GPUs of this machine: CFG-parallel when true CFG is on and N is even, Ulysses "
-        "sequence parallel for the rest (README: Several GPUs)",
+        "sequence parallel for the rest (docs/gpu.md)",
     )
 
 
