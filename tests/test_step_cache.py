@@ -7,7 +7,6 @@ bytes with the skipped blocks' copies left out."""
 import math
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from edit_fixtures import build_edit_checkpoint, drawn_image
@@ -16,7 +15,6 @@ from lora_files import block_modules, linear_shapes, random_factors, write_light
 from memory_fixtures import FP32, LateLink, placed_pipeline
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 
-from qwen_image_fusion.eval import metrics
 from qwen_image_fusion.eval.variants import parse_variant
 from qwen_image_fusion.models.cache_presets import CACHE_PRESETS, CachePreset, get_cache_preset
 from qwen_image_fusion.models.errors import InputError
@@ -29,6 +27,8 @@ from qwen_image_fusion.pipelines.variants import VARIANTS
 
 # Skips whenever it may: the schedule is then warm-up, then `max_cached_in_a_row` skipped, one computed, ...
 ALWAYS = CachePreset("always", threshold=math.inf, warmup_steps=2, max_cached_in_a_row=2)
+# Never skips (no change is below 0): the cache's machinery runs every step, and must add nothing
+NEVER = CachePreset("never", threshold=0.0, warmup_steps=2, max_cached_in_a_row=2)
 # On the tiny FP8 checkpoint below, its threshold lets some steps skip and makes others run
 MIDWAY = CachePreset("midway", threshold=0.3, warmup_steps=2, max_cached_in_a_row=3)
 SMALL = dict(prompt="a red circle on the left", negative_prompt=" ", width=32, height=32, seed=3)
@@ -141,7 +141,17 @@ def test_off_is_exact_and_a_cache_skips_the_steps_it_reports(pipe) -> None:
     )
     again = pipe.generate(**SMALL, num_inference_steps=steps)[0]
     assert png_sha256(again) == exact != png_sha256(cached)
-    assert metrics.psnr(np.asarray(cached), np.asarray(again)) > 10  # close, not the same
+    assert png_sha256(pipe.generate(**SMALL, num_inference_steps=steps, cache=ALWAYS)[0]) == png_sha256(
+        cached
+    )
+    assert_exact_when_nothing_is_skipped(pipe, dict(SMALL, num_inference_steps=steps), exact)
+
+
+def assert_exact_when_nothing_is_skipped(pipe, request: dict, exact: str) -> None:
+    """A cache that decides to compute every step gives the exact path's bytes: the cache's own machinery
+    (front residual, buffers, per-branch decisions) changes nothing it does not skip."""
+    assert png_sha256(pipe.generate(**request, cache=NEVER)[0]) == exact
+    assert pipe.last_run.cache.skipped == dict.fromkeys(pipe.last_run.cache.skipped, (0,))
 
 
 def test_a_request_keeps_its_bytes_in_a_batch_with_a_cache(pipe) -> None:
@@ -290,6 +300,7 @@ def test_edit_2511_runs_a_cache_and_off_stays_exact(tmp_path) -> None:
     skipped = 6 - sum(always_schedule(6))
     assert pipe.last_run.cache.skipped == {"positive": (skipped,), "negative": (skipped,)}
     assert png_sha256(pipe.generate(**edit, cache="off")[0]) == exact != cached
+    assert_exact_when_nothing_is_skipped(pipe, edit, exact)
 
 
 @pytest.mark.parametrize("kv_cache", [True, False], ids=["kv-cache", "no-kv-cache"])
@@ -306,3 +317,4 @@ def test_qwen_image_21_runs_a_cache_with_and_without_its_kv_cache(tmp_path, kv_c
     skipped = 6 - sum(always_schedule(6))
     assert pipe.last_run.cache.skipped == {"positive": (skipped,), "negative": (skipped,)}
     assert png_sha256(pipe.generate(**request)[0]) == exact != cached
+    assert_exact_when_nothing_is_skipped(pipe, request, exact)

@@ -71,7 +71,10 @@ def test_a_prompts_conditioning_does_not_depend_on_its_companions(bytes_pipe, ow
             assert torch.equal(got.embeds, first.embeds) and got.mask is None
     alone = model.encode([own], 512)
     assert alone.embeds.shape == first.embeds.shape and alone.mask is None
-    assert (alone.embeds.float() - first.embeds.float()).abs().max() < 1e-2  # the same prompt, another shape
+    # The same prompt and arithmetic at another GEMM shape (its sums split otherwise): a few roundings of its
+    # largest value in its dtype at most (measured: one, in FP32 and in BF16)
+    ulp = torch.finfo(first.embeds.dtype).eps * first.embeds.float().abs().max()
+    assert (alone.embeds.float() - first.embeds.float()).abs().max() <= 4 * ulp
     different = model.encode_batch(["b"], 512, 4)[0]
     assert not torch.equal(different.embeds[:, :2], first.embeds[:, :2])
 
