@@ -273,3 +273,21 @@ def test_the_server_publishes_the_bodies_and_says_what_ran() -> None:
         assert run["cache"] is None and run["decode"] is None  # the fake ran neither
     finally:
         runner.close()
+
+
+def test_the_server_imports_no_gradio_module_without_the_demo() -> None:
+    """`qwen-image serve` without --ui: the server, its routes, parsing and schema, and LoRA mounting import
+    nothing of Gradio (the demo's modules are imported only where it is mounted)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import qwen_image_fusion.ui.server, qwen_image_fusion.ui.api_schema\n"
+        "from qwen_image_fusion.pipelines.presets import load_lora_files\n"
+        "demo = ('gradio', 'qwen_image_fusion.ui.app', 'qwen_image_fusion.ui.lora_controls')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gradio' or m in demo))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
