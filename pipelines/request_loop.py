@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -16,6 +15,7 @@ from qwen_image_fusion.pipelines.presets import get_preset
 from qwen_image_fusion.pipelines.run_info import Generated, RunInfo, StageTimer, cache_report
 from qwen_image_fusion.pipelines.stages import (
     Encoded,
+    Pipeline,
     decode,
     denoise,
     encode_each,
@@ -23,9 +23,6 @@ from qwen_image_fusion.pipelines.stages import (
     mask_crop,
     step_caches,
 )
-
-if TYPE_CHECKING:
-    from qwen_image_fusion.pipelines.pipeline import Pipeline
 
 OUTPUT_TYPES = ("pil", "latent")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -35,7 +35,45 @@ if TYPE_CHECKING:
 
     import PIL.Image
 
-    from qwen_image_fusion.pipelines.pipeline import Pipeline
+    from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel
+    from qwen_image_fusion.pipelines.cuda_graph import GraphedStep
+    from qwen_image_fusion.pipelines.lora import LoraSet
+    from qwen_image_fusion.pipelines.memory import GpuMemory
+    from qwen_image_fusion.pipelines.memory_plan import MemoryPlan
+    from qwen_image_fusion.pipelines.parallel import Ranks
+    from qwen_image_fusion.pipelines.run_info import RunInfo
+
+
+class Pipeline(Protocol):
+    """What the stages and the run loop read and set of a loaded pipeline (pipelines/pipeline.py's
+    `Pipeline`): its model and spec, where it runs, its memory plan, ranks, LoRAs, captured graphs and step
+    caches (a protocol, so this module needs no import of the class that calls it)."""
+
+    model: FamilyModel
+    spec: CheckpointSpec
+    device: torch.device
+    memory: GpuMemory | None
+    ranks: Ranks | None
+    lora: LoraSet
+    cuda_graphs: bool
+    last_run: RunInfo | None
+    _graphed: GraphedStep
+    _caches: dict[tuple[CachePreset, int], BranchCache]
+
+    @property
+    def variant(self) -> str: ...
+
+    def encode(
+        self, prompts: list[str], max_sequence_length: int, copies: int = 1, images=None
+    ) -> Conditioning: ...
+
+    def fusion_summary(self) -> str: ...
+
+    def parallel_summary(self) -> str: ...
+
+    def use_call_lora_scales(self, scales: dict[str, float]) -> None: ...
+
+    def _limit_graphs(self, plan: MemoryPlan | None = None) -> None: ...
 
 
 @dataclass
