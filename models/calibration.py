@@ -1,6 +1,6 @@
-"""Static FP8 calibration, for every family: hooks recording each linear's running max |input| (also the
+"""Static calibration, for every family: hooks recording each linear's running max |input| (also the
 input-clipping check), one input scale per group of linears reading one activation, and the ModelOpt
-FP8 state dict (DESIGN §3)."""
+FP8 (DESIGN §3) and NVFP4 (§19) state dicts."""
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -12,6 +12,7 @@ from qwen_image_fusion.kernels.quant import FP8_MAX
 from qwen_image_fusion.models.fp8 import MIN_AMAX, quantize_weight
 from qwen_image_fusion.models.fp8_weight_only import quantize_per_channel
 from qwen_image_fusion.models.modelopt import QuantConfig
+from qwen_image_fusion.models.nvfp4 import input_scale_of, quantize_nvfp4_weight
 
 
 @contextmanager
@@ -41,7 +42,7 @@ def record_input_amax(linears: dict[str, nn.Module]) -> Iterator[dict[str, torch
 
 
 def quantizable_linears(model: nn.Module, ignore: Sequence[str]) -> dict[str, nn.Linear]:
-    """The Linears that become FP8: every one not matched by an ignore glob."""
+    """The Linears that get quantized: every one no ignore rule matches."""
     config = QuantConfig("FP8", tuple(ignore))
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not config.ignores(n)}
 
@@ -74,4 +75,19 @@ def fp8_state_dict(
         state[f"{name}.input_scale"] = (input_amax[name].clamp_min(MIN_AMAX) / FP8_MAX).reshape(())
     for name, linear in (weight_only or {}).items():
         state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_per_channel(linear.weight.detach())
+    return state
+
+
+def nvfp4_state_dict(
+    model: nn.Module, linears: dict[str, nn.Linear], input_amax: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The ModelOpt NVFP4 state dict (on the model's device, no host read): packed E2M1 weights, E4M3 block
+    scales, fp32 scalar `weight_scale_2` and `input_scale` (the inverse global encode scales of the weight's
+    and the input's amax), BF16 biases."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    for name, linear in linears.items():
+        packed, block_scale, weight_scale_2 = quantize_nvfp4_weight(linear.weight)
+        state[f"{name}.weight"], state[f"{name}.weight_scale"] = packed, block_scale
+        state[f"{name}.weight_scale_2"] = weight_scale_2
+        state[f"{name}.input_scale"] = input_scale_of(input_amax[name])
     return state

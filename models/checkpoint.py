@@ -6,6 +6,7 @@ weight is read or any heavy library is imported.
 """
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,51 @@ def check_vision_processor(processor: Path, text_encoder: Path) -> None:
             )
 
 
-def is_fp8_transformer(directory: Path) -> bool:
-    """Whether a transformer directory declares ModelOpt FP8 weights (its quantization config)."""
-    raw = read_json(directory / "config.json")
-    return "quantization_config" in raw or read_hf_quant_config(directory) is not None
+class WeightFormat(StrEnum):
+    """How a transformer's linears are stored: BF16, or a ModelOpt export (DESIGN §3 FP8, §19 NVFP4)."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+
+
+QUANT_FORMATS = (WeightFormat.FP8.value, WeightFormat.NVFP4.value)  # what `qwen-image quantize` writes
+# ModelOpt's per-layer scales (FP8: weight_scale, input_scale; NVFP4 adds weight_scale_2): loaded as stored
+MODELOPT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+MODELOPT_ALGOS = {"FP8": WeightFormat.FP8, "NVFP4": WeightFormat.NVFP4}  # ModelOpt's quant_algo names
+
+
+def modelopt_format(algo: object) -> WeightFormat:
+    """The weight format of a ModelOpt `quant_algo`; CheckpointError naming the supported ones otherwise."""
+    found = MODELOPT_ALGOS.get(str(algo).upper())
+    if found is None:
+        raise CheckpointError(
+            f"unsupported ModelOpt quant_algo {algo!r}: only FP8 (per-tensor static) and NVFP4 are supported"
+        )
+    return found
+
+
+def modelopt_section(config: dict[str, Any], hf_quant_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ModelOpt quantization section of a transformer: config.json's flat `quantization_config` (its
+    `quant_method` must be modelopt), else hf_quant_config.json's nested `quantization`; None for neither."""
+    flat = config.get("quantization_config")
+    if flat is not None:
+        method = str(flat.get("quant_method", "")).lower() if isinstance(flat, dict) else None
+        if method != "modelopt":
+            raise CheckpointError(f"unsupported quantization method {method!r}: only ModelOpt is supported")
+        return flat
+    if hf_quant_config is None:
+        return None
+    nested = hf_quant_config.get("quantization")
+    if not isinstance(nested, dict):
+        raise CheckpointError("hf_quant_config.json has no quantization section")
+    return nested
+
+
+def transformer_weights(directory: Path) -> WeightFormat:
+    """The weight format a transformer directory declares (its ModelOpt `quant_algo`), BF16 without one."""
+    section = modelopt_section(read_json(directory / "config.json"), read_hf_quant_config(directory))
+    return WeightFormat.BF16 if section is None else modelopt_format(section.get("quant_algo"))
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import CheckpointError
 from qwen_image_fusion.models.presets import Preset
 
@@ -97,7 +98,7 @@ class CheckpointSpec:
     attention_heads: int
     size_multiple: int  # image sides must be multiples of this (VAE scale x latent packing)
     defaults: GenerationDefaults
-    fp8: bool  # the transformer is a ModelOpt FP8 export
+    weights: WeightFormat  # how the transformer's linears are stored: BF16, ModelOpt FP8 or NVFP4
     max_images: int = 0  # input images a request may carry (0: text to image only)
     images_required: bool = False  # the model cannot generate without an input image
     starts_from_image: bool = False  # img2img and inpainting: a request may start from an image (+ mask)
@@ -110,6 +111,11 @@ class CheckpointSpec:
     shares_text_encoding: bool = False  # a batch's prompts are encoded in shared calls (`encode_batch`)
     fast_decode: bool = False  # its VAE has the opt-in 2D single-frame decode (models/vae_decode.py)
 
+    @property
+    def fp8(self) -> bool:
+        """The transformer is a ModelOpt FP8 export."""
+        return self.weights is WeightFormat.FP8
+
 
 @dataclass(frozen=True)
 class QuantRecipe:
@@ -119,6 +125,7 @@ class QuantRecipe:
     bf16_fallback: tuple[str, ...]
     shared_inputs: tuple[tuple[str, ...], ...]
     all_blocks_fp8: tuple[str, ...]  # the fallback that quantizes every block linear (benchmarks, tests)
+    outside_blocks: tuple[str, ...]  # every linear outside the blocks (NVFP4's fallback adds edge blocks)
     weight_only: tuple[str, ...] = ()  # fallback globs `quantize --fp8-modulation` stores FP8 weight-only
 
 

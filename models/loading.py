@@ -1,6 +1,6 @@
 """Reading and writing diffusers-layout component directories (config.json + safetensors shards), for
-every model family: weights checked by name and shape, ModelOpt FP8 layers swapped in, library noise
-silenced so a load error is one line."""
+every model family: weights checked by name and shape, ModelOpt FP8 and NVFP4 layers swapped in, library
+noise silenced so a load error is one line."""
 
 import json
 import warnings
@@ -17,14 +17,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.utils import logging as transformers_logging
 
-from qwen_image_fusion.models.checkpoint import read_hf_quant_config, read_json, weight_files
-from qwen_image_fusion.models.errors import CheckpointError
-from qwen_image_fusion.models.modelopt import (
-    SCALE_SUFFIXES,
-    QuantConfig,
-    parse_quant_config,
-    swap_fp8_linears,
+from qwen_image_fusion.models.checkpoint import (
+    MODELOPT_SCALE_SUFFIXES,
+    read_hf_quant_config,
+    read_json,
+    weight_files,
 )
+from qwen_image_fusion.models.errors import CheckpointError
+from qwen_image_fusion.models.modelopt import QuantConfig, parse_quant_config, swap_quantized_linears
+
+STORED_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # quantized weights (FP8, packed NVFP4): kept as stored
 
 WEIGHTS_STEM = "diffusion_pytorch_model"
 SHARD_BYTES = 5 * 1024**3
@@ -71,15 +73,15 @@ def check_state_dict(
             raise CheckpointError(
                 f"{source}: tensor {name} has shape {list(found[name].shape)}, expected {list(tensor.shape)}"
             )
-        if not found[name].is_floating_point():
+        if not found[name].is_floating_point() and not (tensor.dtype == torch.uint8 == found[name].dtype):
             raise CheckpointError(f"{source}: tensor {name} has non-float dtype {found[name].dtype}")
         if found[name].dtype == torch.float8_e4m3fn and tensor.dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{source}: tensor {name} is FP8 but its layer is not quantized")
 
 
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Model dtype for ordinary weights; FP8 weights and ModelOpt scales stay as stored."""
-    if tensor.dtype == torch.float8_e4m3fn or name.endswith(SCALE_SUFFIXES):
+    """Model dtype for ordinary weights; quantized weights and ModelOpt scales stay as stored."""
+    if tensor.dtype in STORED_DTYPES or name.endswith(MODELOPT_SCALE_SUFFIXES):
         return tensor
     return tensor.to(dtype)
 
@@ -90,7 +92,7 @@ def load_transformer(
     dtype: torch.dtype,
     device: torch.device,
 ) -> nn.Module:
-    """The transformer of `directory` (BF16 or ModelOpt FP8) on `device` without a random init: `build`
+    """The transformer of `directory` (BF16, ModelOpt FP8 or NVFP4) on `device` without a random init: `build`
     makes the model from its config.json (refusing a bad config in one line)."""
     raw = read_json(directory / "config.json")
     quant = parse_quant_config(raw, read_hf_quant_config(directory))
@@ -115,9 +117,9 @@ def transformer_from_state(
     where: Path,
     origins: dict[str, Path] | None = None,
 ) -> nn.Module:
-    """`model` (built on the meta device) holding `state`, validated first, FP8 layers swapped in, then
-    its `post_load_weights` run."""
-    swap_fp8_linears(model, state, quant, where)
+    """`model` (built on the meta device) holding `state`, validated first, quantized layers swapped in,
+    then its `post_load_weights` run."""
+    swap_quantized_linears(model, state, quant, where)
     check_state_dict(model.state_dict(), state, where, origins)
     model.load_state_dict({k: _cast(k, v, dtype) for k, v in state.items()}, strict=True, assign=True)
     model.eval().requires_grad_(False)

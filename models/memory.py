@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from qwen_image_fusion.models.checkpoint import weight_files
+from qwen_image_fusion.models.checkpoint import MODELOPT_SCALE_SUFFIXES, weight_files
 from qwen_image_fusion.models.errors import CheckpointError
 from qwen_image_fusion.models.family import MAX_SEQUENCE_LENGTH
 
@@ -37,6 +37,7 @@ SAFETENSORS_BYTES = {
     "BOOL": 1,
 }
 MAX_HEADER = 100 * 1024**2  # safetensors' own limit on the JSON header
+STORED = ("F8_E4M3", "U8")  # quantized weights (FP8, packed NVFP4 codes) load as stored
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,14 @@ def read_header(path: Path) -> list[TensorInfo]:
             raise CheckpointError(f"{path}: tensor {name} has an unknown dtype in the header")
         tensors.append(TensorInfo(name, entry["dtype"], tuple(entry.get("shape", ()))))
     return tensors
+
+
+def loaded_bytes(tensor: TensorInfo, dtype_bytes: int) -> int:
+    """Bytes per element of a transformer tensor once loaded (models/loading.py's casts): quantized weights
+    (E4M3, packed E2M1) and ModelOpt scales as stored, everything else in the model's dtype."""
+    if tensor.dtype in STORED or tensor.name.endswith(MODELOPT_SCALE_SUFFIXES):
+        return SAFETENSORS_BYTES[tensor.dtype]
+    return dtype_bytes
 
 
 def component_tensors(directory: Path) -> list[TensorInfo]:

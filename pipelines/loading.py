@@ -31,7 +31,7 @@ def load(options: LoadOptions) -> Pipeline:
     if plan is not None:
         device = join_ranks(device)
     spec = inspect_checkpoint(options.model)
-    chosen, precision = pick_numerics(spec.fp8, options.variant, device, options.dtype)
+    chosen, precision = pick_numerics(spec.weights, options.variant, device, options.dtype)
     gpu_memory, workload = options.gpu_memory, options.workload
     planned = plan_for(spec, precision.dtype, precision.vae_dtype, device, gpu_memory, workload)
     if plan is not None and planned is not None and not planned[1].resident:

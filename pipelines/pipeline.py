@@ -15,6 +15,7 @@ import PIL.Image
 import torch
 
 from qwen_image_fusion.models.cache_presets import CachePreset
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointSpec, Conditioning, FamilyModel
 from qwen_image_fusion.models.lora import MergeReport
@@ -104,8 +105,8 @@ class Pipeline:
         return self.lora.merge_report
 
     def available_variants(self) -> list[str]:
-        """Variants these weights can run: FP8 ones for a ModelOpt FP8 checkpoint, BF16 ones otherwise."""
-        return [v.name for v in variants_for(self.spec.fp8)]
+        """Variants these weights can run: the FP8 or NVFP4 ones for such a ModelOpt export, else BF16's."""
+        return [v.name for v in variants_for(self.spec.weights)]
 
     @property
     def variant(self) -> str:
@@ -114,7 +115,9 @@ class Pipeline:
 
     def set_variant(self, variant: str | Variant) -> None:
         """Switch numerics or FP8 fusion in place (re-running the gate); 'auto' picks the fastest path."""
-        self._variant = variant if isinstance(variant, Variant) else resolve_variant(variant, self.spec.fp8)
+        self._variant = (
+            variant if isinstance(variant, Variant) else resolve_variant(variant, self.spec.weights)
+        )
         self._resync()
 
     def _resync(self) -> None:
@@ -125,8 +128,9 @@ class Pipeline:
         parts = self.model.denoise_parts().values()  # the transformer first, then e.g. a ControlNet
         for part in parts:
             part.set_numerics(variant.numerics)
-        if variant.fp8_weights:
+        if variant.weights is not WeightFormat.BF16:
             reports = [part.post_load_weights(fuse=variant.fused) for part in parts]
+        if variant.weights is WeightFormat.FP8:
             fused = reports[0].fused  # the transformer's gate names the variant (FP8_FUSION=0: unfused)
             self._variant = get_variant("fp8-fused" if fused else "fp8-unfused")
         self._drop_graphs()
@@ -196,8 +200,10 @@ class Pipeline:
 
     def fusion_summary(self) -> str:
         """The fusion report: fused FP8 producer paths and why the others are not."""
-        if not self.spec.fp8:
+        if self.spec.weights is WeightFormat.BF16:
             return "FP8 norm+quant fusion: off (BF16 weights)"
+        if self._variant.name == "nvfp4":
+            return "NVFP4 weight path: BF16 activations, weights dequantized in the GEMM (no producer fusion)"
         parts = self.model.denoise_parts()
         others = [
             f"{folder}: {part.fusion_report.summary()}"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.pipelines.variants import Variant, resolve_variant
 
@@ -76,7 +77,7 @@ def native_bf16(device: torch.device) -> bool:
 def pick_precision(dtype: torch.dtype | None, device: torch.device, variant: Variant) -> Precision:
     """`dtype` when given, for every component. Else BF16 where the device computes it natively; on a CPU
     without native BF16 (BF16 convolutions and matmuls several times slower than FP32) the VAE runs in FP32,
-    and so does the transformer unless its variant is defined in BF16 (contract and FP8 numerics)."""
+    and so does the transformer unless its variant is defined in BF16 (contract, FP8 and NVFP4 numerics)."""
     if dtype is not None:
         return Precision(dtype, dtype, "as asked (--dtype)")
     forced = cpu_dtype_override() if device.type == "cpu" else None
@@ -94,10 +95,10 @@ def pick_precision(dtype: torch.dtype | None, device: torch.device, variant: Var
 
 
 def pick_numerics(
-    fp8_weights: bool, variant: str, device: torch.device, dtype: str | torch.dtype | None = None
+    weights: WeightFormat, variant: str, device: torch.device, dtype: str | torch.dtype | None = None
 ) -> tuple[Variant, Precision]:
     """The variant `variant` resolves to and the dtypes it runs in on `device`: where BF16 is slow (a CPU
     without native BF16, no dtype given) `auto` prefers diffusers' arithmetic in FP32."""
     dtype = check_dtype(dtype)
-    chosen = resolve_variant(variant, fp8_weights, prefer_reference=dtype is None and not native_bf16(device))
+    chosen = resolve_variant(variant, weights, prefer_reference=dtype is None and not native_bf16(device))
     return chosen, pick_precision(dtype, device, chosen)

@@ -4,6 +4,7 @@ times slower than FP32 on CPUs without AVX-512 BF16 or AMX); `--dtype` overrides
 import pytest
 import torch
 
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.pipelines.precision import CPU_DTYPE_ENV, native_bf16, pick_precision
 from qwen_image_fusion.pipelines.variants import get_variant, resolve_variant
@@ -66,9 +67,10 @@ def test_an_explicit_dtype_wins_everywhere():
 
 
 def test_auto_prefers_the_reference_arithmetic_only_where_bf16_is_slow():
-    assert resolve_variant("auto", fp8_weights=False).name == "contract"
-    assert resolve_variant("auto", fp8_weights=False, prefer_reference=True).name == "reference"
-    assert resolve_variant("auto", fp8_weights=True, prefer_reference=True).name == "fp8-fused"
+    assert resolve_variant("auto", WeightFormat.BF16).name == "contract"
+    assert resolve_variant("auto", WeightFormat.BF16, prefer_reference=True).name == "reference"
+    assert resolve_variant("auto", WeightFormat.FP8, prefer_reference=True).name == "fp8-fused"
+    assert resolve_variant("auto", WeightFormat.NVFP4, prefer_reference=True).name == "nvfp4"
 
 
 @pytest.mark.cpu_dtype

@@ -18,12 +18,13 @@ from qwen_image_fusion.models.calibration import (
     record_input_amax,
     share_group_amax,
 )
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import CheckpointError
 from qwen_image_fusion.models.fp8 import Fp8Linear
 from qwen_image_fusion.models.loading import load_transformer
 from qwen_image_fusion.models.qwen_image21.loading import build_transformer21
 from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION
-from qwen_image_fusion.pipelines.quantize import write_fp8_transformer
+from qwen_image_fusion.pipelines.quantize import quantization_configs, write_modelopt_transformer
 
 CPU = torch.device("cpu")
 CONFIG = next(name for name, config in CONFIGS.items() if config.causal_condition)
@@ -66,7 +67,7 @@ def quantize(model, directory, ignore):
         run_steps(model, steps=1, seed=7)
         run_steps(model, steps=1, seed=8)
     state = fp8_state_dict(model, linears, share_group_amax(amax, QUANTIZATION.shared_inputs))
-    write_fp8_transformer(model, state, ignore, directory)
+    write_modelopt_transformer(model, state, quantization_configs(WeightFormat.FP8, ignore), directory)
     return directory
 
 

@@ -28,6 +28,7 @@ from PIL import Image
 from test_img2img_oracle import ellipse_mask, photo
 
 from bench.in_thread import InThread
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.family import CheckpointSpec, GenerationDefaults
 from qwen_image_fusion.pipelines import RunInfo, load_pipeline
@@ -56,7 +57,7 @@ class FakePipe:
     defaults = GenerationDefaults(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
     spec = CheckpointSpec(
         family=SimpleNamespace(name="fake-edit"), directory=Path(model_name), name=model_name,
-        attention_heads=24, size_multiple=16, defaults=defaults, fp8=False, max_images=3,
+        attention_heads=24, size_multiple=16, defaults=defaults, weights=WeightFormat.BF16, max_images=3,
     )  # fmt: skip
     model = SimpleNamespace(
         default_size=lambda images: (images[0].width // 16 * 16, images[0].height // 16 * 16)

@@ -27,6 +27,7 @@ from gradio_client.utils import Status
 from helpers import wait_for
 from PIL import Image
 
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.family import CheckpointSpec, GenerationDefaults
 from qwen_image_fusion.pipelines import RunInfo
@@ -58,7 +59,7 @@ class FakePipe:
     defaults = GenerationDefaults(width=64, height=32, num_inference_steps=3, true_cfg_scale=4.0)
     spec = CheckpointSpec(
         family=SimpleNamespace(name="fake"), directory=Path("fake"), name="fake", attention_heads=24,
-        size_multiple=16, defaults=defaults, fp8=False,
+        size_multiple=16, defaults=defaults, weights=WeightFormat.BF16,
     )  # fmt: skip
 
     def __init__(self, delay: float = 0.0) -> None:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from qwen_image_fusion.models.checkpoint import QUANT_FORMATS
 from qwen_image_fusion.models.errors import ParallelError, QwenImageError
 from qwen_image_fusion.pipelines.launch_env import is_leader_process
 from qwen_image_fusion.pipelines.limits import DTYPE_NAMES
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(info)
     _add_gpus_arg(info, "also show the parallel plans")
     _add_quantize_command(
-        command("quantize", "calibrate static FP8 scales and write a ModelOpt FP8 checkpoint")
+        command("quantize", "calibrate static scales and write a ModelOpt FP8 or NVFP4 checkpoint")
     )
     ui = command("ui", "the Gradio web demo: one model, requests queued and run one at a time")
     ui.epilog = UI_EPILOG.format(uploads=upload_caps())
@@ -156,8 +157,17 @@ def _add_quantize_command(quant: argparse.ArgumentParser) -> None:
     )
     quant.add_argument("--device", help="cuda or cpu (default: cuda when available, else cpu)")
     quant.add_argument(
+        "--format",
+        choices=QUANT_FORMATS,
+        default=QUANT_FORMATS[0],
+        help="fp8: E4M3 weights and inputs, per-tensor scales (DESIGN §3); nvfp4: 4-bit E2M1 weights with an "
+        "E4M3 scale per 16 inputs (DESIGN §19; docs/nvfp4.md)",
+    )
+    quant.add_argument(
         "--keep-bf16",
-        help="comma-separated module globs kept in BF16 (default: the DESIGN §3 fallback list)",
+        help="comma-separated module globs (or names: a module and all inside it) kept in BF16 (default: "
+        "for fp8 the DESIGN §3 fallback list; for nvfp4 every linear outside the blocks and the first two "
+        "and last two blocks)",
     )
     quant.add_argument(
         "--fp8-modulation",

@@ -11,6 +11,7 @@ from typing import Any
 
 import PIL.Image
 
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.families import inspect_checkpoint
 from qwen_image_fusion.models.family import CheckpointSpec
@@ -43,7 +44,7 @@ def image_paths(out: Path, request: GenerationRequest) -> list[Path]:
 def check_model_args(args: argparse.Namespace) -> CheckpointSpec:
     """The checkpoint's configs and the variant asked for, checked without torch (argparse checks --dtype)."""
     spec = inspect_checkpoint(args.model)
-    resolve_variant(args.variant, spec.fp8)
+    resolve_variant(args.variant, spec.weights)
     return spec
 
 
@@ -307,8 +308,10 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def cmd_quantize(args: argparse.Namespace) -> None:
     spec = inspect_checkpoint(args.model)
-    if spec.fp8:
-        raise InputError(f"{spec.name} is already an FP8 checkpoint: quantize its BF16 source")
+    if spec.weights is not WeightFormat.BF16:
+        raise InputError(
+            f"{spec.name} is already an {spec.weights.name} checkpoint: quantize its BF16 source"
+        )
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"output {out} exists and is not an empty directory")
@@ -340,6 +343,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         loras=loras,
         preset=args.preset,
         fp8_modulation=args.fp8_modulation,
+        weights=args.format,
     )
     print(f"wrote {written}")
     print(f"check it with: qwen-image info --model {written}")

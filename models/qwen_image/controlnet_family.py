@@ -6,7 +6,7 @@ weight."""
 from dataclasses import replace
 from pathlib import Path
 
-from qwen_image_fusion.models.checkpoint import is_fp8_transformer, read_json
+from qwen_image_fusion.models.checkpoint import read_json, transformer_weights
 from qwen_image_fusion.models.errors import CheckpointError
 from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel, GenerationDefaults
 from qwen_image_fusion.models.qwen_image.config import (
@@ -24,7 +24,7 @@ def check_controlnet(directory: Path, transformer: QwenImageConfig, pipeline_cla
     """The `controlnet/` config of a checkpoint, refused in one line when its residuals or inputs could
     not meet the transformer's (widths, RoPE axes, text width, latent channels), when it is not the kind the
     pipeline class names (an inpainting ControlNet takes the mask's packed channels besides the latents), or
-    when its FP8 state differs from the transformer's."""
+    when its weight format (BF16, FP8, NVFP4) differs from the transformer's."""
     where = directory / "controlnet" / "config.json"
     try:
         config = ControlNetConfig.from_dict(read_json(where))
@@ -42,10 +42,13 @@ def check_controlnet(directory: Path, transformer: QwenImageConfig, pipeline_cla
             f"{where}: extra_condition_channels is {config.extra_condition_channels}, but a {pipeline_class} "
             f"ControlNet takes {wanted}{why}"
         )
-    if is_fp8_transformer(directory / "controlnet") != is_fp8_transformer(directory / "transformer"):
+    controlnet, transformer_format = (
+        transformer_weights(directory / d) for d in ("controlnet", "transformer")
+    )
+    if controlnet != transformer_format:
         raise CheckpointError(
-            f"{directory}: the controlnet and the transformer must both be FP8 or both BF16 "
-            "(quantize writes both)"
+            f"{directory}: the controlnet's weights are {controlnet.name} and the transformer's "
+            f"{transformer_format.name}: they must match (quantize writes both)"
         )
     return config
 

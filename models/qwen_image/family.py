@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from qwen_image_fusion.models.checkpoint import check_layout, is_fp8_transformer, read_model_index
+from qwen_image_fusion.models.checkpoint import check_layout, read_model_index, transformer_weights
 from qwen_image_fusion.models.errors import CheckpointError
 from qwen_image_fusion.models.family import (
     DEFAULTS_KEY,
@@ -54,7 +54,7 @@ class QwenImageFamily(ModelFamily):
             attention_heads=configs.transformer.num_attention_heads,
             size_multiple=multiple,
             defaults=defaults,
-            fp8=is_fp8_transformer(directory / "transformer"),
+            weights=transformer_weights(directory / "transformer"),
             starts_from_image=True,
             shares_text_encoding=True,
             fast_decode=True,
@@ -76,6 +76,8 @@ class QwenImageFamily(ModelFamily):
         return QwenImageModel.load(spec.directory, dtype, device, vae_dtype)
 
     def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
+        from qwen_image_fusion.models.modelopt import weight_format
+
         return CheckpointSpec(
             family=self,
             directory=Path(name),
@@ -83,7 +85,7 @@ class QwenImageFamily(ModelFamily):
             attention_heads=model.transformer.config.num_attention_heads,
             size_multiple=2 * model.vae_scale_factor,
             defaults=defaults,
-            fp8=model.transformer.is_fp8,
+            weights=weight_format(model.transformer),
             starts_from_image=True,
             shares_text_encoding=True,
             fast_decode=True,

@@ -22,9 +22,9 @@ from qwen_image_fusion.models.memory import (
     ENCODE,
     MemoryProfile,
     PartSizes,
-    TensorInfo,
     Workload,
     component_tensors,
+    loaded_bytes,
     part_sizes,
 )
 from qwen_image_fusion.models.qwen_image.prompt_template import DROP_TOKENS
@@ -36,7 +36,6 @@ TILE_BYTES_PER_BASE = 2.8e6  # per image decoded in tiles: measured 2.4e6
 TILE_BYTES_PER_PIXEL = 12  # the tiles' blended output: measured 10
 ENCODE_BYTES_PER_BASE = 23  # per input pixel: measured 20.2
 TEMPLATE_TOKENS = DROP_TOKENS + 8  # the prompt template's system part and its end
-SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 
 
 @dataclass(frozen=True)
@@ -105,11 +104,6 @@ def component_parts(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> 
     """The text encoder (its vision tower, if any, in its fixed part), transformer and VAE as they sit on
     the device, from the safetensors headers."""
 
-    def transformer_bytes(tensor: TensorInfo) -> int:  # models/loading.py's casts: FP8 and scales stay
-        if tensor.dtype.startswith("F8") or tensor.name.endswith(SCALE_SUFFIXES):
-            return 1 if tensor.dtype.startswith("F8") else 4
-        return dtype_bytes
-
     return (
         part_sizes(
             "text_encoder",
@@ -123,7 +117,7 @@ def component_parts(directory: Path, dtype_bytes: int, vae_dtype_bytes: int) -> 
             "transformer",
             DENOISE,
             component_tensors(directory / "transformer"),
-            transformer_bytes,
+            lambda tensor: loaded_bytes(tensor, dtype_bytes),
             block_key=r"^transformer_blocks\.(\d+)\.",
             block_path="transformer_blocks",
             graphed=True,

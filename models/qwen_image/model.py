@@ -50,6 +50,7 @@ QUANTIZATION = QuantRecipe(
     bf16_fallback=(*OUTSIDE_BLOCKS, "*.img_mod.1", "*.txt_mod.1", "*.img_mlp.net.2"),
     shared_inputs=(("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj")),
     all_blocks_fp8=(*OUTSIDE_BLOCKS, "*.img_mod.1", "*.txt_mod.1"),
+    outside_blocks=OUTSIDE_BLOCKS,
     weight_only=("*.img_mod.1", "*.txt_mod.1"),  # the modulation: one input row per sample
 )
 

@@ -4,7 +4,7 @@ class with `sample_sigmas` in its model_index.json."""
 
 from pathlib import Path
 
-from qwen_image_fusion.models.checkpoint import is_fp8_transformer
+from qwen_image_fusion.models.checkpoint import WeightFormat, transformer_weights
 from qwen_image_fusion.models.family import CheckpointSpec, FamilyModel, GenerationDefaults, ModelFamily
 from qwen_image_fusion.models.qwen_image.family import QwenImageFamily
 from qwen_image_fusion.models.qwen_image21.checkpoint import (
@@ -21,9 +21,9 @@ class QwenImage21Family(ModelFamily):
 
     def inspect(self, directory: Path, name: str) -> CheckpointSpec:
         configs = read_configs21(directory)
-        fp8 = is_fp8_transformer(directory / "transformer")
+        weights = transformer_weights(directory / "transformer")
         heads = configs.transformer.num_attention_heads
-        return self._spec(directory, name, heads, configs.defaults, fp8)
+        return self._spec(directory, name, heads, configs.defaults, weights)
 
     def load(self, spec: CheckpointSpec, dtype, device, vae_dtype) -> FamilyModel:
         from qwen_image_fusion.models.qwen_image21.model import QwenImage21Model
@@ -32,11 +32,13 @@ class QwenImage21Family(ModelFamily):
         return QwenImage21Model.load(spec.directory, dtype, device, vae_dtype, sigmas)
 
     def spec_for(self, model: FamilyModel, name: str, defaults: GenerationDefaults) -> CheckpointSpec:
+        from qwen_image_fusion.models.modelopt import weight_format
+
         heads = model.transformer.config.num_attention_heads
-        return self._spec(Path(name), name, heads, defaults, model.transformer.is_fp8)
+        return self._spec(Path(name), name, heads, defaults, weight_format(model.transformer))
 
     def _spec(
-        self, directory: Path, name: str, heads: int, defaults: GenerationDefaults, fp8: bool
+        self, directory: Path, name: str, heads: int, defaults: GenerationDefaults, weights: WeightFormat
     ) -> CheckpointSpec:
         """2.1's spec: 32-pixel sides, up to 4 condition images, no sequence-parallel plan."""
         return CheckpointSpec(
@@ -46,7 +48,7 @@ class QwenImage21Family(ModelFamily):
             attention_heads=heads,
             size_multiple=SIZE_MULTIPLE,
             defaults=defaults,
-            fp8=fp8,
+            weights=weights,
             max_images=MAX_CONDITION_IMAGES,
             sequence_parallel=False,
         )

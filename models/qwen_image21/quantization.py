@@ -16,4 +16,5 @@ QUANTIZATION = QuantRecipe(
     bf16_fallback=(*OUTSIDE_BLOCKS, "*.img_mlp.out"),
     shared_inputs=(("to_q", "to_k", "to_v"), ("gate_layer", "proj")),
     all_blocks_fp8=OUTSIDE_BLOCKS,
+    outside_blocks=OUTSIDE_BLOCKS,
 )
