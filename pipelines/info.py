@@ -5,6 +5,7 @@ from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.models.family import CheckpointSpec
 from qwen_image_fusion.models.fp8 import Fp8Linear
 from qwen_image_fusion.models.fp8_weight_only import Fp8WeightOnlyLinear
+from qwen_image_fusion.models.nvfp4 import Nvfp4Linear
 from qwen_image_fusion.pipelines.parallel import check_supported, plan_for
 from qwen_image_fusion.pipelines.pipeline import Pipeline
 
@@ -13,11 +14,15 @@ def _quantization(pipe: Pipeline) -> str:
     quant = pipe.transformer.quant_config
     if quant is None:
         return "none (BF16 weights)"
-    fp8 = sum(isinstance(m, Fp8Linear) for m in pipe.transformer.modules())
-    weight_only = sum(isinstance(m, Fp8WeightOnlyLinear) for m in pipe.transformer.modules())
+    modules = list(pipe.transformer.modules())
+    fp8 = sum(isinstance(m, Fp8Linear) for m in modules)
+    weight_only = sum(isinstance(m, Fp8WeightOnlyLinear) for m in modules)
+    nvfp4 = sum(isinstance(m, Nvfp4Linear) for m in modules)
     kept = ", ".join(quant.ignore) or "nothing"
     also = f", {weight_only} FP8 weight-only (per-channel scales)" if weight_only else ""
     linears = f"{fp8} FP8 linears (static per-tensor scales){also}"
+    if nvfp4:
+        linears = f"{nvfp4} NVFP4 linears (E2M1 weights, an E4M3 scale per 16 inputs, global scales)"
     return f"ModelOpt {quant.quant_algo}, {linears}; kept BF16: {kept}"
 
 

@@ -41,7 +41,8 @@ def fp8_checkpoint(tmp_path_factory):
         for config in (DEFAULT_MODEL_DIR / part).glob("*.json"):
             (directory / part / config.name).write_text(config.read_text())
     config_path = directory / "transformer" / "config.json"
-    config = json.loads(config_path.read_text()) | {"quantization_config": {"quant_algo": "FP8"}}
+    quant = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    config = json.loads(config_path.read_text()) | {"quantization_config": quant}
     config_path.write_text(json.dumps(config))
     return directory
 

@@ -44,6 +44,7 @@ ASPECT_RATIOS: dict[str, tuple[int, int]] = {
 VARIANT_LABELS = {
     "fp8-fused": "FP8 fused",
     "fp8-unfused": "FP8 unfused",
+    "nvfp4": "NVFP4 weights (4-bit)",
     "contract": "BF16",
     "reference": "BF16 (diffusers reference)",
 }
