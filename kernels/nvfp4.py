@@ -19,6 +19,7 @@ import torch
 
 from qwen_image_fusion.kernels._triton_common import (
     FP8_DTYPE,
+    NO_FMA,
     FusedOp,
     interpreted,
     jit,
@@ -214,7 +215,7 @@ def _launch_nvfp4_linear(
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
     _nvfp4_linear_kernel[grid](
         x, packed, block_scale, weight_scale_2, weight_scale_2 if bias is None else bias, y, rows, n, k,
-        HAS_BIAS=bias is not None, DOT_FP32=interpreted(_nvfp4_linear_kernel), **tiles,
+        HAS_BIAS=bias is not None, DOT_FP32=interpreted(_nvfp4_linear_kernel), **tiles, **NO_FMA,
     )  # fmt: skip
     return y
 
