@@ -42,6 +42,7 @@ from qwen_image_fusion.models.fp8 import (
 from qwen_image_fusion.models.fp8_weight_only import Fp8WeightOnlyLinear, quantize_per_channel
 from qwen_image_fusion.models.lora_files import DOWN, LoraFactors, LoraFile
 from qwen_image_fusion.models.numerics import NumericsAware
+from qwen_image_fusion.models.nvfp4 import Nvfp4Linear
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ def lora_targets(model: nn.Module) -> dict[str, nn.Module]:
             continue
         if isinstance(module, LoraLinear):
             targets[name], inside = module, (*inside, f"{name}.")
-        elif isinstance(module, (nn.Linear, Fp8Linear, Fp8WeightOnlyLinear)):
+        elif isinstance(module, (nn.Linear, Fp8Linear, Fp8WeightOnlyLinear, Nvfp4Linear)):
             targets[name] = module
     return targets
 
@@ -287,6 +288,11 @@ def check_lora_fits(model: nn.Module, lora: LoraFile) -> dict[str, nn.Module]:
         if target is None:
             raise CheckpointError(
                 f"LoRA file {lora.path}: {name}{DOWN} matches no linear layer of the transformer"
+            )
+        if isinstance(target, Nvfp4Linear):
+            raise CheckpointError(
+                f"LoRA file {lora.path}: {name} is an NVFP4 layer, and LoRAs on NVFP4 weights are not built: "
+                "use the BF16 or FP8 checkpoint, or bake the LoRA in with quantize --lora"
             )
         if f.down.shape[1] != target.in_features or f.up.shape[0] != target.out_features:
             raise CheckpointError(

@@ -11,6 +11,7 @@ import PIL.Image
 import pytest
 import torch
 from helpers import step_without_host_sync
+from lora_files import linear_shapes, random_factors, write_peft
 from safetensors.torch import load_file, save_file
 
 from bench.header_checkpoint import header_only_checkpoint
@@ -224,3 +225,16 @@ def test_quantize_refuses_in_one_line(nvfp4_dir, tmp_path, capsys, args, message
     assert main(["quantize", "--out", str(tmp_path / "q"), "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.cpu_dtype
+def test_a_lora_on_an_nvfp4_layer_is_refused_in_one_line(nvfp4_dir, tmp_path):
+    pipe = load_pipeline(nvfp4_dir, device="cpu")
+    shapes = linear_shapes(pipe.transformer)
+    bf16_layer, nvfp4_layer = "transformer_blocks.0.attn.to_q", LAYER
+    path = write_peft(
+        tmp_path / "lora.safetensors", random_factors(shapes, [bf16_layer, nvfp4_layer], 4, seed=1)
+    )
+    with pytest.raises(CheckpointError, match=f"{nvfp4_layer} is an NVFP4 layer") as refused:
+        pipe.load_lora(path)
+    assert len(str(refused.value).splitlines()) == 1 and not pipe.loras

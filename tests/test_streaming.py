@@ -283,7 +283,7 @@ def test_generate_with_a_budget_on_the_command_line_writes_the_same_png(tmp_path
     the planner accepts for the request (the text encoder offloaded into the memory the blocks lend it):
     the same PNG bytes as without a budget."""
     spec = inspect_checkpoint(None)
-    _, precision = pick_numerics(spec.fp8, "auto", torch.device("cpu"))  # what the command will pick
+    _, precision = pick_numerics(spec.weights, "auto", torch.device("cpu"))  # what the command will pick
     profile = spec.family.memory_profile(spec, DTYPE_BYTES[precision.dtype], DTYPE_BYTES[precision.vae_dtype])
     need = minimum_budget(profile, Workload(32, 32, text_tokens=512), graphs=False, fixed_reserve=0)
     args = ["generate", "a red circle on the left", "--width", "32", "--height", "32", "--steps", "2"]
