@@ -72,7 +72,7 @@ def test_quantizer_gives_the_cpus_bytes_on_cuda():
     weight = torch.randn(3072, 3072, generator=torch.Generator().manual_seed(0)) * 0.02
     on_cpu, on_cuda = quantize_nvfp4_weight(weight), quantize_nvfp4_weight(weight.to(CUDA))
     for cpu, cuda in zip(on_cpu, on_cuda, strict=True):
-        assert torch.equal(cpu.view(torch.uint8), cuda.cpu().view(torch.uint8))
+        assert torch.equal(cpu.reshape(-1).view(torch.uint8), cuda.cpu().reshape(-1).view(torch.uint8))
 
 
 @pytest.fixture(scope="module")
