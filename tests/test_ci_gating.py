@@ -12,6 +12,7 @@ import torch
 from helpers import REPO
 
 import qwen_image_fusion.kernels._triton_common as triton_common
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.errors import InputError
 from qwen_image_fusion.pipelines.precision import pick_numerics
 
@@ -46,7 +47,7 @@ def test_a_test_without_the_cpu_dtype_mark_cannot_read_the_cpu_default() -> None
     starts, naming the mark; an explicit dtype reads nothing and works."""
     cpu = torch.device("cpu")
     with pytest.raises(InputError, match="not marked cpu_dtype"):
-        pick_numerics(False, "auto", cpu)
+        pick_numerics(WeightFormat.BF16, "auto", cpu)
     info = subprocess.run(
         [sys.executable, "-m", "qwen_image_fusion.ui.cli", "info", "--device", "cpu"],
         capture_output=True,
@@ -54,10 +55,10 @@ def test_a_test_without_the_cpu_dtype_mark_cannot_read_the_cpu_default() -> None
         cwd=REPO,
     )
     assert info.returncode == 2 and "not marked cpu_dtype" in info.stderr.splitlines()[-1], info.stderr
-    assert pick_numerics(False, "auto", cpu, "fp32")[1].dtype == torch.float32
+    assert pick_numerics(WeightFormat.BF16, "auto", cpu, "fp32")[1].dtype == torch.float32
 
 
 @pytest.mark.cpu_dtype
 def test_a_marked_test_reads_the_cpu_default() -> None:
-    variant, precision = pick_numerics(False, "auto", torch.device("cpu"))
+    variant, precision = pick_numerics(WeightFormat.BF16, "auto", torch.device("cpu"))
     assert precision.dtype in (torch.bfloat16, torch.float32) and variant.name in ("contract", "reference")

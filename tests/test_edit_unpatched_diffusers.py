@@ -19,6 +19,7 @@ from diffusers import QwenImageEditPlusPipeline
 from edit_fixtures import build_edit_checkpoint, drawn_image
 from helpers import REPO
 
+from qwen_image_fusion.models.checkpoint import WeightFormat
 from qwen_image_fusion.models.qwen_image_edit.conditioning import load_processor
 from qwen_image_fusion.pipelines.precision import pick_numerics
 
@@ -102,6 +103,6 @@ def test_one_image_in_fp32_equals_unpatched_diffusers(checkpoint, files, tmp_pat
 def test_two_images_in_the_default_dtype_equal_unpatched_diffusers_in_that_dtype(checkpoint, files, tmp_path):
     """Without --dtype our pipeline picks the CPU's default (BF16 or FP32): diffusers in the same dtype."""
     size = (64, 96)
-    _, precision = pick_numerics(False, "reference", torch.device("cpu"))
+    _, precision = pick_numerics(WeightFormat.BF16, "reference", torch.device("cpu"))
     got = ours(checkpoint, files, size, tmp_path / "ours.png", None)
     assert_equal_pixels(got, theirs(checkpoint, files, size, precision.dtype), size)
