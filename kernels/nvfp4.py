@@ -92,7 +92,8 @@ def quantize_nvfp4(values: torch.Tensor, encode_scale: torch.Tensor) -> tuple[to
     amax = v.abs().amax(dim=-1, keepdim=True)
     block_scale = (div_rn(amax, E2M1_MAX) * g).clamp(max=FP8_MAX).to(FP8_DTYPE)
     wide = block_scale.float()
-    factor = torch.where(wide > 0, div_rn(g.expand_as(wide), wide), 0.0)
+    positive = wide > 0  # a block whose scale is 0 (or NaN) gets zero codes, with no division by 0
+    factor = torch.where(positive, div_rn(g.expand_as(wide), torch.where(positive, wide, 1.0)), 0.0)
     codes = e2m1_encode(v * factor).flatten(-2)
     return pack_e2m1(codes), block_scale.squeeze(-1)
 

@@ -32,7 +32,7 @@ def layer_norm_modulate_nvfp4_torch(
     shift: torch.Tensor,
     scale: torch.Tensor,
     eps: float,
-    encode_scale: torch.Tensor,
+    encode_scale: torch.Tensor | None,
     write_y: bool = True,
     write_q: bool = True,
     mod_index: torch.Tensor | None = None,
@@ -51,7 +51,7 @@ def gated_residual_layer_norm_modulate_nvfp4_torch(
     shift: torch.Tensor,
     scale: torch.Tensor,
     eps: float,
-    encode_scale: torch.Tensor,
+    encode_scale: torch.Tensor | None,
     write_y: bool = True,
     write_q: bool = True,
     mod_index: torch.Tensor | None = None,
@@ -115,19 +115,24 @@ def _gated_residual_layer_norm_modulate_nvfp4_kernel(
     _finish_row(y, row, width, cols, mask, y_ptr, q_ptr, s_ptr, g_ptr, scale_tiles, write_y, write_q, BLOCK)
 
 
-def _encode_scale_ok(encode_scale: torch.Tensor, device: torch.device) -> bool:
+def _encode_scale_ok(encode_scale: torch.Tensor | None, write_q: bool, device: torch.device) -> bool:
+    """A one-element fp32 encode scale on `device`, or none where q is not written."""
+    if encode_scale is None:
+        return not write_q
     return encode_scale.dtype == torch.float32 and encode_scale.numel() == 1 and encode_scale.device == device
 
 
-def _outputs(x: torch.Tensor, write_y: bool, write_q: bool) -> tuple[torch.Tensor, ...]:
-    """y, q and block scales to pass (same-dtype dummies where not written) and what the launch returns."""
+def _outputs(
+    x: torch.Tensor, encode_scale: torch.Tensor | None, write_y: bool, write_q: bool
+) -> tuple[torch.Tensor, ...]:
+    """y, q, block scales and the encode scale to pass (same-dtype dummies where not written or given)."""
     rows, width = x.shape[0] * x.shape[1], x.shape[2]
     y = torch.empty_like(x) if write_y else dummy(x.device, torch.bfloat16)
     if write_q:
         q, s = nvfp4_outputs(rows, width, x.device)
     else:
         q, s = dummy(x.device, torch.uint8), dummy(x.device, torch.uint8).view(torch.float8_e4m3fn)
-    return y, q, s
+    return y, q, s, dummy(x.device, torch.float32) if encode_scale is None else encode_scale
 
 
 def _results(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, write_y: bool, write_q: bool) -> tuple:
@@ -139,15 +144,16 @@ def _layer_norm_modulate_nvfp4_ok(
     shift: torch.Tensor,
     scale: torch.Tensor,
     eps: float,
-    encode_scale: torch.Tensor,
+    encode_scale: torch.Tensor | None,
     write_y: bool = True,
     write_q: bool = True,
     mod_index: torch.Tensor | None = None,
 ) -> bool:
     rows = [(shift, torch.bfloat16), (scale, torch.bfloat16)]
-    return row_producer_ok(
-        _layer_norm_modulate_nvfp4_kernel, [x], rows, mod_index, None
-    ) and _encode_scale_ok(encode_scale, x.device)
+    kernel = _layer_norm_modulate_nvfp4_kernel
+    return row_producer_ok(kernel, [x], rows, mod_index, None) and _encode_scale_ok(
+        encode_scale, write_q, x.device
+    )
 
 
 def _launch_layer_norm_modulate_nvfp4(
@@ -155,16 +161,16 @@ def _launch_layer_norm_modulate_nvfp4(
     shift: torch.Tensor,
     scale: torch.Tensor,
     eps: float,
-    encode_scale: torch.Tensor,
+    encode_scale: torch.Tensor | None,
     write_y: bool = True,
     write_q: bool = True,
     mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    y, q, s = _outputs(x, write_y, write_q)
+    y, q, s, g = _outputs(x, encode_scale, write_y, write_q)
     index, per_token = index_arg(x, mod_index)
     grid, options = row_launch(x)
     _layer_norm_modulate_nvfp4_kernel[grid](
-        x, shift, scale, index, y, q, s.view(torch.uint8), encode_scale, x.shape[1], x.shape[2],
+        x, shift, scale, index, y, q, s.view(torch.uint8), g, x.shape[1], x.shape[2],
         shift.stride(0), scale.stride(0), eps, s.shape[-1] // 4, int(write_y), int(write_q), per_token,
         **options,
     )  # fmt: skip
@@ -178,16 +184,15 @@ def _residual_nvfp4_ok(
     shift: torch.Tensor,
     scale: torch.Tensor,
     eps: float,
-    encode_scale: torch.Tensor,
+    encode_scale: torch.Tensor | None,
     write_y: bool = True,
     write_q: bool = True,
     mod_index: torch.Tensor | None = None,
 ) -> bool:
     kernel = _gated_residual_layer_norm_modulate_nvfp4_kernel
     rows = [(gate, torch.bfloat16), (shift, torch.bfloat16), (scale, torch.bfloat16)]
-    return row_producer_ok(kernel, [residual, x], rows, mod_index, None) and _encode_scale_ok(
-        encode_scale, residual.device
-    )
+    ok = row_producer_ok(kernel, [residual, x], rows, mod_index, None)
+    return ok and _encode_scale_ok(encode_scale, write_q, residual.device)
 
 
 def _launch_residual_nvfp4(
@@ -197,17 +202,17 @@ def _launch_residual_nvfp4(
     shift: torch.Tensor,
     scale: torch.Tensor,
     eps: float,
-    encode_scale: torch.Tensor,
+    encode_scale: torch.Tensor | None,
     write_y: bool = True,
     write_q: bool = True,
     mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     r = torch.empty_like(residual)
-    y, q, s = _outputs(residual, write_y, write_q)
+    y, q, s, g = _outputs(residual, encode_scale, write_y, write_q)
     index, per_token = index_arg(residual, mod_index)
     grid, options = row_launch(residual)
     _gated_residual_layer_norm_modulate_nvfp4_kernel[grid](
-        residual, gate, x, shift, scale, index, r, y, q, s.view(torch.uint8), encode_scale,
+        residual, gate, x, shift, scale, index, r, y, q, s.view(torch.uint8), g,
         residual.shape[1], residual.shape[2], gate.stride(0), shift.stride(0), scale.stride(0), eps,
         s.shape[-1] // 4, int(write_y), int(write_q), per_token, **options,
     )  # fmt: skip

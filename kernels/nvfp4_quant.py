@@ -111,7 +111,8 @@ def store_nvfp4_row(y, row, width, q_ptr, s_ptr, g_ptr, scale_tiles, BLOCK: tl.c
     wanted = tl.math.div_rn(amax, 6.0) * g  # E2M1_MAX
     code = e4m3_code(tl.clamp(wanted, 0.0, 448.0, propagate_nan=tl.PropagateNan.ALL))  # FP8_MAX
     scale = e4m3_value(code)
-    factor = tl.where(scale > 0, tl.math.div_rn(tl.zeros_like(scale) + g, scale), 0.0)
+    positive = scale > 0  # a block whose scale is 0 (or NaN) gets zero codes, with no division by 0
+    factor = tl.where(positive, tl.math.div_rn(tl.zeros_like(scale) + g, tl.where(positive, scale, 1.0)), 0.0)
     codes = e2m1_code(groups * factor[:, None])
     low, high = tl.split(tl.reshape(codes, (BLOCK // 2, 2)))
     pairs = tl.arange(0, BLOCK // 2)
