@@ -22,7 +22,13 @@ from qwen_image_fusion.kernels.norm_modulate import (
     modulate_torch,
     modulation_row,
 )
-from qwen_image_fusion.kernels.nvfp4_quant import nvfp4_outputs, nvfp4_quant_torch, store_nvfp4_row
+from qwen_image_fusion.kernels.nvfp4 import NVFP4_BLOCK
+from qwen_image_fusion.kernels.nvfp4_quant import (
+    nvfp4_outputs,
+    nvfp4_quant_torch,
+    store_nvfp4_row,
+    swizzled_shape,
+)
 
 Quantized = tuple[torch.Tensor | None, torch.Tensor | None]
 
@@ -125,14 +131,17 @@ def _encode_scale_ok(encode_scale: torch.Tensor | None, write_q: bool, device: t
 def _outputs(
     x: torch.Tensor, encode_scale: torch.Tensor | None, write_y: bool, write_q: bool
 ) -> tuple[torch.Tensor, ...]:
-    """y, q, block scales and the encode scale to pass (same-dtype dummies where not written or given)."""
+    """y, q, block scales, the encode scale and the scale layout's column tiles to pass (same-dtype dummies
+    where not written or given; the tiles from the width, so every mode specializes alike: one binary)."""
     rows, width = x.shape[0] * x.shape[1], x.shape[2]
+    scale_tiles = swizzled_shape(rows, width // NVFP4_BLOCK)[1] // 4
     y = torch.empty_like(x) if write_y else dummy(x.device, torch.bfloat16)
     if write_q:
         q, s = nvfp4_outputs(rows, width, x.device)
     else:
         q, s = dummy(x.device, torch.uint8), dummy(x.device, torch.uint8).view(torch.float8_e4m3fn)
-    return y, q, s, dummy(x.device, torch.float32) if encode_scale is None else encode_scale
+    g = dummy(x.device, torch.float32) if encode_scale is None else encode_scale
+    return y, q, s, g, scale_tiles
 
 
 def _results(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, write_y: bool, write_q: bool) -> tuple:
@@ -166,12 +175,12 @@ def _launch_layer_norm_modulate_nvfp4(
     write_q: bool = True,
     mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    y, q, s, g = _outputs(x, encode_scale, write_y, write_q)
+    y, q, s, g, scale_tiles = _outputs(x, encode_scale, write_y, write_q)
     index, per_token = index_arg(x, mod_index)
     grid, options = row_launch(x)
     _layer_norm_modulate_nvfp4_kernel[grid](
         x, shift, scale, index, y, q, s.view(torch.uint8), g, x.shape[1], x.shape[2],
-        shift.stride(0), scale.stride(0), eps, s.shape[-1] // 4, int(write_y), int(write_q), per_token,
+        shift.stride(0), scale.stride(0), eps, scale_tiles, int(write_y), int(write_q), per_token,
         **options,
     )  # fmt: skip
     return _results(y, q, s, write_y, write_q)
@@ -208,13 +217,13 @@ def _launch_residual_nvfp4(
     mod_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     r = torch.empty_like(residual)
-    y, q, s, g = _outputs(residual, encode_scale, write_y, write_q)
+    y, q, s, g, scale_tiles = _outputs(residual, encode_scale, write_y, write_q)
     index, per_token = index_arg(residual, mod_index)
     grid, options = row_launch(residual)
     _gated_residual_layer_norm_modulate_nvfp4_kernel[grid](
         residual, gate, x, shift, scale, index, r, y, q, s.view(torch.uint8), g,
         residual.shape[1], residual.shape[2], gate.stride(0), shift.stride(0), scale.stride(0), eps,
-        s.shape[-1] // 4, int(write_y), int(write_q), per_token, **options,
+        scale_tiles, int(write_y), int(write_q), per_token, **options,
     )  # fmt: skip
     return r, *_results(y, q, s, write_y, write_q)
 
