@@ -21,7 +21,7 @@ from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointS
 from qwen_image_fusion.models.lora import MergeReport
 from qwen_image_fusion.models.lora_files import LoraFile
 from qwen_image_fusion.models.memory import Workload
-from qwen_image_fusion.models.nvfp4 import check_w4a4, set_nvfp4_activations
+from qwen_image_fusion.models.nvfp4 import check_w4a4, set_nvfp4_activations, w4a4_target_refusal
 from qwen_image_fusion.models.step_cache import BranchCache
 from qwen_image_fusion.pipelines.cuda_graph import (
     MAX_GRAPHS,
@@ -106,8 +106,10 @@ class Pipeline:
         return self.lora.merge_report
 
     def available_variants(self) -> list[str]:
-        """Variants these weights can run: the FP8 or NVFP4 ones for such a ModelOpt export, else BF16's."""
-        return [v.name for v in variants_for(self.spec.weights)]
+        """Variants these weights can run here: the FP8 or NVFP4 ones for such a ModelOpt export (W4A4 where
+        the device has FP4 tensor cores, or on the CPU), else BF16's."""
+        runs_w4a4 = not w4a4_target_refusal(self.device)
+        return [v.name for v in variants_for(self.spec.weights) if runs_w4a4 or not v.w4a4]
 
     @property
     def variant(self) -> str:

@@ -299,3 +299,4 @@ def test_w4a4_fused_and_unfused_pngs_are_byte_identical(nvfp4_dir, monkeypatch):
     with pytest.raises(InputError, match=r"CUDA capability 9\.0 has no FP4 tensor cores"):
         pipe.set_variant("nvfp4-w4a4-fused")
     assert pipe.variant == "nvfp4-w4a4-unfused"
+    assert pipe.available_variants() == ["nvfp4"]  # what the demo's picker offers there
