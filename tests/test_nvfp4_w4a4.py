@@ -7,7 +7,7 @@ on capability 10 or later (and on the CPU, through the twins), and a whole NVFP4
 import numpy as np
 import pytest
 import torch
-from helpers import png_sha256
+from helpers import png_sha256, step_without_host_sync
 from test_kernels_norm_modulate import EPS, make_inputs, same_bytes
 from test_kernels_quant import all_bf16, needs_interpreter
 from test_nvfp4_checkpoint import nvfp4_dir  # noqa: F401 (the module fixture: the embedded default in NVFP4)
@@ -288,6 +288,7 @@ def test_w4a4_fused_and_unfused_pngs_are_byte_identical(nvfp4_dir, monkeypatch):
     assert pipe.variant == "nvfp4-w4a4-fused"
     assert summary[0] == f"NVFP4 norm+quant fusion: {paths}/{4 * layers} block paths"
     fused = [png_sha256(im) for im in pipe.generate(["a red fox", "a blue bird"], **args)]
+    step_without_host_sync(pipe.transformer, (1, 4, 4))  # quantizers, swizzles and the exact dot included
     pipe.set_variant("nvfp4-w4a4-unfused")
     assert pipe.fusion_summary().splitlines()[0] == f"NVFP4 norm+quant fusion: 0/{4 * layers} block paths"
     producer = pipe.transformer.transformer_blocks[2].img_norm1  # unfused, y from the NVFP4 binary still
