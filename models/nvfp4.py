@@ -27,7 +27,7 @@ from qwen_image_fusion.models.fp8 import QuantizedActivation, QuantSpec
 
 NVFP4_KEY = "nvfp4_e2m1/block16-e4m3/static-global"
 W4A4_CAPABILITY = (10, 0)  # Blackwell: the first FP4 tensor cores
-DOT_UNIT = 2.0**-20  # the exact dot's integer unit: (E2M1 / 2) x (E4M3 / 2^9), twice
+DOT_UNIT = 2.0**-20  # the exact dot's unit: a product of two operands' units, 0.5 (E2M1) x 2^-9 (E4M3) each
 
 
 def quantize_nvfp4_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,9 +74,11 @@ def exact_nvfp4_dot(
     """fp32 `A @ B.T` of NVFP4 rows A [M, K] and B [N, K] (packed codes, unswizzled block scales) before the
     global scales, each dot product exact and then rounded once. Each value is an integer number of 2^-10
     (|value| < 2^22 of them), so a product is an integer number of 2^-20 below 2^44 and K <= 2^19 of them sum
-    exactly in int64, in any order; int64 to fp32 rounds to nearest even, and 2^-20 scales exactly."""
+    exactly in int64, in any order; int64 to fp32 rounds to nearest even, and 2^-20 scales exactly. A row
+    with a NaN block scale (NaN activations) gives NaN."""
     whole = _integer_operand(packed_a, scale_a) @ _integer_operand(packed_b, scale_b).t()
-    return whole.to(torch.float32) * DOT_UNIT
+    nan = scale_a.float().isnan().any(-1)[:, None] | scale_b.float().isnan().any(-1)[None, :]
+    return torch.where(nan, torch.nan, whole.to(torch.float32) * DOT_UNIT)
 
 
 def nvfp4_scaled_mm(

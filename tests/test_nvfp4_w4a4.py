@@ -221,6 +221,14 @@ def test_the_dot_is_exact_where_float64_would_round_a_tie_the_other_way():
     assert exact_nvfp4_dot(a, a_scale, a, a_scale).tolist() == [[2.0**34 + 2.0**11]]
 
 
+def test_a_nan_block_scale_makes_its_row_nan():
+    a, a_scale = nvfp4_rows([[1.0] * 16, [2.0] * 16], [[1.0], [1.0]])
+    a_scale.view(torch.uint8)[1] = 0x7F  # what the quantizer writes for a block holding NaN
+    w, w_scale = nvfp4_rows([[1.0] * 16], [[2.0]])
+    got = exact_nvfp4_dot(a, a_scale, w, w_scale)
+    assert got[0].tolist() == [32.0] and bool(got[1].isnan().all())
+
+
 def test_the_dot_equals_float64_where_float64_is_exact():
     gen = torch.Generator().manual_seed(6)
     a = torch.randn(5, 64, generator=gen)
