@@ -163,11 +163,15 @@ def _nvfp4_linear_kernel(
             other=0,
         ).to(tl.int32)
         codes = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]: element 2i low, 2i + 1 high
+        offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # one E4M3 scale per 16 codes, broadcast to them
         scale = tl.load(
-            s_ptr + offs_n[:, None] * (K // 16) + (offs_k // 16)[None, :],
-            mask=cols[:, None] & inside[None, :],
+            s_ptr + offs_n[:, None] * (K // 16) + offs_s[None, :],
+            mask=cols[:, None] & (offs_s < K // 16)[None, :],
             other=0.0,
         ).to(tl.float32)
+        scale = tl.reshape(
+            tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K)
+        )
         w = (e2m1_to_bf16(codes).to(tl.float32) * scale).to(tl.bfloat16)  # exact
         if DOT_FP32:  # the interpreter's dot reads bf16 operands as raw bits: give it the same values in fp32
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
