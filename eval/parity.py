@@ -54,7 +54,8 @@ from qwen_image_fusion.pipelines.requests import Request, check_requests_for
 from qwen_image_fusion.pipelines.variants import AUTO, VARIANTS
 
 VARIANT_HELP = """variants: NAME[+fast-decode][+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]
-  NAME    reference | contract | fp8-unfused | fp8-fused | nvfp4 | auto   (see docs/API.md)
+  NAME    reference | contract | fp8-unfused | fp8-fused | nvfp4 | nvfp4-w4a4-unfused | nvfp4-w4a4-fused
+          | auto   (see docs/API.md)
   +fast-decode  the VAE's 2D decode: approximate, compare it with the same NAME without
   PRESET  a step cache (fast | faster): approximate, compare it with the same NAME without
   DEVICE  cpu | cuda (cuda:INDEX picks a GPU; not allowed under torchrun on GPUs, where each rank

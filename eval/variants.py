@@ -2,7 +2,7 @@
 
 Grammar: `NAME[+fast-decode][+cache:PRESET][:DEVICE[:INDEX]][:DTYPE]`
   NAME    a variant of `qwen_image_fusion.pipelines.VARIANTS` (reference, contract, fp8-unfused,
-          fp8-fused, nvfp4) or auto
+          fp8-fused, nvfp4, nvfp4-w4a4-unfused, nvfp4-w4a4-fused) or auto
   +fast-decode  the VAE's opt-in 2D decode (models/vae_decode.py: approximate); default: the exact decode
   PRESET  a step-cache preset (models/cache_presets.py: fast, faster); default: no cache
   DEVICE  cpu or cuda, optionally with a GPU index (cuda:1); default: the pipeline's (CUDA when available)

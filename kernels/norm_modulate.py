@@ -99,7 +99,7 @@ def gated_residual_layer_norm_modulate_torch(
 
 
 @jit()
-def _modulation_row(row, seq_len, index_ptr, per_token):
+def modulation_row(row, seq_len, index_ptr, per_token):
     """The modulation row of activation row `row`: its sample, or `mod_index[row]` when `per_token`."""
     mod_row = row // seq_len
     if per_token != 0:
@@ -108,7 +108,7 @@ def _modulation_row(row, seq_len, index_ptr, per_token):
 
 
 @jit()
-def _load_modulation(shift_ptr, scale_ptr, cols, mask):
+def load_modulation(shift_ptr, scale_ptr, cols, mask):
     """fp32 shift and scale of one modulation row, loaded before the LN sums so their latency overlaps."""
     shift = tl.load(shift_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -116,17 +116,23 @@ def _load_modulation(shift_ptr, scale_ptr, cols, mask):
 
 
 @jit()
-def _layer_norm_modulate_row(
-    v, mask, cols, width, eps, shift, scale, y_ptr, q_ptr, inv_ptr, write_y, write_q
-):
-    """LN + modulate of one fp32 row `v` (zero past `width`); stores y and/or q. Pointers at the row."""
+def layer_norm_modulate_row(v, mask, width, eps, shift, scale):
+    """bf16 `modulate(LN(v))` of one fp32 row `v` (zero past `width`): the contract above."""
     width_f = width.to(tl.float32)
     mean = tl.math.div_rn(tl.sum(v, axis=0), width_f)
     centered = tl.where(mask, v - mean, 0.0)
     var = tl.math.div_rn(tl.sum(centered * centered, axis=0), width_f)
     rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     normed = (centered * rstd).to(tl.bfloat16)
-    y = (normed.to(tl.float32) * (1.0 + scale) + shift).to(tl.bfloat16)
+    return (normed.to(tl.float32) * (1.0 + scale) + shift).to(tl.bfloat16)
+
+
+@jit()
+def _layer_norm_modulate_row(
+    v, mask, cols, width, eps, shift, scale, y_ptr, q_ptr, inv_ptr, write_y, write_q
+):
+    """LN + modulate of one fp32 row `v` (zero past `width`); stores y and/or q. Pointers at the row."""
+    y = layer_norm_modulate_row(v, mask, width, eps, shift, scale)
     if write_y != 0:
         tl.store(y_ptr + cols, y, mask=mask)
     if write_q != 0:
@@ -140,11 +146,11 @@ def _layer_norm_modulate_kernel(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    mod_row = _modulation_row(row, seq_len, index_ptr, per_token)
+    mod_row = modulation_row(row, seq_len, index_ptr, per_token)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     v = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-    shift, scale = _load_modulation(
+    shift, scale = load_modulation(
         shift_ptr + mod_row * shift_stride, scale_ptr + mod_row * scale_stride, cols, mask
     )
     _layer_norm_modulate_row(
@@ -160,7 +166,7 @@ def _gated_residual_layer_norm_modulate_kernel(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    mod_row = _modulation_row(row, seq_len, index_ptr, per_token)
+    mod_row = modulation_row(row, seq_len, index_ptr, per_token)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     offs = row * width + cols
@@ -170,7 +176,7 @@ def _gated_residual_layer_norm_modulate_kernel(
     r = (res + gate * x).to(tl.bfloat16)
     tl.store(r_ptr + offs, r, mask=mask)
     if (write_y | write_q) != 0:
-        shift, scale = _load_modulation(
+        shift, scale = load_modulation(
             shift_ptr + mod_row * shift_stride, scale_ptr + mod_row * scale_stride, cols, mask
         )
         _layer_norm_modulate_row(
@@ -179,7 +185,7 @@ def _gated_residual_layer_norm_modulate_kernel(
         )  # fmt: skip
 
 
-def _index_arg(x: torch.Tensor, mod_index: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+def index_arg(x: torch.Tensor, mod_index: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """The index pointer and the per-token flag of a launch (a same-dtype dummy when per sample)."""
     return (dummy(x.device, torch.int32), 0) if mod_index is None else (mod_index, 1)
 
@@ -211,7 +217,7 @@ def _launch_layer_norm_modulate(
     if not (write_y or write_q):
         return None, None
     y, q, inv = row_outputs(x, inv_scale, write_y)
-    index, per_token = _index_arg(x, mod_index)
+    index, per_token = index_arg(x, mod_index)
     grid, options = row_launch(x)
     _layer_norm_modulate_kernel[grid](
         x, shift, scale, index, y, q, inv, x.shape[1], x.shape[2], shift.stride(0), scale.stride(0), eps,
@@ -251,7 +257,7 @@ def _launch_residual_producer(
     write_q = inv_scale is not None
     r = torch.empty_like(residual)
     y, q, inv = row_outputs(residual, inv_scale, write_y)
-    index, per_token = _index_arg(residual, mod_index)
+    index, per_token = index_arg(residual, mod_index)
     grid, options = row_launch(residual)
     _gated_residual_layer_norm_modulate_kernel[grid](
         residual, gate, x, shift, scale, index, r, y, q, inv, residual.shape[1], residual.shape[2],

@@ -27,6 +27,7 @@ from qwen_image_fusion.kernels._triton_common import (
     tl,
     triton,
 )
+from qwen_image_fusion.kernels.fp32 import div_rn
 from qwen_image_fusion.kernels.quant import FP8_MAX
 
 E2M1_MAX = 6.0
@@ -79,6 +80,22 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/2] bytes as [..., K] codes (the inverse of `pack_e2m1`)."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def quantize_nvfp4(values: torch.Tensor, encode_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed E2M1 codes [..., K/2] and E4M3 block scales [..., K/16] of `values` [..., K] under the global
+    encode scale `encode_scale` (fp32, one element), on their device, without a host read. Per block of 16:
+    `s = e4m3(min(amax / 6 * g, 448))` (IEEE ops, nearest even), then each value `e2m1(v * (g / s))` (a
+    block whose scale rounds to 0 is all zeros). Decoding gives `e2m1 * s / g`."""
+    v = values.float().unflatten(-1, (-1, NVFP4_BLOCK))
+    g = encode_scale.float().reshape(())
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    block_scale = (div_rn(amax, E2M1_MAX) * g).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    wide = block_scale.float()
+    positive = wide > 0  # a block whose scale is 0 (or NaN) gets zero codes, with no division by 0
+    factor = torch.where(positive, div_rn(g.expand_as(wide), torch.where(positive, wide, 1.0)), 0.0)
+    codes = e2m1_encode(v * factor).flatten(-2)
+    return pack_e2m1(codes), block_scale.squeeze(-1)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
@@ -146,11 +163,15 @@ def _nvfp4_linear_kernel(
             other=0,
         ).to(tl.int32)
         codes = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]: element 2i low, 2i + 1 high
+        offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # one E4M3 scale per 16 codes, broadcast to them
         scale = tl.load(
-            s_ptr + offs_n[:, None] * (K // 16) + (offs_k // 16)[None, :],
-            mask=cols[:, None] & inside[None, :],
+            s_ptr + offs_n[:, None] * (K // 16) + offs_s[None, :],
+            mask=cols[:, None] & (offs_s < K // 16)[None, :],
             other=0.0,
         ).to(tl.float32)
+        scale = tl.reshape(
+            tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K)
+        )
         w = (e2m1_to_bf16(codes).to(tl.float32) * scale).to(tl.bfloat16)  # exact
         if DOT_FP32:  # the interpreter's dot reads bf16 operands as raw bits: give it the same values in fp32
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")

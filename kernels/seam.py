@@ -18,6 +18,10 @@ from qwen_image_fusion.kernels.norm_modulate import (
     layer_norm_modulate,
 )
 from qwen_image_fusion.kernels.numerics import Numerics
+from qwen_image_fusion.kernels.nvfp4_producers import (
+    gated_residual_layer_norm_modulate_nvfp4,
+    layer_norm_modulate_nvfp4,
+)
 from qwen_image_fusion.kernels.qk_norm_rope import rms_norm_rope
 from qwen_image_fusion.kernels.reference import (
     gated_residual_reference,
@@ -138,6 +142,41 @@ def residual_norm_modulate_quant(
     return gated_residual_layer_norm_modulate(
         residual, gate, x, shift, scale, eps, inv_scale, write_y, mod_index
     )
+
+
+def norm_modulate_nvfp4(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    encode_scale: torch.Tensor | None,
+    write_y: bool,
+    write_q: bool,
+    mod_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Producer 1 for NVFP4 W4A4 consumers: `(y or None, packed codes [B, L, D/2] or None, swizzled block
+    scales or None)`; one binary whether it writes q (fused) or only y (unfused: the consumer quantizes)."""
+    y, q, s = layer_norm_modulate_nvfp4(x, shift, scale, eps, encode_scale, write_y, write_q, mod_index)
+    return y, None if q is None else q.view(*x.shape[:-1], -1), s
+
+
+def residual_norm_modulate_nvfp4(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    encode_scale: torch.Tensor | None,
+    write_y: bool,
+    write_q: bool,
+    mod_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Producer 2 for NVFP4 W4A4 consumers: `(r, y or None, packed codes or None, block scales or None)`."""
+    r, y, q, s = gated_residual_layer_norm_modulate_nvfp4(
+        residual, gate, x, shift, scale, eps, encode_scale, write_y, write_q, mod_index
+    )
+    return r, y, None if q is None else q.view(*x.shape[:-1], -1), s
 
 
 def gelu_quant(

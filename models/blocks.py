@@ -6,9 +6,10 @@ from torch import nn
 
 from qwen_image_fusion.kernels.numerics import Numerics
 from qwen_image_fusion.kernels.seam import norm_rope
-from qwen_image_fusion.models.fp8 import Fp8Linear, QuantizedActivation
+from qwen_image_fusion.models.fp8 import FP8_STATIC_KEY, Fp8Linear, QuantizedActivation
 from qwen_image_fusion.models.fusion import FusionReport, ProducerQuant, fusion_enabled_by_env
 from qwen_image_fusion.models.numerics import NumericsAware, set_numerics
+from qwen_image_fusion.models.nvfp4 import Nvfp4Linear
 
 EPS = 1e-6
 
@@ -29,14 +30,21 @@ class Producer(NumericsAware, nn.Module):
     """Base of the modules whose output feeds linears: set by `post_load_weights` to write FP8 or not."""
 
     writes_y = True  # capability for the gate: the fused kernels can also write BF16 `y`
+    quant_keys: tuple[str, ...] = (FP8_STATIC_KEY,)  # the formats its fused kernels write
 
     def __init__(self, eps: float = EPS) -> None:
         super().__init__()
         self.eps = eps
         self.quant: ProducerQuant | None = None
 
-    def quantized(self, y: torch.Tensor | None, q: torch.Tensor, dtype: torch.dtype) -> QuantizedActivation:
-        return QuantizedActivation(q, self.quant.input_scale, dtype, self.quant.quant_key, y)
+    def quantized(
+        self,
+        y: torch.Tensor | None,
+        q: torch.Tensor,
+        dtype: torch.dtype,
+        block_scale: torch.Tensor | None = None,
+    ) -> QuantizedActivation:
+        return QuantizedActivation(q, self.quant.input_scale, dtype, self.quant.quant_key, y, block_scale)
 
 
 def gate_blocks(model: nn.Module, fuse: bool | None, mlp_label: str = "GELU") -> FusionReport:
@@ -54,8 +62,10 @@ def gate_blocks(model: nn.Module, fuse: bool | None, mlp_label: str = "GELU") ->
         for i, block in enumerate(model.transformer_blocks)
         for d in block.post_load_weights(fuse, prefix=f"transformer_blocks.{i}.")
     ]
+    nvfp4 = any(isinstance(module, Nvfp4Linear) and module.w4a4 for module in model.modules())
     return FusionReport(
         block=tuple(d for d in decisions if not d.name.endswith("_hidden")),
         mlp=tuple(d for d in decisions if d.name.endswith("_hidden")),
         mlp_label=mlp_label,
+        quant_label="NVFP4" if nvfp4 else "FP8",
     )

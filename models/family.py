@@ -419,10 +419,14 @@ class ModelFamily(ABC):
 
 
 def parameter_summary(module: nn.Module) -> str:
-    """'12.34M parameters (bfloat16 12.00M, float8_e4m3fn 0.34M)' for `info`."""
+    """'12.34M parameters (bfloat16 12.00M, float8_e4m3fn 0.34M)' for `info`; packed NVFP4 weights (uint8,
+    two E2M1 values a byte) count as the values they hold."""
     by_dtype: dict[str, int] = {}
     for p in module.parameters():
         name = str(p.dtype).removeprefix("torch.")
-        by_dtype[name] = by_dtype.get(name, 0) + p.numel()
+        count = p.numel()
+        if name == "uint8":
+            name, count = "e2m1", 2 * count
+        by_dtype[name] = by_dtype.get(name, 0) + count
     dtypes = ", ".join(f"{name} {n / 1e6:.2f}M" for name, n in sorted(by_dtype.items(), key=lambda i: -i[1]))
     return f"{sum(by_dtype.values()) / 1e6:,.2f}M parameters ({dtypes})"

@@ -18,13 +18,15 @@ MIN_AMAX = 1e-8  # an all-zero weight still gets a positive scale
 
 @dataclass(frozen=True)
 class QuantizedActivation:
-    """An activation already quantized for a consumer: FP8 data, its dequant scale, and optionally `y`."""
+    """An activation already quantized for a consumer: FP8 data (or NVFP4 packed codes with their swizzled
+    `block_scale`: models/nvfp4.py), its dequant scale, and optionally `y`."""
 
     data: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
     quant_key: str
     unquantized: torch.Tensor | None = None
+    block_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

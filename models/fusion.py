@@ -1,10 +1,12 @@
-"""The FP8 norm+quant fusion gate (DESIGN §4), decided once per producer path after loading.
+"""The norm+quant fusion gate (DESIGN §4; NVFP4 W4A4: §19), decided once per producer path after loading.
 
-A producer path is fused only when the device is a validated FP8 target, every consumer accepts the
-static FP8 activation with one shared, valid scale, and any consumer that needs the unquantized input can
-get it; per-token modulation rows (Edit-2511's `zero_cond_t`) are data the fused kernels take. Every
-refusal is recorded with its reason, and so is a fused path that also writes the BF16 input (dual output),
-with the consumers' reason for needing it.
+A producer path is fused only when the device is a validated target of its consumers' format (FP8: Hopper
+or Blackwell, NVFP4 W4A4: Blackwell; the CPU runs the twins of both), the producer can write that format,
+every consumer accepts the quantized activation with one shared, valid scale, and any consumer that needs
+the unquantized input can get it; per-token modulation rows (Edit-2511's `zero_cond_t`) are data the fused
+kernels take. Every refusal is recorded with its reason, and so is a fused path that also writes the BF16
+input (dual output), with the consumers' reason for needing it. A producer of NVFP4 W4A4 consumers runs its
+NVFP4 binary fused or not (writing only y when not), so both paths share one LN reduction.
 """
 
 import math
@@ -16,18 +18,22 @@ from torch import nn
 from qwen_image_fusion.kernels.quant import inverse_scale
 from qwen_image_fusion.models.env import env_flag
 from qwen_image_fusion.models.fp8 import QuantSpec, quant_consumer_spec
+from qwen_image_fusion.models.nvfp4 import NVFP4_KEY, w4a4_target_refusal
 
 FUSION_ENV = "QWEN_IMAGE_FP8_FUSION"
 
 
 @dataclass(frozen=True)
 class ProducerQuant:
-    """How a fused producer quantizes: the consumers' scale, its inverse, and whether it also writes `y`."""
+    """How a producer quantizes: the consumers' format, their scale and its inverse, whether it also writes
+    `y`, and whether it writes the quantized activation at all (an unfused NVFP4 path writes only `y`, with
+    the NVFP4 binary, so fused and unfused share its LN reduction)."""
 
     quant_key: str
-    input_scale: torch.Tensor
-    inv_scale: torch.Tensor
+    input_scale: torch.Tensor | None
+    inv_scale: torch.Tensor | None
     write_y: bool
+    write_q: bool = True
 
 
 @dataclass(frozen=True)
@@ -79,14 +85,17 @@ def gate_path(
     producer_writes_y: bool = True,
 ) -> tuple[str, QuantSpec | None, bool]:
     """(refusal reason or "", the shared spec, whether `y` must be written) for one producer path."""
-    reason = fp8_target_refusal(device)
+    first_spec = next(filter(None, (quant_consumer_spec(m) for _, m in consumers)), None)
+    nvfp4 = first_spec is not None and first_spec.quant_key == NVFP4_KEY
+    reason = (w4a4_target_refusal if nvfp4 else fp8_target_refusal)(device)
     if reason:
         return reason, None, False
     specs = []
     for name, module in consumers:
         spec = quant_consumer_spec(module)
         if spec is None:
-            return f"consumer {name} is not a ModelOpt FP8 linear", None, False
+            what = "an NVFP4 W4A4" if nvfp4 else "a ModelOpt FP8"
+            return f"consumer {name} is not {what} linear", None, False
         reason = _scale_refusal(name, spec.input_scale, device)
         if reason:
             return reason, None, False
@@ -110,7 +119,7 @@ def gate_path(
     return "", first, bool(needs_y)
 
 
-def configure_fp8_norm_quant(
+def configure_norm_quant(
     producer: nn.Module,
     path_name: str,
     consumers: list[tuple[str, nn.Module]],
@@ -119,12 +128,19 @@ def configure_fp8_norm_quant(
 ) -> PathDecision:
     """Gate one producer path and set (or clear) `producer.quant` accordingly."""
     producer.quant = None
-    if not any(quant_consumer_spec(module) for _, module in consumers):
+    specs = [spec for _, module in consumers if (spec := quant_consumer_spec(module)) is not None]
+    if not specs:
         return PathDecision(path_name, False, "BF16 consumers (layer not quantized)")
+    key = specs[0].quant_key
+    if key not in producer.quant_keys:
+        return PathDecision(path_name, False, f"the producer has no {key} kernel (its consumers quantize)")
+    y_only = ProducerQuant(key, None, None, write_y=True, write_q=False) if key == NVFP4_KEY else None
     if not enabled:
+        producer.quant = y_only
         return PathDecision(path_name, False, "fusion switched off (unfused path forced)")
     reason, spec, write_y = gate_path(device, consumers, producer.writes_y)
     if reason:
+        producer.quant = y_only
         return PathDecision(path_name, False, reason)
     producer.quant = ProducerQuant(spec.quant_key, spec.input_scale, inverse_scale(spec.input_scale), write_y)
     return PathDecision(path_name, True, _dual_output_note(consumers) if write_y else "")
@@ -140,11 +156,12 @@ def _dual_output_note(consumers: list[tuple[str, nn.Module]]) -> str:
 @dataclass(frozen=True)
 class FusionReport:
     """All path decisions of a model: `block` paths (norm producers) and `mlp` paths (the MLP activation's
-    producers, named by `mlp_label`)."""
+    producers, named by `mlp_label`), quantizing to `quant_label` (FP8, or NVFP4 on the W4A4 path)."""
 
     block: tuple[PathDecision, ...]
     mlp: tuple[PathDecision, ...]
     mlp_label: str = "GELU"
+    quant_label: str = "FP8"
 
     @property
     def fused(self) -> int:
@@ -152,11 +169,13 @@ class FusionReport:
 
     def summary(self) -> str:
         """'FP8 norm+quant fusion: N/240 block paths' plus the reasons for the rest."""
-        lines = [f"FP8 norm+quant fusion: {self.fused}/{len(self.block)} block paths"]
+        lines = [f"{self.quant_label} norm+quant fusion: {self.fused}/{len(self.block)} block paths"]
         lines += _reasons(self.block)
         if self.mlp:
             fused = sum(d.fused for d in self.mlp)
-            lines.append(f"FP8 {self.mlp_label}+quant fusion: {fused}/{len(self.mlp)} MLP paths")
+            lines.append(
+                f"{self.quant_label} {self.mlp_label}+quant fusion: {fused}/{len(self.mlp)} MLP paths"
+            )
             lines += _reasons(self.mlp)
         return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from qwen_image_fusion.models.family import DEFAULT_SEQUENCE_LENGTH, CheckpointS
 from qwen_image_fusion.models.lora import MergeReport
 from qwen_image_fusion.models.lora_files import LoraFile
 from qwen_image_fusion.models.memory import Workload
+from qwen_image_fusion.models.nvfp4 import check_w4a4, set_nvfp4_activations, w4a4_target_refusal
 from qwen_image_fusion.models.step_cache import BranchCache
 from qwen_image_fusion.pipelines.cuda_graph import (
     MAX_GRAPHS,
@@ -105,8 +106,10 @@ class Pipeline:
         return self.lora.merge_report
 
     def available_variants(self) -> list[str]:
-        """Variants these weights can run: the FP8 or NVFP4 ones for such a ModelOpt export, else BF16's."""
-        return [v.name for v in variants_for(self.spec.weights)]
+        """Variants these weights can run here: the FP8 or NVFP4 ones for such a ModelOpt export (W4A4 where
+        the device has FP4 tensor cores, or on the CPU), else BF16's."""
+        runs_w4a4 = not w4a4_target_refusal(self.device)
+        return [v.name for v in variants_for(self.spec.weights) if runs_w4a4 or not v.w4a4]
 
     @property
     def variant(self) -> str:
@@ -115,9 +118,10 @@ class Pipeline:
 
     def set_variant(self, variant: str | Variant) -> None:
         """Switch numerics or FP8 fusion in place (re-running the gate); 'auto' picks the fastest path."""
-        self._variant = (
-            variant if isinstance(variant, Variant) else resolve_variant(variant, self.spec.weights)
-        )
+        chosen = variant if isinstance(variant, Variant) else resolve_variant(variant, self.spec.weights)
+        if chosen.w4a4:
+            check_w4a4(self.device)  # before anything changes
+        self._variant = chosen
         self._resync()
 
     def _resync(self) -> None:
@@ -128,11 +132,15 @@ class Pipeline:
         parts = self.model.denoise_parts().values()  # the transformer first, then e.g. a ControlNet
         for part in parts:
             part.set_numerics(variant.numerics)
+        if variant.weights is WeightFormat.NVFP4:
+            for part in parts:
+                set_nvfp4_activations(part, variant.w4a4, self.device)
         if variant.weights is not WeightFormat.BF16:
             reports = [part.post_load_weights(fuse=variant.fused) for part in parts]
-        if variant.weights is WeightFormat.FP8:
+        if variant.weights is WeightFormat.FP8 or variant.w4a4:
             fused = reports[0].fused  # the transformer's gate names the variant (FP8_FUSION=0: unfused)
-            self._variant = get_variant("fp8-fused" if fused else "fp8-unfused")
+            kind = "fp8" if variant.weights is WeightFormat.FP8 else "nvfp4-w4a4"
+            self._variant = get_variant(f"{kind}-fused" if fused else f"{kind}-unfused")
         self._drop_graphs()
         if self.memory is not None:
             self.memory.refresh()

@@ -26,6 +26,7 @@ DOCS = (
     "docs/caching.md",
     "docs/fp8.md",
     "docs/memory.md",
+    "docs/nvfp4.md",
     "docs/server.md",
     "ui/README.md",
     "eval/README.md",

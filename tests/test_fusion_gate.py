@@ -8,7 +8,7 @@ from torch import nn
 
 from qwen_image_fusion.models.family import FamilyTransformer, FusionBlock
 from qwen_image_fusion.models.fp8 import Fp8Linear
-from qwen_image_fusion.models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant, gate_path
+from qwen_image_fusion.models.fusion import FusionReport, PathDecision, configure_norm_quant, gate_path
 from qwen_image_fusion.models.qwen_image.transformer import NormModulate
 
 CPU = torch.device("cpu")
@@ -78,12 +78,12 @@ def test_unvalidated_cuda_capability_is_refused():
 
 def test_configure_sets_and_clears_the_producer():
     producer = NormModulate()
-    decision = configure_fp8_norm_quant(producer, "p", qkv(0.5, 0.5, 0.5), CPU, enabled=True)
+    decision = configure_norm_quant(producer, "p", qkv(0.5, 0.5, 0.5), CPU, enabled=True)
     assert decision.fused and producer.quant is not None
     assert producer.quant.inv_scale.item() == 2.0
-    decision = configure_fp8_norm_quant(producer, "p", qkv(0.5, 0.5, 0.5), CPU, enabled=False)
+    decision = configure_norm_quant(producer, "p", qkv(0.5, 0.5, 0.5), CPU, enabled=False)
     assert not decision.fused and producer.quant is None and "switched off" in decision.reason
-    decision = configure_fp8_norm_quant(producer, "p", [("to_q", nn.Linear(4, 4))], CPU, enabled=True)
+    decision = configure_norm_quant(producer, "p", [("to_q", nn.Linear(4, 4))], CPU, enabled=True)
     assert not decision.fused and "not quantized" in decision.reason
 
 

@@ -89,8 +89,13 @@ def test_an_nvfp4_checkpoint_loads_into_the_weight_path(nvfp4_dir):
     per_block = sum(isinstance(m, torch.nn.Linear) for m in pipe.transformer.transformer_blocks[0].modules())
     nvfp4 = [n for n, m in pipe.transformer.named_modules() if isinstance(m, Nvfp4Linear)]
     assert len(nvfp4) == per_block * (layers - 4)
-    assert pipe.variant == "nvfp4" and pipe.available_variants() == ["nvfp4"]
+    assert pipe.variant == "nvfp4"  # the CPU also runs W4A4, through its twins
+    assert pipe.available_variants() == ["nvfp4", "nvfp4-w4a4-unfused", "nvfp4-w4a4-fused"]
     assert pipe.fusion_summary().startswith("NVFP4 weight path")
+    weights = sum(
+        m.in_features * m.out_features for m in pipe.transformer.modules() if isinstance(m, Nvfp4Linear)
+    )
+    assert f"e2m1 {weights / 1e6:.2f}M" in pipe.model.describe()[0]  # `info` counts the values, not the bytes
     with pytest.raises(
         InputError, match="variant 'fp8-fused' needs FP8 weights, and this checkpoint has Mod"
     ):

@@ -1,13 +1,14 @@
 """NVFP4 through the family seam (issue 52): Edit-2511 and Qwen-Image 2.1 checkpoints built with diffusers'
 classes are quantized to NVFP4 by the shared `quantize` (the default BF16 rules from each part's own block
 count), load into the weight path and generate; each stored layer holds the quantizer's bytes of its BF16
-weight."""
+weight; Edit-2511's per-token modulation runs W4A4 fused as unfused."""
 
 import json
 
 import pytest
 import torch
 from edit_fixtures import SMALL_CONDITION_AREA, SMALL_VAE_AREA, build_edit_checkpoint, drawn_image
+from helpers import png_sha256
 from qi21_checkpoints import RESOLUTION, build_qi21_checkpoint
 from safetensors.torch import load_file
 
@@ -71,3 +72,13 @@ def test_an_edit_2511_checkpoint_quantizes_every_block_when_asked_and_edits(tmp_
     args = dict(image=[drawn_image(75, 53, 1)], width=48, height=32, num_inference_steps=2, seed=5)
     edited = pipe.generate("make the sky red", negative_prompt="blurry", **args)[0]
     assert edited.size == (48, 32)
+    # W4A4 with Edit-2511's per-token modulation (the twins on the CPU): every block path fuses, and the
+    # fused producers give the unfused path's bytes
+    pngs = {}
+    for variant in ("nvfp4-w4a4-fused", "nvfp4-w4a4-unfused"):
+        pipe.set_variant(variant)
+        pngs[variant] = png_sha256(pipe.generate("make the sky red", negative_prompt="blurry", **args)[0])
+        if variant.endswith("-fused"):
+            paths = 4 * pipe.transformer.config.num_layers
+            assert pipe.fusion_summary().startswith(f"NVFP4 norm+quant fusion: {paths}/{paths}")
+    assert pngs["nvfp4-w4a4-fused"] == pngs["nvfp4-w4a4-unfused"] != png_sha256(edited)

@@ -22,10 +22,11 @@ from qwen_image_fusion.kernels.nvfp4 import (
     nvfp4_linear_fp32,
     nvfp4_linear_triton,
     pack_e2m1,
+    quantize_nvfp4,
     unpack_e2m1,
 )
 from qwen_image_fusion.models.modelopt import QuantConfig
-from qwen_image_fusion.models.nvfp4 import quantize_nvfp4, quantize_nvfp4_weight
+from qwen_image_fusion.models.nvfp4 import quantize_nvfp4_weight
 from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
 from qwen_image_fusion.models.qwen_image.model import OUTSIDE_BLOCKS, QUANTIZATION
 from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer

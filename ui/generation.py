@@ -45,6 +45,8 @@ VARIANT_LABELS = {
     "fp8-fused": "FP8 fused",
     "fp8-unfused": "FP8 unfused",
     "nvfp4": "NVFP4 weights (4-bit)",
+    "nvfp4-w4a4-fused": "NVFP4 W4A4 fused (Blackwell)",
+    "nvfp4-w4a4-unfused": "NVFP4 W4A4 unfused (Blackwell)",
     "contract": "BF16",
     "reference": "BF16 (diffusers reference)",
 }

@@ -20,21 +20,24 @@ from qwen_image_fusion.kernels.seam import (
     gelu,
     gelu_quant,
     norm_modulate,
+    norm_modulate_nvfp4,
     norm_modulate_quant,
     residual_add,
     residual_norm_modulate,
+    residual_norm_modulate_nvfp4,
     residual_norm_modulate_quant,
 )
 from qwen_image_fusion.models.blocks import EPS, Producer, QKNorm, gate_blocks
 from qwen_image_fusion.models.errors import InputError
-from qwen_image_fusion.models.fp8 import Fp8Linear, QuantizedActivation
+from qwen_image_fusion.models.fp8 import FP8_STATIC_KEY, Fp8Linear, QuantizedActivation
 from qwen_image_fusion.models.fusion import (
     FusionReport,
     PathDecision,
-    configure_fp8_norm_quant,
+    configure_norm_quant,
 )
 from qwen_image_fusion.models.modelopt import QuantConfig
 from qwen_image_fusion.models.numerics import NumericsAware, set_numerics
+from qwen_image_fusion.models.nvfp4 import NVFP4_KEY
 from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
 from qwen_image_fusion.models.qwen_image.math import (
     Grid,
@@ -64,7 +67,10 @@ class RMSNorm(nn.Module):
 
 class NormModulate(Producer):
     """Producer 1: `modulate(LN(x), shift, scale)` feeding Q/K/V (or the output projection); modulation
-    rows per sample, or per token through `mod_index` (qwen_image_fusion.kernels.seam)."""
+    rows per sample, or per token through `mod_index` (qwen_image_fusion.kernels.seam). Writes FP8, or
+    NVFP4 for W4A4 consumers."""
+
+    quant_keys = (FP8_STATIC_KEY, NVFP4_KEY)
 
     def forward(
         self,
@@ -73,15 +79,23 @@ class NormModulate(Producer):
         scale: torch.Tensor,
         mod_index: torch.Tensor | None = None,
     ) -> torch.Tensor | QuantizedActivation:
-        if self.quant is None:
-            return norm_modulate(x, shift, scale, self.eps, self.numerics, mod_index)
         quant = self.quant
+        if quant is None:
+            return norm_modulate(x, shift, scale, self.eps, self.numerics, mod_index)
+        if quant.quant_key == NVFP4_KEY:
+            y, q, s = norm_modulate_nvfp4(
+                x, shift, scale, self.eps, quant.inv_scale, quant.write_y, quant.write_q, mod_index
+            )
+            return y if q is None else self.quantized(y, q, x.dtype, s)
         y, q = norm_modulate_quant(x, shift, scale, self.eps, quant.inv_scale, quant.write_y, mod_index)
         return self.quantized(y, q, x.dtype)
 
 
 class ResidualNormModulate(Producer):
-    """Producer 2: `r = residual + gate * x; y = modulate(LN(r))`; returns `(r, y)`."""
+    """Producer 2: `r = residual + gate * x; y = modulate(LN(r))`; returns `(r, y)` (y FP8, or NVFP4 for W4A4
+    consumers, where they are quantized)."""
+
+    quant_keys = (FP8_STATIC_KEY, NVFP4_KEY)
 
     def forward(
         self,
@@ -92,10 +106,25 @@ class ResidualNormModulate(Producer):
         scale: torch.Tensor,
         mod_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | QuantizedActivation]:
-        if self.quant is None:
+        quant = self.quant
+        if quant is None:
             return residual_norm_modulate(residual, gate, x, shift, scale, self.eps, self.numerics, mod_index)
+        if quant.quant_key == NVFP4_KEY:
+            r, y, q, s = residual_norm_modulate_nvfp4(
+                residual,
+                gate,
+                x,
+                shift,
+                scale,
+                self.eps,
+                quant.inv_scale,
+                quant.write_y,
+                quant.write_q,
+                mod_index,
+            )
+            return r, y if q is None else self.quantized(y, q, r.dtype, s)
         r, y, q = residual_norm_modulate_quant(
-            residual, gate, x, shift, scale, self.eps, self.quant.inv_scale, self.quant.write_y, mod_index
+            residual, gate, x, shift, scale, self.eps, quant.inv_scale, quant.write_y, mod_index
         )
         return r, self.quantized(y, q, r.dtype)
 
@@ -256,7 +285,7 @@ class QwenImageTransformerBlock(nn.Module):
         """Decide once, after loading, which producer paths write FP8 directly (the DESIGN §4 gate)."""
         device = self.attn.norm_q.weight.device  # a plain parameter: linears may be wrapped (LoRA)
         return [
-            configure_fp8_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
+            configure_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
             for name, (producer, consumers) in self.producer_paths().items()
         ]
 

@@ -28,7 +28,7 @@ from qwen_image_fusion.kernels.seam import (
 )
 from qwen_image_fusion.models.blocks import Producer, QKNorm, gate_blocks
 from qwen_image_fusion.models.fp8 import Fp8Linear, QuantizedActivation
-from qwen_image_fusion.models.fusion import FusionReport, PathDecision, configure_fp8_norm_quant
+from qwen_image_fusion.models.fusion import FusionReport, PathDecision, configure_norm_quant
 from qwen_image_fusion.models.modelopt import QuantConfig
 from qwen_image_fusion.models.numerics import NumericsAware, set_numerics
 from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
@@ -190,7 +190,7 @@ class QwenImage21Block(nn.Module):
         (`ModulationRows`), so it does not refuse fusion here."""
         device = self.attn.norm_q.weight.device  # a plain parameter: linears may be wrapped
         return [
-            configure_fp8_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
+            configure_norm_quant(producer, f"{prefix}{name}", consumers, device, fuse)
             for name, (producer, consumers) in self.producer_paths().items()
         ]
 
