@@ -142,7 +142,8 @@ def machine_record() -> str:
         (line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), []
     )
     commit = run_text(["git", "-C", str(REPO), "rev-parse", "HEAD"])
-    dirty = run_text(["git", "-C", str(REPO), "status", "--porcelain"])
+    # results being written are data, not code: any other change, tracked or not, marks the run uncommitted
+    dirty = run_text(["git", "-C", str(REPO), "status", "--porcelain", "--", ".", ":!bench/results"])
     return "\n".join(
         [
             f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
