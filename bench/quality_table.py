@@ -490,6 +490,34 @@ def equal(a: object, b: object) -> bool:
     return a == b
 
 
+def crosscheck(report_path: Path, option: str, prompt_set: str, out: Path) -> dict:
+    """Compare a parity run's report with the same pairs of an option's raw file: both sides' pixel hashes,
+    the metrics and the cache line must be equal (the exact side, generated once here, included)."""
+    report = read_json(report_path)
+    rows = {p["id"]: p for p in read_json(out / f"{option}.json")["pairs"] if p["prompt_set"] == prompt_set}
+    keys = ("psnr_db", "ssim", "max_abs_diff", "mean_abs_diff")
+    pairs = []
+    for pair in report["pairs"]:
+        row = rows[pair["id"]]
+        pairs.append(
+            {
+                "id": pair["id"],
+                "exact_pixels_equal": pair["a"]["pixel_sha256"] == row["a"]["pixel_sha256"],
+                "option_pixels_equal": pair["b"]["pixel_sha256"] == row["b"]["pixel_sha256"],
+                "metrics_equal": all(pair[k] == row[k] for k in keys),
+                "cache_equal": pair["b"]["cache"] == row["b"]["cache"],
+            }
+        )
+    equal_all = all(all(v for k, v in p.items() if k != "id") for p in pairs)
+    return {
+        "parity_command": report["command"],
+        "option": option,
+        "prompt_set": prompt_set,
+        "pairs": pairs,
+        "all_equal": equal_all,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.quality_table", description=__doc__.splitlines()[0]
@@ -503,7 +531,18 @@ def main(argv: list[str] | None = None) -> int:
         "--options", type=lambda s: s.split(","), default=[o.name for o in OPTIONS], help="comma-separated"
     )
     parser.add_argument("--table", action="store_true", help="only print the table from the raw files")
+    parser.add_argument(
+        "--crosscheck",
+        nargs=3,
+        metavar=("REPORT", "OPTION", "SET"),
+        help="compare a parity report.json with OPTION's pairs of prompt SET; writes parity_crosscheck.json",
+    )
     args = parser.parse_args(argv)
+    if args.crosscheck:
+        result = crosscheck(Path(args.crosscheck[0]), args.crosscheck[1], args.crosscheck[2], args.out)
+        write_json(result, args.out / "parity_crosscheck.json")
+        print(f"all equal: {result['all_equal']} ({len(result['pairs'])} pairs)")
+        return 0 if result["all_equal"] else 1
     if not args.table:
         unknown = set(args.options) - {o.name for o in OPTIONS}
         if unknown:
