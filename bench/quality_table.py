@@ -48,7 +48,7 @@ DEFAULT_OUT = REPO / "bench" / "results" / "2026-12-05-cpu-quality"
 DEFAULT_WORK = REPO / "out" / "quality"
 SCHEMA = "qwen-image-fusion/quality-option"
 PROMPT_SETS = ("smoke", "diverse")
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1)  # the published run's (a third seed did not fit the shared CPU's time)
 NET2 = "*.img_mlp.net.2"
 
 
@@ -255,8 +255,10 @@ def skipped_steps(cache: str) -> dict[str, float]:
     7 of 20 (negative) steps"); {} without a cache."""
     if not cache:
         return {}
-    text = cache.split("skipped in", 1)[1]
-    return {(branch or "all"): float(count) for count, _steps, branch in CACHE_PART.findall(text)}
+    parts = CACHE_PART.findall(cache.partition("skipped in")[2])
+    if not parts:  # RunInfo.cache's wording changed: refuse rather than report no skipped steps
+        raise ValueError(f"cannot read the steps skipped from {cache!r}")
+    return {(branch or "all"): float(count) for count, _steps, branch in parts}
 
 
 def nearest_rank(values: list[float], percent: float) -> float:
