@@ -79,14 +79,14 @@ def main() -> None:
     for name in args.caches.split(","):
         cache = known[name]
         pipe.generate(prompt, seed=100, cache=cache, **(request | {"num_inference_steps": 3}))  # captures
-        seconds, skipped, quality = [], "", []
+        seconds, skipped, quality = [], None, []
         for run in range(args.runs):
             sync()
             start = time.perf_counter()
             image = pipe.generate(prompt, seed=run, cache=cache, **request)[0]
             sync()
             seconds.append(time.perf_counter() - start)
-            skipped = pipe.last_run.cache
+            skipped = None if pipe.last_run.cache is None else pipe.last_run.cache.summary()
             if name == "off":
                 exact[run] = image
             elif run in exact:
