@@ -116,3 +116,13 @@ def test_a_folder_without_a_record_or_with_an_unknown_commit_is_caught(tmp_path,
         ]
     finally:
         claims.doc_text.cache_clear()
+
+
+def test_the_quality_table_is_what_its_raw_files_give() -> None:
+    """BENCHMARKS.md's table of every lossy option is `bench.quality_table`'s, re-derived from the raw
+    files (which refuses a file whose summary does not follow from its pair rows)."""
+    from bench.quality_table import table
+
+    printed = table(REPO / "bench" / "results" / "2026-12-05-cpu-quality")
+    assert printed.count("\n| ") >= 9  # every measured option has its row
+    assert printed in (REPO / "BENCHMARKS.md").read_text()
