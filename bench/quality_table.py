@@ -10,13 +10,17 @@ option (a parity run per option would generate it again each time); a pair row i
 
     python -m bench.quality_table                        # quantize, generate, measure; raw files and table
     python -m bench.quality_table --seeds 0 --sets smoke  # a quick look
-    python -m bench.quality_table --table                # only the table, from the raw files
+    python -m bench.quality_table --table                # only the table, from the published raw files
+    python -m bench.quality_table --options nvfp4,nvfp4-every-block \
+        --out bench/results/2026-12-06-cpu-quality-nvfp4  # the NVFP4 rows
 
-The FP8 checkpoints come from `qwen-image quantize` of the embedded default (its built-in calibration
-prompts, the model's steps and size, seed 0): the default BF16 fallback list, `--fp8-modulation`, and a
-`--keep-bf16` list without `*.img_mlp.net.2`. Raw files (`--out`): `machine.txt`, one `<option>.json` per
-option (settings, workers, every pair, its summary), `summary.json`, `table.md`. Images, checkpoints and
-logs go to `--work` (not committed). Interrupted runs resume: a generated image with its reply is kept.
+The FP8 and NVFP4 checkpoints come from `qwen-image quantize` of the embedded default (its built-in
+calibration prompts, the model's steps and size, seed 0): FP8 with the default BF16 fallback list,
+`--fp8-modulation`, and a `--keep-bf16` list without `*.img_mlp.net.2`; NVFP4 (`--format nvfp4`) with its
+default rules and with only the linears outside the blocks kept. Raw files (`--out`): `machine.txt`, one
+`<option>.json` per option (settings, workers, every pair, its summary), `summary.json`, `table.md`. Images,
+checkpoints and logs go to `--work` (not committed). Interrupted runs resume: a generated image with its
+reply is kept.
 """
 
 import argparse
@@ -44,6 +48,8 @@ from qwen_image_fusion.pipelines.variants import AUTO, VARIANTS
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "2026-12-05-cpu-quality"
+# every folder the published table reads, in order (the NVFP4 rows were measured a session later)
+RESULT_FOLDERS = (DEFAULT_OUT, REPO / "bench" / "results" / "2026-12-06-cpu-quality-nvfp4")
 DEFAULT_WORK = REPO / "out" / "quality"
 SCHEMA = "qwen-image-fusion/quality-option"
 PROMPT_SETS = ("smoke", "diverse")
@@ -75,6 +81,8 @@ EXACT_FP32 = Side("exact-fp32", "reference:cpu:fp32")  # what a CPU without nati
 FP8 = Side("fp8", "fp8-fused:cpu:bf16", "fp8")
 FP8_MODULATION = Side("fp8-modulation", "fp8-fused:cpu:bf16", "fp8-modulation")
 FP8_NET2 = Side("fp8-net2", "fp8-fused:cpu:bf16", "fp8-net2")
+NVFP4 = Side("nvfp4", "nvfp4:cpu:bf16", "nvfp4")
+NVFP4_EVERY_BLOCK = Side("nvfp4-every-block", "nvfp4:cpu:bf16", "nvfp4-every-block")
 OPTIONS = (
     LossyOption(
         "cache-fast", "step cache `fast`", Side("cache-fast", "contract+cache:fast:cpu:bf16"), EXACT_BF16
@@ -103,16 +111,29 @@ OPTIONS = (
     # what each FP8 choice adds on top of FP8 with the default list (no extra images: both sides are above)
     LossyOption("fp8-modulation-over-fp8", "FP8 modulation, over FP8", FP8_MODULATION, FP8),
     LossyOption("fp8-net2-over-fp8", "`img_mlp.net.2` in FP8, over FP8", FP8_NET2, FP8),
+    LossyOption(
+        "nvfp4",
+        "NVFP4 weights (default rules: first and last two blocks in BF16, here 2 of 6 blocks in NVFP4)",
+        NVFP4,
+        EXACT_BF16,
+    ),
+    LossyOption("nvfp4-every-block", "NVFP4 weights in every block", NVFP4_EVERY_BLOCK, EXACT_BF16),
 )
-NOT_MEASURED = {"nvfp4": "NVFP4: not measured yet (issue 52)"}
 
 
 def checkpoints() -> dict[str, list[str]]:
-    """`qwen-image quantize` arguments (after --out) of each FP8 checkpoint of the embedded default."""
+    """`qwen-image quantize` arguments (after --out) of each quantized checkpoint of the embedded default."""
     from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
 
     keep = ",".join(glob for glob in QUANTIZATION.bf16_fallback if glob != NET2)
-    return {"fp8": [], "fp8-modulation": ["--fp8-modulation"], "fp8-net2": ["--keep-bf16", keep]}
+    outside = ",".join(QUANTIZATION.outside_blocks)
+    return {
+        "fp8": [],
+        "fp8-modulation": ["--fp8-modulation"],
+        "fp8-net2": ["--keep-bf16", keep],
+        "nvfp4": ["--format", "nvfp4"],
+        "nvfp4-every-block": ["--format", "nvfp4", "--keep-bf16", outside],
+    }
 
 
 def log(line: str) -> None:
@@ -427,8 +448,8 @@ def skipped_cell(summary: dict, steps: int) -> str:
     return "; ".join(cells)
 
 
-def table(out: Path) -> str:
-    """The BENCHMARKS.md table, from the raw files in `out` only."""
+def table(outs: tuple[Path, ...]) -> str:
+    """The BENCHMARKS.md table, from the raw files in `outs` only (an option's from the first that has it)."""
     lines = [
         "| option | runs (parity variant, checkpoint) | against | pairs | identical | below 30 / 25 dB "
         "| PSNR dB min / p10 / median / p90 / max | SSIM min / p10 / median / p90 / max | LPIPS "
@@ -437,8 +458,10 @@ def table(out: Path) -> str:
     ]
     commands: dict[str, str] = {}
     for option in OPTIONS:
-        path = out / f"{option.name}.json"
-        if not path.is_file():
+        path = next(
+            (out / f"{option.name}.json" for out in outs if (out / f"{option.name}.json").is_file()), None
+        )
+        if path is None:
             continue
         report = read_json(path)
         pairs = [decode_pair(p) for p in report["pairs"]]
@@ -456,8 +479,6 @@ def table(out: Path) -> str:
             f"| {five(summary['psnr_db'], 2)} | {five(summary['ssim'], 4)} | {lpips} "
             f"| {skipped_cell(summary, report['settings']['steps'])} |"
         )
-    for text in NOT_MEASURED.values():
-        lines.append(f"| {text} | | | | | | | | | |")
     lines.append("")
     lines += [f"- `{name}`: `{command}`" for name, command in commands.items()]
     return "\n".join(lines) + "\n"
@@ -518,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.quality_table", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="raw files (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"raw files (default: {DEFAULT_OUT}; --table alone: every published folder)",
+    )
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="images, checkpoints (%(default)s)")
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=list(SEEDS))
     parser.add_argument("--sets", type=lambda s: s.split(","), default=list(PROMPT_SETS))
@@ -534,6 +559,10 @@ def main(argv: list[str] | None = None) -> int:
         help="compare a parity report.json with OPTION's pairs of prompt SET; writes parity_crosscheck.json",
     )
     args = parser.parse_args(argv)
+    if args.table and args.out is None:
+        print(table(RESULT_FOLDERS))
+        return 0
+    args.out = args.out or DEFAULT_OUT
     if args.crosscheck:
         result = crosscheck(Path(args.crosscheck[0]), args.crosscheck[1], args.crosscheck[2], args.out)
         write_json(result, args.out / "parity_crosscheck.json")
@@ -544,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown options {sorted(unknown)}")
         measure(args)
-    text = table(args.out)
+    text = table((args.out,))
     (args.out / "table.md").write_text(text)
     print(text)
     return 0
