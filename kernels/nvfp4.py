@@ -100,10 +100,11 @@ def quantize_nvfp4(values: torch.Tensor, encode_scale: torch.Tensor) -> tuple[to
 
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
     """BF16 [N, K] `e2m1 * e4m3` of packed codes [N, K/2] and E4M3 block scales [N, K/16]: exact (a 2-bit
-    and a 4-bit significand, between 2^-10 and 6 * 448)."""
-    values = e2m1_decode(unpack_e2m1(packed)).float()
-    scales = block_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
-    return (values * scales).to(torch.bfloat16)
+    and a 4-bit significand, between 2^-10 and 6 * 448). The codes are looked up in the 16 values
+    `e2m1_decode` gives on the weights' device (a gather: 40x faster on the CPU than decoding every code)."""
+    table = e2m1_decode(torch.arange(16, dtype=torch.uint8, device=packed.device)).float()
+    values = table[unpack_e2m1(packed).long()].unflatten(-1, (-1, NVFP4_BLOCK))
+    return (values * block_scale.float().unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
 
 
 def nvfp4_linear_fp32(
