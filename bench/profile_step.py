@@ -267,7 +267,7 @@ def _key(t: torch.Tensor) -> tuple:
 
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
              "lift_fresh", "set_", "resize_", "record_stream", "is_same_size", "_unsafe_view",
-             "_reshape_alias"}  # fmt: skip
+             "_reshape_alias", "_fused_sdp_choice"}  # fmt: skip
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "mv", "addmv", "dot"}
 COPIES = {"copy_", "cat", "clone", "_to_copy", "stack", "_copy_from"}
 WRITE_ONLY = {"copy_", "fill_", "zero_"}  # their destination is written, not read
