@@ -81,9 +81,9 @@ def latents_sha(pipe) -> dict[str, str]:
     seen: dict[str, str] = {}
     decode = pipe.model.decode
 
-    def recording(latents, canvas):
+    def recording(latents, *args, **kwargs):
         seen["last"] = hashlib.sha256(latents.float().cpu().numpy().tobytes()).hexdigest()
-        return decode(latents, canvas)
+        return decode(latents, *args, **kwargs)
 
     pipe.model.decode = recording
     return seen
