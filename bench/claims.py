@@ -86,6 +86,8 @@ CONTROL_INPAINT = session(S16, "call5_control_inpaint_bench.json")
 LAYERED = session(S17, "call3_layered_bench.json")
 QI21 = session(S7, "call2_qi21_bench.json")
 NVFP4_STEPS = session(S21, "call1_nvfp4_step_bench.json")
+NVFP4_MEMORY = session("2026-12-06-h100-session21", "call3_memory_bench_nvfp4.json")
+NVFP4_16 = "[budget_gib=16.0]"
 NVFP4_OVER_BF16 = "[variant=nvfp4+graph,batch=1].median_ms / [variant=contract+graph,batch=1].median_ms"
 TIMINGS = session(CPU, "cpu_timings.json")
 TIMINGS_AVX2 = session(CPU, "cpu_timings_avx2_kernels.json")
@@ -135,6 +137,9 @@ README_CLAIMS: tuple[Claim, ...] = (
     Claim(README, "1.7 s of it generating", "1.7", TIMINGS, FIRST_TOTAL),
     Claim(README, "Command 2 took 14 minutes", "14", SUITE_BF16, SUITE_SECONDS, MINUTES),
     Claim(README, "(3.4x BF16's step)", "3.4", NVFP4_STEPS, NVFP4_OVER_BF16),
+    Claim(
+        README, "on the device (peak 14.8 GiB)", "14.8", NVFP4_MEMORY, f"budgets{NVFP4_16}.peak_reserved_gib"
+    ),
 )
 
 TESTING, CLI, FP8, CACHING, MEMORY = (
@@ -154,6 +159,13 @@ PAGE_CLAIMS: tuple[Claim, ...] = (
             ("against BF16's 122.7 ms and FP8's 101.8 ms", "122.7", "contract+graph"),
             ("against BF16's 122.7 ms and FP8's 101.8 ms", "101.8", "fp8-fused+graph"),
         )
+    ),
+    Claim(
+        NVFP4_PAGE,
+        "none streamed, peak 14.8 GiB reserved",
+        "14.8",
+        NVFP4_MEMORY,
+        f"budgets{NVFP4_16}.peak_reserved_gib",
     ),
     Claim(TESTING, "VAE BF16 | 14 min", "14", SUITE_BF16, SUITE_SECONDS, MINUTES),
     Claim(
@@ -302,6 +314,15 @@ def preset_row(quote: str, raw: str, preset: str) -> tuple[Claim, ...]:
 NVFP4_QUOTE = "| 421.8 ms against 122.7 ms and 101.8 ms |"
 BENCH_CLAIMS: tuple[Claim, ...] = (
     # The summary table.
+    *(
+        Claim(
+            BENCH, "| 60 of 60, 0.00 GB, 14.8 GiB |", figure, NVFP4_MEMORY, f"budgets{NVFP4_16}.{key}", scale
+        )
+        for figure, key, scale in (
+            ("0.00", "bytes_per_step", 1e-9),
+            ("14.8", "peak_reserved_gib", 1.0),
+        )
+    ),
     *(
         Claim(BENCH, NVFP4_QUOTE, figure, NVFP4_STEPS, f"[variant={variant},batch=1].median_ms")
         for figure, variant in (
