@@ -118,6 +118,9 @@ OPTIONS = (
         EXACT_BF16,
     ),
     LossyOption("nvfp4-every-block", "NVFP4 weights in every block", NVFP4_EVERY_BLOCK, EXACT_BF16),
+    # NVFP4 against FP8 with its default list (no extra images: both sides are above)
+    LossyOption("nvfp4-against-fp8", "NVFP4 (default rules), against FP8", NVFP4, FP8),
+    LossyOption("nvfp4-every-block-against-fp8", "NVFP4 in every block, against FP8", NVFP4_EVERY_BLOCK, FP8),
 )
 
 
