@@ -88,6 +88,7 @@ QI21 = session(S7, "call2_qi21_bench.json")
 NVFP4_STEPS = session(S21, "call1_nvfp4_step_bench.json")
 NVFP4_MEMORY = session("2026-12-06-h100-session21", "call3_memory_bench_nvfp4.json")
 NVFP4_16 = "[budget_gib=16.0]"
+NVFP4_QUALITY = "2026-12-06-cpu-quality-nvfp4"
 NVFP4_OVER_BF16 = "[variant=nvfp4+graph,batch=1].median_ms / [variant=contract+graph,batch=1].median_ms"
 TIMINGS = session(CPU, "cpu_timings.json")
 TIMINGS_AVX2 = session(CPU, "cpu_timings_avx2_kernels.json")
@@ -158,6 +159,14 @@ PAGE_CLAIMS: tuple[Claim, ...] = (
             ("a 1024x1024 step takes 421.8 ms", "421.8", "nvfp4+graph"),
             ("against BF16's 122.7 ms and FP8's 101.8 ms", "122.7", "contract+graph"),
             ("against BF16's 122.7 ms and FP8's 101.8 ms", "101.8", "fp8-fused+graph"),
+        )
+    ),
+    *(
+        Claim(NVFP4_PAGE, quote, figure, session(folder, f"{option}.json"), "summary.all.psnr_db.median")
+        for quote, figure, folder, option in (
+            ("BF16 is 16.6 dB with the default rules", "16.6", NVFP4_QUALITY, "nvfp4"),
+            ("and 14.3 dB with every block", "14.3", NVFP4_QUALITY, "nvfp4-every-block"),
+            ("4-bit, FP8's 26.8 dB", "26.8", "2026-12-05-cpu-quality", "fp8"),
         )
     ),
     Claim(
