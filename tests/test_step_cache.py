@@ -304,12 +304,18 @@ def test_edit_2511_runs_a_cache_and_off_stays_exact(tmp_path) -> None:
     assert_exact_when_nothing_is_skipped(pipe, edit, exact)
 
 
-@pytest.mark.parametrize("kv_cache", [True, False], ids=["kv-cache", "no-kv-cache"])
-def test_qwen_image_21_runs_a_cache_with_and_without_its_kv_cache(tmp_path, kv_cache: bool) -> None:
-    pipe = load_pipeline(
-        build_qi21_checkpoint(tmp_path / "qi21"), variant="reference", device="cpu", dtype="fp32"
-    )
+@pytest.fixture(scope="module")
+def qi21_pipe(tmp_path_factory):
+    """A tiny Qwen-Image 2.1 checkpoint's reference pipeline at the tests' small resolution."""
+    directory = build_qi21_checkpoint(tmp_path_factory.mktemp("qi21") / "ckpt")
+    pipe = load_pipeline(directory, variant="reference", device="cpu", dtype="fp32")
     pipe.model.resolution = RESOLUTION
+    return pipe
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["kv-cache", "no-kv-cache"])
+def test_qwen_image_21_runs_a_cache_with_and_without_its_kv_cache(qi21_pipe, kv_cache: bool) -> None:
+    pipe = qi21_pipe
     pipe.model.use_kv_cache = kv_cache
     request = dict(prompt="make it snow", image=drawn_image(96, 64, seed=3), negative_prompt="blurry")
     request |= dict(true_cfg_scale=3.0, num_inference_steps=6, seed=4)
