@@ -15,7 +15,11 @@ class InThread:
         with socket.socket() as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        # a connection still open a second after close() is cut: a Gradio client's heartbeat stream never
+        # ends on its own, and waiting for it held close() for its whole 10 s join
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=1
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

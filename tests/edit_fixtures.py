@@ -63,10 +63,10 @@ SMALL_VAE_AREA = 96 * 96
 SMALL_CONDITION_AREA = 64 * 64
 
 
-def tiny_vae(seed: int) -> AutoencoderKLQwenImage:
-    """An 8x, z_dim 16 VAE at base width 8 with latent statistics that are not 0 / 1."""
+def tiny_vae(seed: int, base_dim: int = 8) -> AutoencoderKLQwenImage:
+    """An 8x, z_dim 16 VAE at base width `base_dim` with latent statistics that are not 0 / 1."""
     vae = AutoencoderKLQwenImage(
-        base_dim=8,
+        base_dim=base_dim,
         z_dim=16,
         dim_mult=[1, 2, 4, 4],
         num_res_blocks=1,
@@ -78,15 +78,18 @@ def tiny_vae(seed: int) -> AutoencoderKLQwenImage:
     return vae.eval()
 
 
-def build_edit_checkpoint(directory: Path, pipeline_class: str, zero_cond_t: bool, seed: int = 0) -> Path:
+def build_edit_checkpoint(
+    directory: Path, pipeline_class: str, zero_cond_t: bool, seed: int = 0, vae_base_dim: int = 8
+) -> Path:
     """Random weights in diffusers' and transformers' classes, saved by their `save_pretrained` (the
-    processor as its image processor and tokenizer: the processor's own save needs a video processor)."""
+    processor as its image processor and tokenizer: the processor's own save needs a video processor); a
+    smaller `vae_base_dim` makes the VAE cheaper where a test runs it at diffusers' full image areas."""
     transformer = QwenImageTransformer2DModel(**TRANSFORMER, zero_cond_t=zero_cond_t)
     fill_deterministic(transformer, seed)
     tokenizer = build_qwen2_tokenizer()
     pipe = PIPELINES[pipeline_class](
         scheduler=default_scheduler(),
-        vae=tiny_vae(seed + 1),
+        vae=tiny_vae(seed + 1, vae_base_dim),
         text_encoder=build_tiny_text_encoder(seed=seed + 2, hidden_size=TEXT_HIDDEN),
         tokenizer=tokenizer,
         processor=None,

@@ -8,8 +8,10 @@ do not fit together, and broken files, are refused with one line naming both val
 import json
 import shutil
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,12 +109,36 @@ def build_checkpoint(variant: Variant, directory: Path) -> Path:
     return directory / "model"
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Variant], Path]:
+    """Each variant's checkpoint, built once in this module (the build is deterministic)."""
+    checkpoints: dict[str, Path] = {}
+
+    def get(variant: Variant) -> Path:
+        if variant.name not in checkpoints:
+            checkpoints[variant.name] = build_checkpoint(variant, tmp_path_factory.mktemp(variant.name))
+        return checkpoints[variant.name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference_pipeline() -> Callable[[Path, torch.dtype], Any]:
+    """Our reference pipeline of a checkpoint in a dtype, loaded once in this module (the tests only
+    generate with it and read its parts)."""
+    pipes: dict[tuple[Path, torch.dtype], Any] = {}
+
+    def get(directory: Path, dtype: torch.dtype) -> Any:
+        if (directory, dtype) not in pipes:
+            pipes[directory, dtype] = load_pipeline(directory, variant="reference", device="cpu", dtype=dtype)
+        return pipes[directory, dtype]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=VARIANTS, ids=[v.name for v in VARIANTS])
-def checkpoint(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Variant, Path]:
-    variant = request.param
-    return variant, build_checkpoint(variant, tmp_path_factory.mktemp(variant.name))
+def checkpoint(request: pytest.FixtureRequest, built: Callable[[Variant], Path]) -> tuple[Variant, Path]:
+    return request.param, built(request.param)
 
 
 CASES = {
@@ -126,10 +152,12 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reference_mode_equals_diffusers_from_pretrained(
-    checkpoint: tuple[Variant, Path], dtype: torch.dtype
+    checkpoint: tuple[Variant, Path],
+    dtype: torch.dtype,
+    reference_pipeline: Callable[[Path, torch.dtype], Any],
 ) -> None:
     variant, directory = checkpoint
-    ours = load_pipeline(directory, variant="reference", device="cpu", dtype=dtype)
+    ours = reference_pipeline(directory, dtype)
     theirs = DiffusersQwenImagePipeline.from_pretrained(directory, dtype=dtype)
     theirs.set_progress_bar_config(disable=True)
     assert ours.vae_scale_factor == theirs.vae_scale_factor == variant.vae_scale
@@ -146,11 +174,12 @@ def test_reference_mode_equals_diffusers_from_pretrained(
         assert np.asarray(got[0]).std() > 1.0, f"{name}: a flat image proves nothing"
 
 
-@pytest.mark.cpu_dtype
-def test_nfd_prompt_is_tokenized_as_the_checkpoint_tokenizer_does(checkpoint: tuple[Variant, Path]) -> None:
+def test_nfd_prompt_is_tokenized_as_the_checkpoint_tokenizer_does(
+    checkpoint: tuple[Variant, Path], reference_pipeline: Callable[[Path, torch.dtype], Any]
+) -> None:
     """A tokenizer without normalizer keeps decomposed accents as their own tokens; ours must too."""
     variant, directory = checkpoint
-    tokenizer = load_pipeline(directory, variant="reference", device="cpu").components.tokenizer
+    tokenizer = reference_pipeline(directory, torch.float32).components.tokenizer
     nfc = unicodedata.normalize("NFC", NFD_PROMPT)
     same = tokenizer(NFD_PROMPT).input_ids == tokenizer(nfc).input_ids
     assert same is variant.normalizing_tokenizer
@@ -162,8 +191,9 @@ def test_quantized_fused_equals_unfused(checkpoint: tuple[Variant, Path], tmp_pa
     width, height = variant.size
     fp8 = quantize_checkpoint(directory, tmp_path / "fp8", prompts=["a red fox"], steps=2, size=width)
     hashes = {}
+    pipe = load_pipeline(fp8, variant="fp8-fused", device="cpu")
     for name in ("fp8-fused", "fp8-unfused"):
-        pipe = load_pipeline(fp8, variant=name, device="cpu")
+        pipe.set_variant(name)
         paths = 4 * pipe.transformer.config.num_layers
         fused = paths if name == "fp8-fused" else 0
         assert pipe.fusion_summary().splitlines()[0] == f"FP8 norm+quant fusion: {fused}/{paths} block paths"
@@ -184,8 +214,8 @@ def _edit_json(path: Path, **changes: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(VARIANTS[0], tmp_path_factory.mktemp("small"))
+def small_checkpoint(built: Callable[[Variant], Path]) -> Path:
+    return built(VARIANTS[0])
 
 
 @pytest.fixture
@@ -253,11 +283,12 @@ def test_tokenizer_class_from_model_index_must_exist(copy_of: Path) -> None:
         load_pipeline(copy_of, device="cpu")
 
 
-@pytest.mark.cpu_dtype
-def test_text_encoder_of_another_width_is_refused(small_checkpoint: Path) -> None:
+def test_text_encoder_of_another_width_is_refused(
+    small_checkpoint: Path, reference_pipeline: Callable[[Path, torch.dtype], Any]
+) -> None:
     """The same check also guards components assembled in memory."""
     hidden = VARIANTS[0].text_hidden
-    c = load_pipeline(small_checkpoint, device="cpu").components
+    c = reference_pipeline(small_checkpoint, torch.float32).components
     other = Qwen2_5_VLForConditionalGeneration(build_tiny_text_encoder(1, hidden + 32).config)
     with pytest.raises(CheckpointError, match=f"joint_attention_dim {hidden} differs"):
         Components(c.tokenizer, other, c.transformer, c.vae, c.scheduler)

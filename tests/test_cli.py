@@ -25,17 +25,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.cpu_dtype
-def test_generate_writes_a_png_with_no_model_given(tmp_path):
+def test_generate_writes_a_png_with_no_model_given(tmp_path, capsys):
+    """Through main() here: `qwen-image generate` with no model runs as its own process in README command
+    1 (tests/test_docs_examples.py) and in test_packaging.py."""
     out = tmp_path / "fox.png"
-    result = run_cli(
-        "generate", "a red fox", "-o", str(out), "--width", "64", "--height", "48", "--steps", "2"
-    )
-    assert result.returncode == 0, result.stderr
+    status = main(["generate", "a red fox", "-o", str(out), "--width", "64", "--height", "48", "--steps=2"])
+    stdout, stderr = capsys.readouterr()
+    assert status == 0, stderr
     image = PIL.Image.open(out)
     assert image.size == (64, 48) and image.format == "PNG"
     assert np.asarray(image).std() > 0
-    assert "seed" in result.stdout and "ms/step" in result.stdout
-    assert "denoising" in result.stderr  # progress bar over steps
+    assert "seed" in stdout and "ms/step" in stdout
+    assert "denoising" in stderr  # progress bar over steps
 
 
 @pytest.mark.parametrize(
@@ -162,24 +163,13 @@ def test_help_shows_every_default():
 
 
 @pytest.mark.cpu_dtype
-def test_a_prompt_cut_at_max_sequence_length_warns_how_many_tokens_were_dropped(tmp_path):
+def test_a_prompt_cut_at_max_sequence_length_warns_how_many_tokens_were_dropped(tmp_path, capsys):
     prompt = " ".join(["fox"] * 40)
-    result = run_cli(
-        "generate",
-        prompt,
-        "-o",
-        str(tmp_path / "a.png"),
-        "--width",
-        "32",
-        "--height",
-        "32",
-        "--steps",
-        "2",
-        "--max-sequence-length",
-        "16",
-    )
-    assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    args = ["generate", prompt, "-o", str(tmp_path / "a.png"), "--width", "32", "--height", "32"]
+    status = main([*args, "--steps", "2", "--max-sequence-length", "16"])
+    stderr = capsys.readouterr().err
+    assert status == 0, stderr
+    warnings = [line for line in stderr.splitlines() if line.startswith("warning: ")]
     # 40 words + the template's 5 closing tokens = 45 kept tokens before the cut; 16 stay.
     expected = (
         "prompt 1 is 45 tokens with the template's end: the 29 past max_sequence_length 16 were dropped"

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -165,8 +166,13 @@ def test_fp8_quantize_writes_the_controlnet_and_fused_equals_unfused(fp8):
 
 @pytest.mark.cpu_dtype
 def test_eval_parity_over_the_control_set_finds_fused_and_unfused_identical(fp8, tmp_path):
-    """The built-in `control` set (the drawn scenes' canny edges; each output at its map's aspect)."""
-    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(fp8), "--prompts",
+    """The built-in `control` set (the drawn scenes' canny edges; each output at its map's aspect, scaled to
+    the checkpoint's default area: here a copy's, 128x128 in place of the embedded default's 256x256)."""
+    small = Path(shutil.copytree(fp8, tmp_path / "fp8"))
+    index = json.loads((small / "model_index.json").read_text())
+    index["_generation_defaults"] |= {"width": 128, "height": 128}
+    (small / "model_index.json").write_text(json.dumps(index))
+    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(small), "--prompts",
                "control", "--a", "fp8-unfused", "--b", "fp8-fused", "--steps", "2", "--out",
                str(tmp_path / "out"), "--expect", "identical"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, cwd=REPO)
@@ -176,6 +182,7 @@ def test_eval_parity_over_the_control_set_finds_fused_and_unfused_identical(fp8,
     assert all(p["control"][0].endswith(".png") for p in pairs)
     sizes = {(p["width"], p["height"]) for p in pairs}
     assert len(sizes) > 1  # the maps' own aspects, not one forced size
+    assert all(96 * 96 < w * h <= 128 * 128 for w, h in sizes)  # the copy's default area
 
 
 def test_canny_mode_makes_an_edge_map_from_a_photo():

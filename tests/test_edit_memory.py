@@ -3,6 +3,8 @@ the text encoder, their latents in each transformer call, their VAE encode), the
 sizes at 16 and 24 GiB, and edits under streaming placements giving the resident edit's bytes (the CPU
 standing in for the device)."""
 
+from pathlib import Path
+
 import pytest
 from edit_fixtures import (
     SMALL_CONDITION_AREA,
@@ -77,16 +79,26 @@ def test_full_size_edit_plans_at_16_and_24_gib(full_size_edit, budget, capsys):
     assert f"GPU memory plan for {budget}.0 GiB (1024x1024, 1 image, 3 input images" in out
 
 
+STREAMED_EDIT = dict(prompt="make it blue", width=32, height=32, num_inference_steps=2, seed=5)
+STREAMED_EDIT |= dict(negative_prompt=" ", true_cfg_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def resident_edit(tmp_path_factory) -> tuple[Path, dict, str]:
+    """A tiny Edit-2511 checkpoint, an edit of two input images and the PNG hash of that edit with every
+    weight resident."""
+    root = tmp_path_factory.mktemp("edit-memory")
+    directory = build_edit_checkpoint(root / "plus-2511", "QwenImageEditPlusPipeline", True, seed=4)
+    request = STREAMED_EDIT | dict(image=[drawn_image(40, 24, 1), drawn_image(24, 32, 2)])
+    return directory, request, png_sha256(our_edit_pipeline(directory).generate(**request)[0])
+
+
 @pytest.mark.parametrize(("text", "blocks", "lend"), [(("offload", 0), 0, False), (("offload", 1), 1, True)])
-def test_an_edit_under_a_streaming_placement_gives_the_resident_bytes(tmp_path, text, blocks, lend):
+def test_an_edit_under_a_streaming_placement_gives_the_resident_bytes(resident_edit, text, blocks, lend):
     """A tiny Edit-2511 checkpoint with two input images, the text encoder offloaded (its layers streamed)
     and transformer blocks streamed (or lending their memory to the text encoder): the edit's PNG bytes
     equal the resident edit's, and a request carrying its input images fits the plan's budget."""
-    directory = build_edit_checkpoint(tmp_path / "plus-2511", "QwenImageEditPlusPipeline", True, seed=4)
-    images = [drawn_image(40, 24, 1), drawn_image(24, 32, 2)]
-    request = dict(prompt="make it blue", image=images, width=32, height=32, num_inference_steps=2, seed=5)
-    request |= dict(negative_prompt=" ", true_cfg_scale=4.0)
-    resident = png_sha256(our_edit_pipeline(directory).generate(**request)[0])
+    directory, request, resident = resident_edit
     pipe = placed_pipeline(directory, "reference", text, blocks, HostLink(), precision=FP32, lend=lend)
     pipe.model.vae_area, pipe.model.condition_area = SMALL_VAE_AREA, SMALL_CONDITION_AREA
     assert pipe.memory.plan.placement("transformer").streamed

@@ -4,8 +4,6 @@ each pair's input images, and a set the model cannot run is refused in one line 
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,9 +39,10 @@ def edit_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def small_areas_env(tmp_path: Path) -> dict[str, str]:
-    """An environment whose Python processes (parity and its workers) start with the Edit model at the
-    tests' small image areas: a `sitecustomize` module sets them, the checkout first on the path."""
+def parity_with_small_areas(argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """`python -m qwen_image_fusion.eval.parity ARGV` run here (it only checks the requests and drives the
+    workers), its workers started with the Edit model at the tests' small image areas: a `sitecustomize`
+    module sets them, the checkout first on the path."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
@@ -52,23 +51,23 @@ def small_areas_env(tmp_path: Path) -> dict[str, str]:
         f"model.VAE_AREA, model.CONDITION_AREA = {SMALL_VAE_AREA}, {SMALL_CONDITION_AREA}\n"
         f"config.VAE_AREA = {SMALL_VAE_AREA}\n"  # the default output size: an inpainting edit's size
     )
-    return os.environ | {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(REPO)]))
+    return main(argv)
 
 
 @pytest.mark.cpu_dtype
 @pytest.mark.slow
-def test_fp8_fused_equals_unfused_over_an_edit_set(checkpoints, edit_set, tmp_path) -> None:
+def test_fp8_fused_equals_unfused_over_an_edit_set(
+    checkpoints, edit_set, tmp_path, monkeypatch, capfd
+) -> None:
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(checkpoints["fp8"]),
-               "--prompts", str(edit_set), "--a", "fp8-unfused", "--b", "fp8-fused", "--size", "32x32",
-               "--steps", "2", "--negative-prompt", " ", "--out", str(out),
-               "--expect", "identical"]  # fmt: skip
-    env = small_areas_env(tmp_path)
-    result = subprocess.run(
-        command, capture_output=True, text=True, cwd=REPO, timeout=900, check=False, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "verdict: PASS (identical on all 1 pairs)" in result.stdout
+    argv = ["--model", str(checkpoints["fp8"]), "--prompts", str(edit_set), "--a", "fp8-unfused",
+            "--b", "fp8-fused", "--size", "32x32", "--steps", "2", "--negative-prompt", " ",
+            "--out", str(out), "--expect", "identical"]  # fmt: skip
+    status = parity_with_small_areas(argv, tmp_path, monkeypatch)
+    stdout, stderr = capfd.readouterr()
+    assert status == 0, stderr[-3000:]
+    assert "verdict: PASS (identical on all 1 pairs)" in stdout
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     (pair,) = report["pairs"]
     assert pair["images"] == [str(edit_set.parent / "one.png"), str(edit_set.parent / "two.png")]
@@ -111,7 +110,7 @@ def test_sets_the_model_cannot_run_are_refused_before_workers_start(checkpoints,
 
 @pytest.mark.cpu_dtype
 @pytest.mark.slow
-def test_fp8_fused_equals_unfused_over_the_edit_inpaint_set(tmp_path) -> None:
+def test_fp8_fused_equals_unfused_over_the_edit_inpaint_set(tmp_path, monkeypatch, capfd) -> None:
     """The built-in `edit-inpaint` set (drawn images, their masks, strength 0.9) on a one-image Edit FP8
     export: each inpainting edit's PNG is the same fused and unfused."""
     bf16 = build_edit_checkpoint(tmp_path / "bf16", "QwenImageEditPipeline", False, seed=6)
@@ -120,20 +119,12 @@ def test_fp8_fused_equals_unfused_over_the_edit_inpaint_set(tmp_path) -> None:
         patch.setattr("qwen_image_fusion.models.qwen_image_edit.model.CONDITION_AREA", SMALL_CONDITION_AREA)
         fp8 = quantize_checkpoint(bf16, tmp_path / "fp8", builtin_edit_set("edit")[:1], steps=2, size=32)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "qwen_image_fusion.eval.parity", "--model", str(fp8), "--prompts",
-               "edit-inpaint", "--a", "fp8-unfused", "--b", "fp8-fused", "--steps", "2",
-               "--negative-prompt", " ", "--out", str(out), "--expect", "identical"]  # fmt: skip
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=900,
-        check=False,
-        env=small_areas_env(tmp_path),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "verdict: PASS (identical on all 6 pairs)" in result.stdout
+    argv = ["--model", str(fp8), "--prompts", "edit-inpaint", "--a", "fp8-unfused", "--b", "fp8-fused",
+            "--steps", "2", "--negative-prompt", " ", "--out", str(out), "--expect", "identical"]  # fmt: skip
+    status = parity_with_small_areas(argv, tmp_path, monkeypatch)
+    stdout, stderr = capfd.readouterr()
+    assert status == 0, stderr[-3000:]
+    assert "verdict: PASS (identical on all 6 pairs)" in stdout
     pairs = json.loads((out / "report.json").read_text(encoding="utf-8"))["pairs"]
     assert all(p["mask"] and p["images"] and p["init_image"] is None for p in pairs)
     assert len({p["a"]["png_sha256"] for p in pairs}) == 6

@@ -47,6 +47,12 @@ def ours(checkpoints):
     }
 
 
+@pytest.fixture(scope="module")
+def theirs(checkpoints):
+    """diffusers' pipeline of each checkpoint, loaded once (each call sets its own scheduler and inputs)."""
+    return {name: diffusers_layered_pipeline(path) for name, path in checkpoints.items()}
+
+
 CASES = [  # checkpoint, prompts, negative prompt, layers, images per prompt, image (width, height, mode)
     ("layered", ["a red cat on a mat"], "blurry", 3, 1, (120, 90, "RGBA")),
     ("layered", ["a red cat on a mat"], None, 2, 1, (160, 80, "RGB")),
@@ -59,14 +65,14 @@ CASES = [  # checkpoint, prompts, negative prompt, layers, images per prompt, im
 
 @pytest.mark.parametrize(("name", "prompts", "negative", "layers", "per_prompt", "image"), CASES)
 def test_layers_match_diffusers_pixel_for_pixel(
-    checkpoints, ours, name, prompts, negative, layers, per_prompt, image
+    theirs, ours, name, prompts, negative, layers, per_prompt, image
 ):
     width, height, image_mode = image
     picture = drawn_image(width, height, layers, image_mode)
     pipe = ours[name]
     mode = pipe.model.pixel_mode()
-    theirs = diffusers_layers(
-        diffusers_layered_pipeline(checkpoints[name]),
+    expected = diffusers_layers(
+        theirs[name],
         picture.convert(mode),
         prompts,
         negative,
@@ -86,10 +92,10 @@ def test_layers_match_diffusers_pixel_for_pixel(
         num_images_per_prompt=per_prompt,
         seed=7,
     )
-    assert len(mine) == len(theirs) == len(prompts) * per_prompt * layers
+    assert len(mine) == len(expected) == len(prompts) * per_prompt * layers
     assert {m.mode for m in mine} == {"RGBA" if mode == "RGBA" else "RGB"}
     assert all(m.size == (width, height) for m in mine)
-    for a, b in zip(theirs, mine, strict=True):
+    for a, b in zip(expected, mine, strict=True):
         assert a.mode == b.mode and a.tobytes() == b.tobytes()
 
 
@@ -155,17 +161,22 @@ def test_caption_prompts_are_diffusers_own():
 
 
 @pytest.mark.parametrize(("prompt", "english"), [("", True), (" ", False)])
-def test_an_empty_prompt_is_captioned_as_diffusers_captions_it(checkpoints, ours, prompt, english):
+def test_an_empty_prompt_is_captioned_as_diffusers_captions_it(theirs, ours, prompt, english, monkeypatch):
     """diffusers captions an empty prompt with the text encoder's generation (the instruction and the image
-    resized to the output), then decomposes with that caption: the same caption and the same layers."""
+    resized to the output), then decomposes with that caption: the same caption and the same layers. The
+    caption diffusers used is recorded as its pipeline makes it (a caption is 512 generated tokens)."""
     picture = drawn_image(100, 70, 2, "RGBA")
-    theirs = diffusers_layered_pipeline(checkpoints["layered"])
+    pipeline = theirs["layered"]
+    captions = []
+
+    def get_image_caption(*args, **kwargs):
+        captions.append(type(pipeline).get_image_caption(pipeline, *args, **kwargs))
+        return captions[-1]
+
+    monkeypatch.setattr(pipeline, "get_image_caption", get_image_caption)
     width, height = small_size(picture)
     with small_layered_area():
-        caption = theirs.get_image_caption(
-            theirs.image_processor.resize(picture, height, width), use_en_prompt=english, device="cpu"
-        )
-        expected = theirs(
+        expected = pipeline(
             image=picture, prompt=prompt, negative_prompt="blurry", layers=2, num_inference_steps=2,
             use_en_prompt=english, generator=torch.Generator().manual_seed(3),
         ).images[0]  # fmt: skip
@@ -174,7 +185,8 @@ def test_an_empty_prompt_is_captioned_as_diffusers_captions_it(checkpoints, ours
         prompt, image=picture, negative_prompt="blurry", layers=2, width=width, height=height,
         num_inference_steps=2, seed=3, use_en_prompt=english,
     )  # fmt: skip
-    assert pipe.last_run.caption == caption
+    assert len(captions) == 1 and captions[0]
+    assert pipe.last_run.caption == captions[0]
     assert [a.tobytes() for a in got] == [b.tobytes() for b in expected]
 
 

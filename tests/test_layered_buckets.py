@@ -29,6 +29,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_layered_checkpoint(tmp_path_factory.mktemp("buckets") / "layered", seed=2, vae_base_dim=2)
 
 
+@pytest.fixture(scope="module")
+def diffusers_pipeline(checkpoint: Path):
+    """diffusers' pipeline of the checkpoint, loaded once (each call sets its own scheduler and inputs)."""
+    return diffusers_layered_pipeline(checkpoint)
+
+
 def run_layers_command(
     image: Path, checkpoint: Path, negative: str | None, out: Path
 ) -> list[PIL.Image.Image]:
@@ -48,12 +54,14 @@ def run_layers_command(
 
 
 @pytest.mark.parametrize(("mode", "negative"), [("RGBA", "blurry"), ("RGB", None)])
-def test_layers_command_equals_diffusers_at_its_own_640_bucket(checkpoint, tmp_path, mode, negative):
+def test_layers_command_equals_diffusers_at_its_own_640_bucket(
+    checkpoint, diffusers_pipeline, tmp_path, mode, negative
+):
     picture = drawn_image(200, 150, 3, mode)  # 4:3, so the bucket's width and height differ
     path = tmp_path / "poster.png"
     picture.save(path)
     ours = run_layers_command(path, checkpoint, negative, tmp_path / "layers")
-    theirs = diffusers_layered_pipeline(checkpoint)(
+    theirs = diffusers_pipeline(
         image=picture.convert("RGBA"),
         prompt="a poster",
         negative_prompt=negative,

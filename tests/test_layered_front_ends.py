@@ -19,8 +19,10 @@ from helpers import REPO, png_sha256
 from layered_fixtures import build_layered_checkpoint
 from test_control_front_ends import openai_client
 
+import qwen_image_fusion.models.qwen_image_layered.caption as caption_module
 from qwen_image_fusion.pipelines import load_pipeline
 from qwen_image_fusion.ui.app import build_app
+from qwen_image_fusion.ui.cli import main
 from qwen_image_fusion.ui.limits import Limits
 from qwen_image_fusion.ui.uploads import upload_options
 
@@ -55,14 +57,26 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_layers_command_writes_one_png_per_layer_with_the_api_bytes(pipe, checkpoint, photo, tmp_path):
+def cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`qwen-image ARGS` through the CLI's main() in this process (the command's code, without a new
+    process's imports and load: `layers` runs as its own process in tests/test_layered_buckets.py):
+    (status, stdout, stderr)."""
+    capsys.readouterr()
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_layers_command_writes_one_png_per_layer_with_the_api_bytes(
+    pipe, checkpoint, photo, tmp_path, capsys
+):
     out = tmp_path / "layers"
-    result = run_cli(
-        "layers", str(photo), "--prompt", "a poster", "--layers", "3", "--model", str(checkpoint),
+    status, _, err = cli_here(
+        capsys, "layers", str(photo), "--prompt", "a poster", "--layers", "3", "--model", str(checkpoint),
         "--device", "cpu", "--dtype", "fp32", "--variant", "reference", "--width", "64", "--height", "48",
         "--steps", "2", "--seed", "5", "-o", str(out),
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert status == 0, err
     written = sorted(out.iterdir())
     assert [p.name for p in written] == ["layer-0.png", "layer-1.png", "layer-2.png"]
     expected = pipe.generate("a poster", image=PIL.Image.open(photo), layers=3, **ARGS)
@@ -119,19 +133,24 @@ def test_demo_layers_tab_gives_the_python_api_layers(pipe, photo):
     assert seed == 5 and "2 steps" in details
 
 
-def test_an_empty_prompt_is_captioned_through_the_cli_and_http(pipe, checkpoint, photo, tmp_path):
+def test_an_empty_prompt_is_captioned_through_the_cli_and_http(
+    pipe, checkpoint, photo, tmp_path, capsys, monkeypatch
+):
+    """Captions of at most 32 tokens (diffusers' 512 are test_layered.py's, against diffusers): each front
+    end passes the request on, whatever the caption's length."""
+    monkeypatch.setattr(caption_module, "MAX_CAPTION_TOKENS", 32)
     expected = pipe.generate("", image=PIL.Image.open(photo), layers=2, use_en_prompt=True, **ARGS)
     caption = pipe.last_run.caption
     assert caption
     out = tmp_path / "captioned"
-    result = run_cli(
-        "layers", str(photo), "--use-en-prompt", "--layers", "2", "--model", str(checkpoint), "--device",
-        "cpu", "--dtype", "fp32", "--variant", "reference", "--width", "64", "--height", "48", "--steps", "2",
-        "--seed", "5", "-o", str(out),
+    status, stdout, err = cli_here(
+        capsys, "layers", str(photo), "--use-en-prompt", "--layers", "2", "--model", str(checkpoint),
+        "--device", "cpu", "--dtype", "fp32", "--variant", "reference", "--width", "64", "--height", "48",
+        "--steps", "2", "--seed", "5", "-o", str(out),
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert status == 0, err
     printed = f"caption (the model's, for the empty prompt): {caption}"
-    assert printed.replace("\r\n", "\n").replace("\r", "\n") in result.stdout  # text mode's newlines
+    assert printed in stdout
     assert [png_sha256(PIL.Image.open(p)) for p in sorted(out.iterdir())] == [png_sha256(e) for e in expected]
     with openai_client(pipe) as client, open(photo, "rb") as file:
         body = {"layers": 2, "seed": 5, "num_inference_steps": 2, "use_en_prompt": "true"}

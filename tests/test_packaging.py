@@ -111,10 +111,12 @@ def test_the_installed_command_generates_the_checkouts_image(installed: Path, tm
     out = tmp_path / "first.png"
     result = run_installed(
         installed, tmp_path, str(installed / "bin" / "qwen-image"), "generate", PROMPT, "--seed", "0",
-        "--dtype", "fp32", "--variant", "reference", "-o", str(out),
+        "--dtype", "fp32", "--variant", "reference", "--width", "64", "--height", "48", "--steps", "4",
+        "-o", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    expected = load_pipeline(device="cpu", dtype="fp32", variant="reference").generate(PROMPT, seed=0)
+    pipe = load_pipeline(device="cpu", dtype="fp32", variant="reference")
+    expected = pipe.generate(PROMPT, seed=0, width=64, height=48, num_inference_steps=4)
     assert png_sha256(PIL.Image.open(out)) == png_sha256(expected[0])
 
 

@@ -14,18 +14,11 @@ from PIL import Image
 
 from qwen_image_fusion.eval.metrics import abs_diff, psnr
 from qwen_image_fusion.pipelines import load_pipeline
-from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.slow
 # Ulysses on the CPU: measured byte-identical to one process (the keys keep the one-process order and
 # the CPU GEMMs do not depend on the row count); the bound allows another CPU's GEMM blocking
 ULYSSES_MAX_ABS, ULYSSES_MIN_PSNR = 4, 40.0
-
-
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fp8") / "model"
-    return quantize_checkpoint(None, out, prompts=["a red fox"], steps=2, size=32, device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from edit_fixtures import build_edit_checkpoint, drawn_image
+from edit_fixtures import build_edit_checkpoint, drawn_image, our_edit_pipeline
 from helpers import png_sha256
 from lora_files import block_modules, linear_shapes, random_factors, write_lightning
 from memory_fixtures import FP32, LateLink, placed_pipeline
@@ -291,8 +291,9 @@ def test_a_lora_runs_with_a_cache_fused_equal_to_unfused(fp8_dir, tmp_path, mode
 
 
 def test_edit_2511_runs_a_cache_and_off_stays_exact(tmp_path) -> None:
+    """At the tests' small image areas (edit_fixtures): the cache's decisions do not depend on them."""
     directory = build_edit_checkpoint(tmp_path / "edit", "QwenImageEditPlusPipeline", zero_cond_t=True)
-    pipe = load_pipeline(directory, variant="reference", device="cpu", dtype="fp32")
+    pipe = our_edit_pipeline(directory)
     edit = dict(prompt="make it blue", image=drawn_image(64, 48, seed=1), negative_prompt=" ", seed=2)
     edit |= dict(num_inference_steps=6, width=64, height=48)
     exact = png_sha256(pipe.generate(**edit)[0])
@@ -303,12 +304,18 @@ def test_edit_2511_runs_a_cache_and_off_stays_exact(tmp_path) -> None:
     assert_exact_when_nothing_is_skipped(pipe, edit, exact)
 
 
-@pytest.mark.parametrize("kv_cache", [True, False], ids=["kv-cache", "no-kv-cache"])
-def test_qwen_image_21_runs_a_cache_with_and_without_its_kv_cache(tmp_path, kv_cache: bool) -> None:
-    pipe = load_pipeline(
-        build_qi21_checkpoint(tmp_path / "qi21"), variant="reference", device="cpu", dtype="fp32"
-    )
+@pytest.fixture(scope="module")
+def qi21_pipe(tmp_path_factory):
+    """A tiny Qwen-Image 2.1 checkpoint's reference pipeline at the tests' small resolution."""
+    directory = build_qi21_checkpoint(tmp_path_factory.mktemp("qi21") / "ckpt")
+    pipe = load_pipeline(directory, variant="reference", device="cpu", dtype="fp32")
     pipe.model.resolution = RESOLUTION
+    return pipe
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["kv-cache", "no-kv-cache"])
+def test_qwen_image_21_runs_a_cache_with_and_without_its_kv_cache(qi21_pipe, kv_cache: bool) -> None:
+    pipe = qi21_pipe
     pipe.model.use_kv_cache = kv_cache
     request = dict(prompt="make it snow", image=drawn_image(96, 64, seed=3), negative_prompt="blurry")
     request |= dict(true_cfg_scale=3.0, num_inference_steps=6, seed=4)

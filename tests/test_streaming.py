@@ -32,7 +32,6 @@ from qwen_image_fusion.pipelines.memory_plan import (
     plan_memory,
 )
 from qwen_image_fusion.pipelines.precision import pick_numerics
-from qwen_image_fusion.pipelines.quantize import quantize_checkpoint
 from qwen_image_fusion.ui.cli import main
 
 REQUEST = dict(prompt="a red circle on the left", seed=3, num_inference_steps=2, width=32, height=32)
@@ -140,12 +139,6 @@ def test_a_new_placement_lets_blocks_leave_before_others_come(resident):
     last_leaving = max(i for i, op in enumerate(order.ops) if op == "copy_")
     assert order.ops.index("_to_copy") > last_leaving, order.ops
     assert png_sha256(pipe.generate(**REQUEST)[0]) == resident[1]
-
-
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp8") / "ckpt"
-    return quantize_checkpoint(None, out, prompts=["a red fox"], steps=2, size=32, device="cpu")
 
 
 @pytest.mark.cpu_dtype
