@@ -33,7 +33,7 @@ from diffusers.pipelines.qwenimage import (
     pipeline_qwenimage_edit_inpaint,
     pipeline_qwenimage_edit_plus,
 )
-from helpers import fill_deterministic
+from helpers import fill_deterministic, vocab_and_merges_layout
 from transformers import Qwen2VLImageProcessorPil
 
 from qwen_image_fusion.models.calibration import (
@@ -98,6 +98,8 @@ def build_edit_checkpoint(
     pipe.save_pretrained(directory)
     Qwen2VLImageProcessorPil().save_pretrained(directory / "processor")
     tokenizer.save_pretrained(directory / "processor")
+    for folder in ("tokenizer", "processor"):
+        vocab_and_merges_layout(directory / folder)
     index = json.loads((directory / "model_index.json").read_text())
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     (directory / "model_index.json").write_text(json.dumps(index, indent=2))

@@ -18,7 +18,7 @@ import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageLayeredPipeline, QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered
 from edit_fixtures import TEXT_HIDDEN, TRANSFORMER
-from helpers import fill_deterministic
+from helpers import fill_deterministic, vocab_and_merges_layout
 from transformers import Qwen2VLImageProcessorPil
 
 from qwen_image_fusion.models.family import calculate_dimensions
@@ -67,6 +67,8 @@ def build_layered_checkpoint(
     pipe.save_pretrained(directory)
     Qwen2VLImageProcessorPil().save_pretrained(directory / "processor")
     tokenizer.save_pretrained(directory / "processor")
+    for folder in ("tokenizer", "processor"):
+        vocab_and_merges_layout(directory / folder)
     index = json.loads((directory / "model_index.json").read_text())
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     (directory / "model_index.json").write_text(json.dumps(index, indent=2))

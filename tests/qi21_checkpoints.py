@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
-from helpers import fill_deterministic
+from helpers import fill_deterministic, vocab_and_merges_layout
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from qwen_image_fusion.models.qwen_image.components import default_scheduler
@@ -77,6 +77,7 @@ def build_qi21_checkpoint(
     tiny_vae(seed + 2).save_pretrained(directory / "vae")
     default_scheduler().save_pretrained(directory / "scheduler")
     save_processor(synthetic.processor(min_pixels=32 * 32), directory / "processor")  # toy images: 64x64
+    vocab_and_merges_layout(directory / "processor")
     index: dict[str, Any] = {
         "_class_name": "QwenImage21Pipeline",
         "_diffusers_version": "0.42.1",
