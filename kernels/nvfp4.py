@@ -9,10 +9,11 @@ Scales come from device tensors without a host read: the global encode scale is 
 
 The weight path (`nvfp4_linear`): `y = bf16((x @ W.T) * weight_scale_2 + bias)` for BF16 activations x, where
 `W = e2m1 * e4m3` is dequantized block by block (each product exact in BF16: 2 and 4 significant bits), the
-dot products accumulate in fp32 and the global scale and bias come in the epilogue. The torch twin sums in a
-float32 matmul, the kernel in `tl.dot` tiles: the same exact products, summed in each one's order, so the two
-agree byte for byte wherever the fp32 sums are exact (any order gives them) and otherwise within the
-rounding of those sums.
+dot products accumulate in fp32 and the global scale and bias come in the epilogue. For a few rows one Triton
+GEMM decodes each weight tile where it uses it; for token rows the weight is decoded once into a BF16 scratch
+and cuBLAS's BF16 GEMM sums into fp32 before the same epilogue. The torch twin sums in a float32 matmul: the
+same exact products, summed in each one's order, so the two agree byte for byte wherever the fp32 sums are
+exact (any order gives them) and otherwise within the rounding of those sums.
 """
 
 import torch
@@ -141,6 +142,26 @@ def e2m1_to_bf16(codes):
 
 
 @jit()
+def decode_tile(w_ptr, s_ptr, offs_n, cols, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BF16 `e2m1 * e4m3` of weight rows `offs_n`, columns k0 .. k0 + BLOCK_K (a multiple of 16): exact."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(
+        w_ptr + offs_n[:, None] * (K // 2) + offs_b[None, :],
+        mask=cols[:, None] & (offs_b < K // 2)[None, :],
+        other=0,
+    ).to(tl.int32)
+    codes = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]: element 2i low, 2i + 1 high
+    offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # one E4M3 scale per 16 codes, broadcast to them
+    scale = tl.load(
+        s_ptr + offs_n[:, None] * (K // 16) + offs_s[None, :],
+        mask=cols[:, None] & (offs_s < K // 16)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K))
+    return (e2m1_to_bf16(codes).to(tl.float32) * scale).to(tl.bfloat16)
+
+
+@jit()
 def _nvfp4_linear_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -153,37 +174,50 @@ def _nvfp4_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        inside = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=rows[:, None] & inside[None, :], other=0.0
-        )
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(
-            w_ptr + offs_n[:, None] * (K // 2) + offs_b[None, :],
-            mask=cols[:, None] & (offs_b < K // 2)[None, :],
-            other=0,
-        ).to(tl.int32)
-        codes = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]: element 2i low, 2i + 1 high
-        offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # one E4M3 scale per 16 codes, broadcast to them
-        scale = tl.load(
-            s_ptr + offs_n[:, None] * (K // 16) + offs_s[None, :],
-            mask=cols[:, None] & (offs_s < K // 16)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        scale = tl.reshape(
-            tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K)
-        )
-        w = (e2m1_to_bf16(codes).to(tl.float32) * scale).to(tl.bfloat16)  # exact
+        inside = rows[:, None] & (offs_k < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=inside, other=0.0)
+        w = decode_tile(w_ptr, s_ptr, offs_n, cols, k0, K, BLOCK_N, BLOCK_K)
         if DOT_FP32:  # the interpreter's dot reads bf16 operands as raw bits: give it the same values in fp32
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    scale_bias_store(acc, s2_ptr, b_ptr, y_ptr, offs_m, offs_n, rows, cols, N, HAS_BIAS)
+
+
+@jit()
+def scale_bias_store(acc, s2_ptr, b_ptr, y_ptr, offs_m, offs_n, rows, cols, N, HAS_BIAS: tl.constexpr):
+    """The epilogue: bf16 of `acc * global scale (+ bias)`, two fp32 roundings as the twin's."""
     out = acc * tl.load(s2_ptr)
     if HAS_BIAS:
         out = out + tl.load(b_ptr + offs_n, mask=cols, other=0.0).to(tl.float32)[None, :]
     tl.store(
         y_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(tl.bfloat16), mask=rows[:, None] & cols[None, :]
     )
+
+
+@jit()
+def _nvfp4_decode_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per [BLOCK_N, BLOCK_K] tile of the BF16 weight
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    cols = offs_n < N
+    w = decode_tile(w_ptr, s_ptr, offs_n, cols, k0, K, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=cols[:, None] & (offs_k < K)[None, :])
+
+
+@jit()
+def _nvfp4_epilogue_kernel(
+    acc_ptr, s2_ptr, b_ptr, y_ptr, M, N,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one program per [BLOCK_M, BLOCK_N] tile of the fp32 sums
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, cols = offs_m < M, offs_n < N
+    inside = rows[:, None] & cols[None, :]
+    acc = tl.load(acc_ptr + offs_m[:, None] * N + offs_n[None, :], mask=inside, other=0.0)
+    scale_bias_store(acc, s2_ptr, b_ptr, y_ptr, offs_m, offs_n, rows, cols, N, HAS_BIAS)
 
 
 def _nvfp4_linear_ok(
@@ -215,12 +249,18 @@ def _nvfp4_linear_ok(
     )
 
 
-def _tiles(rows: int) -> dict[str, int]:
-    """Tile sizes and warps by row count: a GEMV-like tile for a few rows (the modulation linears), square
-    tiles for the token rows."""
-    if rows <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+FEW_ROWS = 16  # up to this many rows (the modulation linears) one GEMM decodes the weight per output tile
+GEMV_TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+DECODE_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+EPILOGUE_TILES = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
+
+
+def _fp32_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 `x @ weight.T` of bf16 operands: cuBLAS's BF16 GEMM with fp32 output on CUDA (the products exact,
+    the sums in fp32), the twin's fp32 matmul on the interpreter's CPU tensors."""
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return x.float() @ weight.float().t()
 
 
 def _launch_nvfp4_linear(
@@ -230,18 +270,31 @@ def _launch_nvfp4_linear(
     weight_scale_2: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
+    """A few rows: one GEMM decoding each weight tile where it is used. Token rows: the weight decoded once
+    into a BF16 scratch (exact), cuBLAS's BF16 GEMM into fp32 sums, then the same epilogue: decoding per
+    output tile made the GEMM decode every weight tile once per row tile, 3.4x a BF16 step (BENCHMARKS.md)."""
     rows, k = x.shape
     n = packed.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    tiles = _tiles(rows)
-    grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
-    _nvfp4_linear_kernel[grid](
-        x, packed, block_scale, weight_scale_2, weight_scale_2 if bias is None else bias, y, rows, n, k,
-        HAS_BIAS=bias is not None, DOT_FP32=interpreted(_nvfp4_linear_kernel), **tiles, **NO_FMA,
-    )  # fmt: skip
+    bias_or_any = weight_scale_2 if bias is None else bias
+    if rows <= FEW_ROWS:
+        grid = (triton.cdiv(rows, GEMV_TILES["BLOCK_M"]), triton.cdiv(n, GEMV_TILES["BLOCK_N"]))
+        _nvfp4_linear_kernel[grid](
+            x, packed, block_scale, weight_scale_2, bias_or_any, y, rows, n, k,
+            HAS_BIAS=bias is not None, DOT_FP32=interpreted(_nvfp4_linear_kernel), **GEMV_TILES, **NO_FMA,
+        )  # fmt: skip
+        return y
+    weight = torch.empty(n, k, dtype=torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(n, DECODE_TILES["BLOCK_N"]), triton.cdiv(k, DECODE_TILES["BLOCK_K"]))
+    _nvfp4_decode_kernel[grid](packed, block_scale, weight, n, k, **DECODE_TILES, **NO_FMA)
+    sums = _fp32_sums(x, weight)
+    grid = (triton.cdiv(rows, EPILOGUE_TILES["BLOCK_M"]), triton.cdiv(n, EPILOGUE_TILES["BLOCK_N"]))
+    _nvfp4_epilogue_kernel[grid](
+        sums, weight_scale_2, bias_or_any, y, rows, n, HAS_BIAS=bias is not None, **EPILOGUE_TILES, **NO_FMA
+    )
     return y
 
 
-# The NVFP4 weight path: the Triton GEMM on CUDA when its guard accepts, else the torch twin (always on CPU).
+# The NVFP4 weight path: Triton (and cuBLAS) on CUDA when the guard accepts, else the twin (always on CPU).
 nvfp4_linear = FusedOp(nvfp4_linear_torch, _launch_nvfp4_linear, _nvfp4_linear_ok)
 nvfp4_linear_triton = nvfp4_linear.triton

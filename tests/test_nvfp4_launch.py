@@ -1,8 +1,9 @@
-"""The NVFP4 Triton kernels compile for sm_90 here (no GPU needed; tests/ptx_probe.py). The weight path's
-GEMM: both tile shapes it launches (a few rows: the modulation linears; token rows) become tensor-core MMAs
-on BF16, and the epilogue keeps its two fp32 roundings (no FMA), as the torch twin rounds. The W4A4
-producers and the activation quantizer: every mode of a producer (y, q, both) is one binary, with no FMA,
-IEEE division and sqrt, NaN-propagating clamps and no E4M3 conversion instruction (codes from the bits)."""
+"""The NVFP4 Triton kernels compile for sm_90 here (no GPU needed; tests/ptx_probe.py). The weight path: a few
+rows (the modulation linears) run one GEMM whose tiles become tensor-core MMAs on BF16; token rows decode the
+weight once (one launch covering it) and round the fp32 sums in an epilogue launch; every epilogue keeps its
+two fp32 roundings (no FMA), as the torch twin rounds. The W4A4 producers and the activation quantizer: every
+mode of a producer (y, q, both) is one binary, with no FMA, IEEE division and sqrt, NaN-propagating clamps
+and no E4M3 conversion instruction (codes from the bits)."""
 
 import json
 import re
@@ -20,26 +21,41 @@ PATTERNS = {
 
 
 def compile_report() -> dict:
-    """The launches `nvfp4_linear_triton` makes for 2 and 4096 rows at a model shape (K = 3072), recorded
-    (not run) and compiled for sm_90: {rows: instruction counts}; and the producers' and quantizer's: their
-    launches, distinct binaries and counts."""
+    """The launches `nvfp4_linear_triton` makes for 2 and 4096 rows at a model shape (N = 256, K = 3072),
+    recorded (not run) and compiled for sm_90: per kernel, its launch count and the instruction counts of its
+    last launch; and the producers' and quantizer's: their launches, distinct binaries and counts."""
     from qwen_image_fusion.kernels import _triton_common, nvfp4, nvfp4_quant
     from qwen_image_fusion.models.nvfp4 import quantize_nvfp4_weight
 
     for module in (nvfp4, nvfp4_quant, _triton_common):  # CPU tensors stand in for CUDA ones
         module.launchable = lambda kernel, *tensors: True
-    calls = record_launches(nvfp4._nvfp4_linear_kernel)
+    kernels = {
+        "gemm": nvfp4._nvfp4_linear_kernel,
+        "decode": nvfp4._nvfp4_decode_kernel,
+        "epilogue": nvfp4._nvfp4_epilogue_kernel,
+    }
     packed, block_scale, weight_scale_2 = quantize_nvfp4_weight(torch.randn(256, 3072))
+    report = {}
     for rows in (2, 4096):
+        calls = {name: record_launches(kernel) for name, kernel in kernels.items()}
         x = torch.randn(rows, 3072).bfloat16()
         nvfp4.nvfp4_linear_triton(
             x, packed, block_scale, weight_scale_2.reshape(1), torch.zeros(256).bfloat16()
         )
-    report = {}
-    for rows, (args, kwargs) in zip((2, 4096), calls, strict=True):
-        code = sm90_ptx(nvfp4._nvfp4_linear_kernel, args, kwargs)
-        report[rows] = {name: len(re.findall(pattern, code)) for name, pattern in PATTERNS.items()}
+        report[rows] = {
+            name: {
+                "launches": len(calls[name]),
+                **({"ptx": ptx_counts_of(kernels[name], *calls[name][-1])} if calls[name] else {}),
+            }
+            for name in kernels
+        }
     return report | producer_report()
+
+
+def ptx_counts_of(kernel, args: tuple, kwargs: dict) -> dict[str, int]:
+    """This file's instruction counts (the BF16 MMAs and conversions too) of one recorded launch."""
+    code = sm90_ptx(kernel, args, kwargs)
+    return {name: len(re.findall(pattern, code)) for name, pattern in PATTERNS.items()}
 
 
 def producer_report() -> dict:
@@ -78,13 +94,20 @@ def report() -> dict:
     return report_from_subprocess(__file__)
 
 
-def test_token_rows_run_on_hopper_warpgroup_mmas(report):
-    ptx = report["4096"]
-    assert ptx["wgmma_bf16"] > 0 and ptx["fma"] == 0 and ptx["cvt_bf16"] > 0
+def test_token_rows_decode_the_weight_once_and_round_in_an_epilogue_without_fma(report):
+    launches = report["4096"]
+    assert launches["gemm"]["launches"] == 0
+    assert launches["decode"]["launches"] == 1 and launches["epilogue"]["launches"] == 1
+    for name in ("decode", "epilogue"):
+        ptx = launches[name]["ptx"]
+        assert ptx["fma"] == 0 and ptx["cvt_bf16"] > 0
 
 
-def test_a_few_rows_run_on_mma_sync(report):
-    ptx = report["2"]
+def test_a_few_rows_run_on_mma_sync_in_one_gemm(report):
+    launches = report["2"]
+    assert launches["decode"]["launches"] == 0 and launches["epilogue"]["launches"] == 0
+    ptx = launches["gemm"]["ptx"]
+    assert launches["gemm"]["launches"] == 1
     assert ptx["mma_bf16"] > 0 and ptx["fma"] == 0 and ptx["cvt_bf16"] > 0
 
 
