@@ -1,7 +1,7 @@
 """FP8 GEMM on the DiT block shapes: torch._scaled_mm (cuBLASLt) vs our Triton candidates, and the MLP
 up-projection with GELU(tanh) + FP8 quant in the GEMM's epilogue (issue 53 parts 2-3).
 
-    python bench/fp8_gemm_bench.py --out DIR [--budget-s 200] [--modes precise,fast] [--quick]
+    python bench/fp8_gemm_bench.py --out DIR [--budget-s 170] [--modes precise,fast] [--quick]
 
 Shapes: rows M in {256 (text), 4096 (a 1024x1024 image branch), 8192 (2048x1024, Edit)} times the block
 linears the model runs (models/qwen_image/transformer.py: q/k/v/out 3072 <- 3072, MLP up 12288 <- 3072 with
@@ -418,7 +418,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, default=25)
-    parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new timings after this")
+    parser.add_argument("--budget-s", type=float, default=170.0, help="stop starting new timings after this")
     parser.add_argument("--modes", default="precise,fast", help="our accumulation modes to sweep")
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     parser.add_argument("--epilogue-rows", type=int, nargs="*", default=[4096, 8192])
