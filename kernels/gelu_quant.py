@@ -91,6 +91,15 @@ def _tanh(v, INTERPRET: tl.constexpr):
     return _tanh_via_exp(v) if INTERPRET else libdevice.tanh(v)
 
 
+@jit()
+def gelu_tanh_bf16(x, INTERPRET: tl.constexpr):
+    """Device helper shared by every GELU writer (this kernel, the FP8 GEMM's epilogue): bf16 GELU(tanh) of
+    the fp32 block `x` (the fp32 of bf16 values), the contract above. Launch with `NO_FMA` and
+    `enable_reflect_ftz=False`, as `_launch_gelu` does, so that every caller compiles the same arithmetic."""
+    inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))  # SQRT_2_OVER_PI, GELU_CUBIC
+    return (0.5 * x * (1.0 + _tanh(inner, INTERPRET))).to(tl.bfloat16)
+
+
 @jit(do_not_specialize=["write_g", "write_q"])
 def _gelu_tanh_quant_kernel(
     h_ptr, g_ptr, q_ptr, inv_ptr, numel, write_g, write_q, BLOCK: tl.constexpr, INTERPRET: tl.constexpr
@@ -98,8 +107,7 @@ def _gelu_tanh_quant_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))  # SQRT_2_OVER_PI, GELU_CUBIC
-    g = (0.5 * x * (1.0 + _tanh(inner, INTERPRET))).to(tl.bfloat16)
+    g = gelu_tanh_bf16(x, INTERPRET)
     if write_g != 0:
         tl.store(g_ptr + offs, g, mask=mask)
     if write_q != 0:
