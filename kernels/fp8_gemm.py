@@ -129,10 +129,10 @@ def _epilogue(
     h = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
     if HAS_BIAS:
         h = h + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    h = h.to(tl.bfloat16)
-    if GELU_QUANT:
-        return quant_fp8(gelu_tanh_bf16(h.to(tl.float32), INTERPRET), inv_ptr)
-    return h
+    out = h.to(tl.bfloat16)
+    if GELU_QUANT:  # one return: Triton 3.6 refuses branches returning different types, constexpr or not
+        out = quant_fp8(gelu_tanh_bf16(out.to(tl.float32), INTERPRET), inv_ptr)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ kernels
