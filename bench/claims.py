@@ -70,6 +70,7 @@ S17 = "2026-12-04-h200-session17"
 S18 = "2026-12-04-h200-session18"
 S19 = "2026-12-04-h200-session19"
 S21 = "2026-12-06-h200-session21"
+S22 = "2026-12-06-h100-session22"
 CPU = "2026-12-03-cpu-avx512"
 CACHE = "2026-12-03-cpu-cache"
 MINUTES = 1 / 60
@@ -85,8 +86,10 @@ CONTROL = session(S16, "call3_control_bench.json")
 CONTROL_INPAINT = session(S16, "call5_control_inpaint_bench.json")
 LAYERED = session(S17, "call3_layered_bench.json")
 QI21 = session(S7, "call2_qi21_bench.json")
-NVFP4_STEPS = session(S21, "call1_nvfp4_step_bench.json")
-NVFP4_MEMORY = session("2026-12-06-h100-session21", "call3_memory_bench_nvfp4.json")
+NVFP4_STEPS = session(S22, "call1_nvfp4_step_bench.json")
+NVFP4_MEMORY = session(S22, "call2_memory_bench_nvfp4.json")
+NVFP4_RANDOM_QUALITY = session(S22, "call2_nvfp4_quality.json")
+ROOFLINE = session(S22, "call6_roofline/roofline.md")  # bench/profile_step.py --tables-from, on the device
 NVFP4_16 = "[budget_gib=16.0]"
 NVFP4_QUALITY = "2026-12-06-cpu-quality-nvfp4"
 NVFP4_OVER_BF16 = "[variant=nvfp4+graph,batch=1].median_ms / [variant=contract+graph,batch=1].median_ms"
@@ -137,9 +140,9 @@ README_CLAIMS: tuple[Claim, ...] = (
     Claim(README, "Command 1 took 11 s", "11", TIMINGS, "commands.first.median_s"),
     Claim(README, "1.7 s of it generating", "1.7", TIMINGS, FIRST_TOTAL),
     Claim(README, "Command 2 took 14 minutes", "14", SUITE_BF16, SUITE_SECONDS, MINUTES),
-    Claim(README, "(3.4x BF16's step)", "3.4", NVFP4_STEPS, NVFP4_OVER_BF16),
+    Claim(README, "(1.23x BF16's step)", "1.23", NVFP4_STEPS, NVFP4_OVER_BF16),
     Claim(
-        README, "on the device (peak 14.8 GiB)", "14.8", NVFP4_MEMORY, f"budgets{NVFP4_16}.peak_reserved_gib"
+        README, "on the device (peak 15.1 GiB)", "15.1", NVFP4_MEMORY, f"budgets{NVFP4_16}.peak_reserved_gib"
     ),
 )
 
@@ -156,9 +159,9 @@ PAGE_CLAIMS: tuple[Claim, ...] = (
     *(
         Claim(NVFP4_PAGE, quote, figure, NVFP4_STEPS, f"[variant={variant},batch=1].median_ms")
         for quote, figure, variant in (
-            ("a 1024x1024 step takes 421.8 ms", "421.8", "nvfp4+graph"),
-            ("against BF16's 122.7 ms and FP8's 101.8 ms", "122.7", "contract+graph"),
-            ("against BF16's 122.7 ms and FP8's 101.8 ms", "101.8", "fp8-fused+graph"),
+            ("a 1024x1024 step takes 156.0 ms", "156.0", "nvfp4+graph"),
+            ("against BF16's 127.1 ms and FP8's 103.6 ms", "127.1", "contract+graph"),
+            ("against BF16's 127.1 ms and FP8's 103.6 ms", "103.6", "fp8-fused+graph"),
         )
     ),
     *(
@@ -171,10 +174,18 @@ PAGE_CLAIMS: tuple[Claim, ...] = (
     ),
     Claim(
         NVFP4_PAGE,
-        "none streamed, peak 14.8 GiB reserved",
-        "14.8",
+        "none streamed, peak 15.1 GiB reserved",
+        "15.1",
         NVFP4_MEMORY,
         f"budgets{NVFP4_16}.peak_reserved_gib",
+    ),
+    *(
+        Claim(NVFP4_PAGE, quote, figure, NVFP4_RANDOM_QUALITY, f"rows.{row}.psnr_db.median")
+        for quote, figure, row in (
+            ("NVFP4 50.09 dB (every block 50.06), FP8 50.40 dB", "50.09", "nvfp4"),
+            ("NVFP4 50.09 dB (every block 50.06), FP8 50.40 dB", "50.06", "nvfp4-every-block"),
+            ("NVFP4 50.09 dB (every block 50.06), FP8 50.40 dB", "50.40", "fp8"),
+        )
     ),
     Claim(TESTING, "VAE BF16 | 14 min", "14", SUITE_BF16, SUITE_SECONDS, MINUTES),
     Claim(
@@ -320,24 +331,33 @@ def preset_row(quote: str, raw: str, preset: str) -> tuple[Claim, ...]:
     return quality_row(quote, raw, preset, dict(zip(figures, keys, strict=True)))
 
 
-NVFP4_QUOTE = "| 421.8 ms against 122.7 ms and 101.8 ms |"
+NVFP4_QUOTE = "| 156.0 ms against 127.1 ms and 103.6 ms |"
 BENCH_CLAIMS: tuple[Claim, ...] = (
     # The summary table.
     *(
         Claim(
-            BENCH, "| 60 of 60, 0.00 GB, 14.8 GiB |", figure, NVFP4_MEMORY, f"budgets{NVFP4_16}.{key}", scale
+            BENCH, "| 60 of 60, 0.00 GB, 15.1 GiB |", figure, NVFP4_MEMORY, f"budgets{NVFP4_16}.{key}", scale
         )
         for figure, key, scale in (
             ("0.00", "bytes_per_step", 1e-9),
-            ("14.8", "peak_reserved_gib", 1.0),
+            ("15.1", "peak_reserved_gib", 1.0),
         )
     ),
     *(
         Claim(BENCH, NVFP4_QUOTE, figure, NVFP4_STEPS, f"[variant={variant},batch=1].median_ms")
         for figure, variant in (
-            ("421.8", "nvfp4+graph"),
-            ("122.7", "contract+graph"),
-            ("101.8", "fp8-fused+graph"),
+            ("156.0", "nvfp4+graph"),
+            ("127.1", "contract+graph"),
+            ("103.6", "fp8-fused+graph"),
+        )
+    ),
+    *(
+        Claim(BENCH, quote, figure, ROOFLINE, rf"~ \| {request} \|(?: [^|]+ \|){{4}} (\d+\.\d+)x \|")
+        for quote, figure, request in (
+            ("T2I 1.54x", "1.54", "t2i-cfg"),
+            ("Lightning-4 1.51x", "1.51", "lightning4"),
+            ("Edit-2511 1.64x", "1.64", "edit2511-cfg"),
+            ("Qwen-Image 2.1 1.51x", "1.51", "qi21-cfg"),
         )
     ),
     Claim(BENCH, "| 10.55 s |", "10.55", T2I_CACHE, OFF),

@@ -47,7 +47,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
     python3 -c "import sys, torch, triton, diffusers, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
     # the device gets the working tree, not always its history: pass COMMIT=$(git rev-parse HEAD) from here
-    if [ -n "${COMMIT:-}" ]; then echo "commit $COMMIT"; else git log -1 --format='commit %H %s' 2>/dev/null; fi
+    # (its history can be older than its tree: session 22's record named a commit two behind the code that ran)
+    if [ -n "${COMMIT:-}" ]; then echo "commit $COMMIT"
+    else echo "commit not passed (COMMIT=)"; git log -1 --format='device history head %H (maybe not the tree) %s' 2>/dev/null; fi
 } | tee "$OUT/machine.txt"
 
 stage() { [[ ",$STAGES," == *",$1,"* ]]; }

@@ -323,3 +323,16 @@ def test_a_report_from_before_the_byte_counts_still_renders(tmp_path):
     summary = ps.write_tables(json.loads(stored.read_text()), tmp_path / "old.md")
     assert "| fp8 gemm | 33.98 | 660 | 38.85 |" in summary
     assert ps.roofline(json.loads(stored.read_text()))["limit_ms"] is None  # no bytes: no limit claimed
+
+
+def test_benchmarks_roofline_table_is_what_its_raw_reports_give() -> None:
+    """BENCHMARKS.md's roofline per request (session 22) is the merged table of the four stored request
+    reports, as the device printed it (`roofline.md`, read by the summary row's claims in bench/claims.py)."""
+    from bench.claims import ROOFLINE
+
+    folder = REPO / ROOFLINE.rsplit("/", 1)[0]
+    requests = ("t2i-cfg", "lightning4", "edit2511-cfg", "qi21-cfg")
+    reports = [json.loads((folder / f"profile_fp8-fused-graph_{r}.json").read_text()) for r in requests]
+    printed = ps.merged_table(reports)
+    assert printed == (REPO / ROOFLINE).read_text().strip()
+    assert printed in (REPO / "BENCHMARKS.md").read_text()
