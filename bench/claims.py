@@ -73,6 +73,7 @@ S21 = "2026-12-06-h200-session21"
 S22 = "2026-12-06-h100-session22"
 CPU = "2026-12-03-cpu-avx512"
 CACHE = "2026-12-03-cpu-cache"
+SUITE22 = "2026-12-06-cpu-suite"
 MINUTES = 1 / 60
 PERCENT = 100.0
 
@@ -140,6 +141,14 @@ README_CLAIMS: tuple[Claim, ...] = (
     Claim(README, "Command 1 took 11 s", "11", TIMINGS, "commands.first.median_s"),
     Claim(README, "1.7 s of it generating", "1.7", TIMINGS, FIRST_TOTAL),
     Claim(README, "Command 2 took 14 minutes", "14", SUITE_BF16, SUITE_SECONDS, MINUTES),
+    Claim(
+        README,
+        "and 13 with torch held",
+        "13",
+        session(SUITE22, "suite_avx2_emulated.log"),
+        SUITE_SECONDS,
+        MINUTES,
+    ),
     Claim(README, "(1.23x BF16's step)", "1.23", NVFP4_STEPS, NVFP4_OVER_BF16),
     Claim(
         README, "on the device (peak 15.1 GiB)", "15.1", NVFP4_MEMORY, f"budgets{NVFP4_16}.peak_reserved_gib"
@@ -204,6 +213,22 @@ PAGE_CLAIMS: tuple[Claim, ...] = (
         "BF16 forced: 13 min",
         "13",
         session(CPU, "cpu_dtype_avx2_kernels_forced_bf16.log"),
+        SUITE_SECONDS,
+        MINUTES,
+    ),
+    Claim(
+        TESTING,
+        "kind picks (`QWEN_IMAGE_CPU_DTYPE=fp32`) | 13 min",
+        "13",
+        session(SUITE22, "suite_avx2_emulated.log"),
+        SUITE_SECONDS,
+        MINUTES,
+    ),
+    Claim(
+        TESTING,
+        "BF16 forced: 9 min",
+        "9",
+        session(SUITE22, "cpu_dtype_avx2_emulated_forced_bf16.log"),
         SUITE_SECONDS,
         MINUTES,
     ),
