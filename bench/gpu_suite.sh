@@ -106,7 +106,7 @@ fi
 if stage roofline; then
     # Issue 53: one DiT step per request (FP8 fused, CUDA-graph replay, random full-size weights built in
     # process) against the device's roofline: T2I with CFG, Lightning-4, Edit-2511 with CFG, 2.1 with CFG.
-    # Each request in its own process (ROOFLINE_TIMEOUT s each), then the merged table: $OUT/roofline/.
+    # Each request in its own process (ROOFLINE_TIMEOUT s each), then the merged table, all in $OUT/roofline.tgz.
     mkdir -p "$OUT/roofline"
     for request in ${ROOFLINE_REQUESTS:-t2i-cfg lightning4 edit2511-cfg qi21-cfg}; do
         start=$SECONDS

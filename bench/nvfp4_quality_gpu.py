@@ -24,9 +24,8 @@ derived on the device before any BF16 image (no CUDA graph pool yet) and parked 
 NVFP4 ~12 and ~11); after the BF16 images the BF16 DiT is dropped and each quantized DiT runs alone beside
 the text encoder (peak ~73 GiB while deriving FP8; the report records the peak allocated).
 
-GPU runtime estimate (H200, from BENCHMARKS.md's steps: BF16 ~0.25 s, FP8 ~0.2 s, NVFP4 ~0.85 s a CFG step at
-1024x1024): build ~30 s, 3 calibrations ~10 s, 5 smoke prompts x 10 steps: BF16 twice ~30 s, FP8 ~12 s,
-NVFP4 twice ~90 s, decodes and host copies ~40 s: about 4 min; an H100 up to ~1.5x that (fits the 560 s call).
+GPU runtime: 154 s on one H100 (session 22, the 5 smoke prompts x 10 steps with CFG for BF16 twice, FP8 and
+both NVFP4 builds, peak 63.9 GiB allocated; BENCHMARKS.md).
 
     python -m bench.nvfp4_quality_gpu --out /tmp/nvfp4_quality.json                  # full size, on cuda
     python -m bench.nvfp4_quality_gpu --tiny --layers 6 --size 64x64 --steps 2 --out q.json  # CPU, seconds
@@ -246,7 +245,10 @@ def run_text(command: list[str]) -> str:
 def machine(device: torch.device) -> dict:
     import diffusers
 
-    commit = os.environ.get("COMMIT") or run_text(["git", "-C", str(REPO), "rev-parse", "HEAD"])
+    # the device copy's history can be older than its tree: pass COMMIT= (bench/gpu_suite.sh says so too)
+    commit = os.environ.get("COMMIT") or "not passed; history head " + run_text(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"]
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {
         "device": str(device),

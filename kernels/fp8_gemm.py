@@ -10,7 +10,7 @@ one-element `scale_a`, `scale_b` and an optional bf16 `bias` [N]:
   quantization of kernels/gelu_quant.py, computed in the epilogue by the same jitted helpers
   (`gelu_tanh_bf16`, `quant_fp8`) that kernel uses, so fused GEMM + GELU + quant == the GEMM's own bf16
   output fed to `gelu_tanh_quant`, byte for byte.
-The twin sums the dot products in float64, which is exact for E4M3 inputs while K < 2^17 (each product is a
+The twin sums the dot products in float64, which is exact for E4M3 inputs while K <= 2^17 (each product is a
 multiple of 2^-18 below 2^18), and rounds once to fp32: the kernels' fp32 sums differ from it by their
 summation order (and, with Hopper's fast FP8 accumulation, by its truncated accumulator).
 
@@ -43,9 +43,8 @@ from qwen_image_fusion.kernels._triton_common import (
     triton,
 )
 from qwen_image_fusion.kernels.gelu_quant import gelu_tanh_bf16, gelu_tanh_quant_torch
-from qwen_image_fusion.kernels.quant import quant_fp8
+from qwen_image_fusion.kernels.quant import exact_fp8_dot, quant_fp8
 
-MAX_EXACT_K = 1 << 17  # below it the twin's float64 sums are exact
 KERNELS = ("tiled", "persistent")
 
 
@@ -76,13 +75,6 @@ class GemmConfig:
 # ---------------------------------------------------------------------------------------------- the twin
 
 
-def exact_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 `a @ w.T` of E4M3 a [M, K] and w [N, K]: float64 sums (exact, any order), rounded once."""
-    if a.shape[-1] >= MAX_EXACT_K:
-        raise ValueError(f"FP8 GEMM twin: K = {a.shape[-1]} is not below {MAX_EXACT_K}, the exact limit")
-    return (a.double() @ w.double().t()).float()
-
-
 def fp8_gemm_torch(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -93,7 +85,7 @@ def fp8_gemm_torch(
 ) -> torch.Tensor:
     """The contract above in torch: bf16 h [M, N], or with `inv_scale` the E4M3 q = GELU + quant of h."""
     scale = scale_a.float().reshape(()) * scale_b.float().reshape(())
-    h = exact_dot(a, w) * scale
+    h = exact_fp8_dot(a, w) * scale
     if bias is not None:
         h = h + bias.float()
     h = h.to(torch.bfloat16)
@@ -211,8 +203,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _tma_alloc(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for device-side tensor descriptors (`tl.make_tensor_descriptor`)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global scratch for device-side tensor descriptors (`tl.make_tensor_descriptor`), on the current
+    device (the launch runs there)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
 def set_tma_allocator() -> None:
@@ -227,7 +220,6 @@ def fp8_gemm_ok(
     scale_b: torch.Tensor,
     bias: torch.Tensor | None = None,
     inv_scale: torch.Tensor | None = None,
-    **_: object,
 ) -> bool:
     """Guard: contiguous E4M3 a [M, K] and w [N, K], K and N multiples of 16 (TMA strides, as `_scaled_mm`),
     int32-indexable sizes, one-element fp32 scales, a bf16 [N] bias, all on a device the kernels run on."""

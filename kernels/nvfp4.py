@@ -255,10 +255,14 @@ DECODE_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
 EPILOGUE_TILES = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
 
 
+MM_TO_FP32 = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) of bf16 operands (torch >= 2.8)
+
+
 def _fp32_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 `x @ weight.T` of bf16 operands: cuBLAS's BF16 GEMM with fp32 output on CUDA (the products exact,
-    the sums in fp32), the twin's fp32 matmul on the interpreter's CPU tensors."""
-    if x.is_cuda:
+    the sums in fp32); else an fp32 matmul of the same values (the twin's, on the interpreter's CPU tensors;
+    on CUDA with a torch before `out_dtype`, where TF32, if enabled, still holds a bf16 value exactly)."""
+    if x.is_cuda and MM_TO_FP32:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return x.float() @ weight.float().t()
 

@@ -24,6 +24,21 @@ _QUANT_BLOCK = 4096
 _MAX_SAMPLES = 65535  # CUDA's limit on the second grid dimension
 
 
+MAX_EXACT_K = 1 << 17
+
+
+def exact_fp8_dot(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 `q @ W.T` of E4M3 q [M, K] and W [N, K], each dot product exact and then rounded once.
+
+    E4M3 values are multiples of 2^-9 below 2^9, so each product is a multiple of 2^-18 below 2^18 and a
+    sum of K <= 2^17 of them a multiple of 2^-18 below 2^53 of those units: every partial sum is a
+    float64 number, so float64 matrix products are exact in any order, blocking or thread count.
+    """
+    if q.shape[-1] > MAX_EXACT_K:
+        raise ValueError(f"FP8 GEMM emulation: K = {q.shape[-1]} is above {MAX_EXACT_K}, the exact limit")
+    return (q.double() @ weight.double().t()).float()
+
+
 def inverse_scale(input_scale: torch.Tensor) -> torch.Tensor:
     """fp32 [1] tensor `1 / input_scale`, by IEEE division, on the scale's device."""
     scale = input_scale.detach().to(torch.float32).reshape(1)

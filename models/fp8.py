@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qwen_image_fusion.kernels.quant import FP8_DTYPE, FP8_MAX, inverse_scale, static_quant_fp8
+from qwen_image_fusion.kernels.quant import FP8_DTYPE, FP8_MAX, exact_fp8_dot, inverse_scale, static_quant_fp8
 
 FP8_STATIC_KEY = "fp8_e4m3fn/per-tensor/static"
 MIN_AMAX = 1e-8  # an all-zero weight still gets a positive scale
@@ -45,21 +45,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight = weight.float()
     scale = weight.abs().amax().clamp_min(MIN_AMAX) / FP8_MAX
     return (weight / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.reshape(())
-
-
-MAX_EXACT_K = 1 << 17
-
-
-def exact_fp8_dot(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 `q @ W.T` of E4M3 q [M, K] and W [N, K], each dot product exact and then rounded once.
-
-    E4M3 values are multiples of 2^-9 below 2^9, so each product is a multiple of 2^-18 below 2^18 and a
-    sum of K < 2^17 of them a multiple of 2^-18 below 2^53 of those units: every partial sum is a
-    float64 number, so float64 matrix products are exact in any order, blocking or thread count.
-    """
-    if q.shape[-1] > MAX_EXACT_K:
-        raise ValueError(f"FP8 GEMM emulation: K = {q.shape[-1]} is above {MAX_EXACT_K}, the exact limit")
-    return (q.double() @ weight.double().t()).float()
 
 
 def scaled_mm(

@@ -22,8 +22,8 @@ from qwen_image_fusion.kernels.fp32 import _settle_sqrt, div_rn, row_sum, sqrt_r
 from qwen_image_fusion.kernels.gelu_quant import GELU_CUBIC, SQRT_2_OVER_PI, gelu_tanh_torch, tanh_fp32
 from qwen_image_fusion.kernels.norm_modulate import gated_residual_layer_norm_modulate_torch
 from qwen_image_fusion.kernels.qk_norm_rope import rms_norm_rope_torch
-from qwen_image_fusion.kernels.quant import FP8_MAX, inverse_scale
-from qwen_image_fusion.models.fp8 import MAX_EXACT_K, exact_fp8_dot, scaled_mm
+from qwen_image_fusion.kernels.quant import FP8_MAX, MAX_EXACT_K, exact_fp8_dot, inverse_scale
+from qwen_image_fusion.models.fp8 import scaled_mm
 
 pytestmark = pytest.mark.numerics
 F32_MAX = float(np.finfo(np.float32).max)
