@@ -34,23 +34,11 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-# dense FP8 tensor-core peak (TFLOPS, no sparsity) by device-name substring, first match wins
-PEAKS = [
-    ("H200", 1979.0),
-    ("H100 PCIe", 1513.0),
-    ("H100 NVL", 1671.0),
-    ("H100", 1979.0),  # SXM / HBM3
-    ("H800", 1979.0),
-    ("H20", 296.0),
-    ("GH200", 1979.0),
-    ("B200", 4500.0),
-    ("L40S", 733.0),
-    ("RTX 4090", 660.6),
-]
 WRONG_REL = 1e-2  # max |out - exact| / max |exact| above this: wrong
 SHAPES = [  # (label, N, K)
     ("qkv/out 3072<-3072", 3072, 3072),
@@ -71,7 +59,17 @@ def log(message: str) -> None:
 
 
 def peak_tflops(name: str) -> float | None:
-    return next((peak for key, peak in PEAKS if key in name), None)
+    """The dense FP8 peak of bench/profile_step.py's table (one table of the devices we measured on), None for
+    a device not in it."""
+    from profile_step import PEAKS
+
+    return next((peak.fp8_tflops for key, peak in PEAKS.items() if key in name), None)
+
+
+def error_text(error: Exception) -> str:
+    """`Type: first line of the message` (300 characters at most), for a config that failed."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def configs(quick: bool) -> dict[str, list]:
@@ -189,9 +187,7 @@ class Bench:
                 raise RuntimeError("the guard rejected the inputs")
             first_s, ms, times = time_ms(fn, self.args.reps)
         except Exception as error:  # a config the compiler or the device refuses: recorded, then skipped
-            self.broken[name] = (
-                f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-            )
+            self.broken[name] = error_text(error)
             log(f"  {name}: FAILED {self.broken[name]}")
             traceback.print_exc(limit=2, file=sys.stdout)
             row["status"] = "error: " + self.broken[name]
@@ -235,23 +231,17 @@ class Bench:
             kernel = "tiled" if family == "tiled" else "persistent"
             for mode in modes:
                 for cfg in cfgs:
-                    cfg = type(cfg)(**{**cfg.as_dict(), "precise": mode == "precise"})
+                    cfg = replace(cfg, precise=mode == "precise")
                     fn = lambda cfg=cfg, kernel=kernel: fp8_gemm_triton(  # noqa: E731
                         a, w, sa, sb, bias, kernel=kernel, config=cfg
                     )
-                    extra = {"family": family, "mode": mode, "kernel": kernel, "config": cfg.as_dict()}
+                    extra = {"family": family, "mode": mode, "kernel": kernel, "config": asdict(cfg)}
                     self.record(base, f"{family}:{cfg.name()}", fn, t, cublas, flop, extra)
         del t, cublas
         torch.cuda.empty_cache()
 
     def best(self, m: int, n: int, k: int, family: str, mode: str) -> dict | None:
-        ok = [
-            r
-            for r in self.rows
-            if (r["M"], r["N"], r["K"], r.get("family"), r.get("mode")) == (m, n, k, family, mode)
-            and r.get("status") == "ok"
-        ]
-        return min(ok, key=lambda r: r["ms"]) if ok else None
+        return _fastest(ok_rows(self.rows, m, n, k), family, mode)
 
     def epilogue_shape(self, m: int, families: list[str], modes: list[str]) -> None:
         """MLP up-projection + GELU + quant: cuBLASLt then our GELU+quant kernel, our GEMM then the same
@@ -288,7 +278,7 @@ class Bench:
                 q = fn()
                 first_s, ms, _ = time_ms(fn, self.args.reps)
             except Exception as error:
-                row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                row["status"] = f"error: {error_text(error)}"
                 log(f"  {name}: FAILED {row['status']}")
                 self.epilogue.append(row)
                 return
@@ -324,7 +314,7 @@ class Bench:
                 fused = lambda cfg=cfg, kernel=kernel: fp8_gemm_triton(  # noqa: E731
                     a, w, sa, sb, bias, inv, kernel=kernel, config=cfg
                 )
-                extra = {"family": family, "mode": mode, "kernel": kernel, "config": cfg.as_dict()}
+                extra = {"family": family, "mode": mode, "kernel": kernel, "config": asdict(cfg)}
                 unfused = lambda g=gemm: gelu_tanh_quant_triton(g(), inv)[1]  # noqa: E731
                 run(f"{family}:{cfg.name()} -> gelu_quant", unfused, {**extra, "variant": "unfused"}, None)
                 own_unfused = gelu_tanh_quant_triton(gemm(), inv)[1]
@@ -333,6 +323,11 @@ class Bench:
                 )
         del t
         torch.cuda.empty_cache()
+
+
+def ok_rows(rows: list[dict], m: int, n: int, k: int) -> list[dict]:
+    """The timed, correct rows of one shape."""
+    return [r for r in rows if (r["M"], r["N"], r["K"]) == (m, n, k) and r.get("status") == "ok"]
 
 
 def _fastest(rows: list[dict], family: str | None = None, mode: str | None = None, ours: bool = False):
@@ -347,20 +342,22 @@ def _fastest(rows: list[dict], family: str | None = None, mode: str | None = Non
 
 
 def summary(rows: list[dict], peak: float | None) -> list[dict]:
+    def brief(r: dict | None) -> dict | None:
+        return None if r is None else {
+            "candidate": r["candidate"], "ms": r["ms"], "tflops": r["tflops"],
+            "pct_peak": r["pct_peak"], "err_max_rel": r["err_max_rel"],
+        }  # fmt: skip
+
     out = []
     for m, n, k, label in dict.fromkeys((r["M"], r["N"], r["K"], r["shape"]) for r in rows):
-        mine = [r for r in rows if (r["M"], r["N"], r["K"]) == (m, n, k) and r.get("status") == "ok"]
-
+        mine = ok_rows(rows, m, n, k)
         entry = {"shape": label, "M": m, "N": n, "K": k}
         for family in ("cublas", "tiled", "persistent", "persistent-ws"):
             for mode in ("precise", "fast"):
-                r = _fastest(mine, family, mode)
-                entry[f"{family}/{mode}"] = None if r is None else {
-                    "candidate": r["candidate"], "ms": r["ms"], "tflops": r["tflops"],
-                    "pct_peak": r["pct_peak"], "err_max_rel": r["err_max_rel"],
-                }  # fmt: skip
+                entry[f"{family}/{mode}"] = brief(_fastest(mine, family, mode))
         for mode in ("precise", "fast"):
             ours, ref = _fastest(mine, mode=mode, ours=True), _fastest(mine, "cublas", mode)
+            entry[f"ours/{mode}"] = brief(ours)
             entry[f"speedup_best_ours_vs_cublas/{mode}"] = (
                 None if ours is None or ref is None else ref["ms"] / ours["ms"]
             )
@@ -385,17 +382,13 @@ def markdown(summ: list[dict], epilogue: list[dict], env: dict) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def best_of(e: dict, mode: str) -> dict | None:
-        cands = [e[f"{f}/{mode}"] for f in ("tiled", "persistent", "persistent-ws") if e[f"{f}/{mode}"]]
-        return min(cands, key=lambda r: r["ms"]) if cands else None
-
     for e in summ:
         sp = e["speedup_best_ours_vs_cublas/precise"]
         sf = e["speedup_best_ours_vs_cublas/fast"]
         lines.append(
             f"| {e['M']} | {e['N']}<-{e['K']} | {cell(e['cublas/precise'])} | "
-            f"{cell(best_of(e, 'precise'))} | "
-            f"{'-' if sp is None else f'{sp:.2f}'} | {cell(e['cublas/fast'])} | {cell(best_of(e, 'fast'))} | "
+            f"{cell(e['ours/precise'])} | "
+            f"{'-' if sp is None else f'{sp:.2f}'} | {cell(e['cublas/fast'])} | {cell(e['ours/fast'])} | "
             f"{'-' if sf is None else f'{sf:.2f}'} | {cell(e['tiled/precise'])} | "
             f"{cell(e['persistent/precise'])} | {cell(e['persistent-ws/precise'])} |"
         )
@@ -470,7 +463,7 @@ def main() -> None:
         payload = {
             "env": env,
             "elapsed_s": bench.elapsed(),
-            "configs": {f: [c.as_dict() for c in cs] for f, cs in sweep.items()},
+            "configs": {f: [asdict(c) for c in cs] for f, cs in sweep.items()},
             "broken": bench.broken,
             "summary": summ,
             "epilogue": bench.epilogue,

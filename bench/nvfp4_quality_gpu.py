@@ -39,7 +39,6 @@ import datetime
 import gc
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.quality_table import spread
+from bench.quality_table import run_text, spread
 from qwen_image_fusion.eval.metrics import abs_diff, psnr, ssim
 from qwen_image_fusion.eval.prompts import load_requests
 from qwen_image_fusion.eval.report import write_json
@@ -235,13 +234,6 @@ def pair_metrics(a: np.ndarray, b: np.ndarray) -> dict:
     }
 
 
-def run_text(command: list[str]) -> str:
-    try:
-        return subprocess.run(command, capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        return ""
-
-
 def machine(device: torch.device) -> dict:
     import diffusers
 
@@ -308,15 +300,16 @@ def measure(args: argparse.Namespace) -> dict:
             {"prompt": prompt, "seed": seed, **pair_metrics(images[row.exact][i], images[row.candidate][i])}
             for i, (prompt, seed) in enumerate(jobs)
         ]
+        psnr_spread, ssim_spread = (spread([p[metric] for p in pairs]) for metric in ("psnr_db", "ssim"))
         rows[row.name] = {
             "title": row.title,
             "candidate": row.candidate,
             "against": row.exact,
             "identical": sum(p["identical"] for p in pairs),
-            "median_psnr_db": spread([p["psnr_db"] for p in pairs])["median"],
-            "median_ssim": spread([p["ssim"] for p in pairs])["median"],
-            "psnr_db": spread([p["psnr_db"] for p in pairs]),
-            "ssim": spread([p["ssim"] for p in pairs]),
+            "median_psnr_db": psnr_spread["median"],
+            "median_ssim": ssim_spread["median"],
+            "psnr_db": psnr_spread,
+            "ssim": ssim_spread,
             "pairs": pairs,
         }
         log(

@@ -27,7 +27,7 @@ default on sm_90 (the tensor core's own accumulator over all of K), the analogue
 """
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -67,9 +67,6 @@ class GemmConfig:
         ws = "-ws" if self.warp_specialize else ""
         tile = f"{self.block_m}x{self.block_n}x{self.block_k}"
         return f"{tile}-g{self.group_m}-s{self.stages}-w{self.warps}-{acc}{ws}"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------------------------------------- the twin
